@@ -1,0 +1,3 @@
+from ladechat.cli import main
+
+main()

@@ -1,0 +1,69 @@
+"""A loaded model plus its decoding session: turns a Conversation into a stream of events."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+from ladechat.conversation import Conversation
+from ladechat.engine.config import LookaheadConfig, SamplingConfig
+from ladechat.engine.decode import Session, generate
+from ladechat.engine.events import Done, Step
+from ladechat.engine.loading import LoadedModel
+
+
+@dataclass(frozen=True)
+class Notice:
+    """Something the user should see that is not part of the answer (e.g. turns dropped)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Settings:
+    lookahead: LookaheadConfig
+    sampling: SamplingConfig
+    template: str | None = None
+
+    def as_dict(self) -> dict:
+        la, s = self.lookahead, self.sampling
+        return {"lookahead": la.enabled, "W": la.window, "N": la.ngram, "G": la.candidates,
+                "max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
+                "top_k": s.top_k, "min_p": s.min_p, "repetition_penalty": s.repetition_penalty, "seed": s.seed}
+
+    def updated(self, values: dict) -> Settings:
+        """New settings from a dict of the keys as_dict uses (unknown keys are ignored)."""
+        la_keys = {"lookahead": "enabled", "W": "window", "N": "ngram", "G": "candidates"}
+        la = {la_keys[k]: v for k, v in values.items() if k in la_keys}
+        s_keys = set(SamplingConfig.__dataclass_fields__) - {"stop"}
+        s = {k: v for k, v in values.items() if k in s_keys}
+        return replace(self, lookahead=replace(self.lookahead, **la), sampling=replace(self.sampling, **s))
+
+
+class Bot:
+    def __init__(self, loaded: LoadedModel, settings: Settings) -> None:
+        self.loaded = loaded
+        self.settings = settings
+        self.session = Session(loaded.model, settings.lookahead)
+
+    def configure(self, settings: Settings) -> None:
+        self.settings = settings
+        self.session.configure(settings.lookahead)
+
+    def prompt_ids(self, conversation: Conversation) -> tuple[list[int], int]:
+        budget = self.loaded.context_length - min(self.settings.sampling.max_new_tokens,
+                                                  self.loaded.context_length // 2)
+        return conversation.encode(self.loaded.tokenizer, self.settings.template, budget)
+
+    def reply(self, conversation: Conversation) -> Iterator[Notice | Step | Done]:
+        """Answer the conversation's last user message. Oldest turns are dropped (with a Notice)
+        when the conversation no longer fits the context."""
+        ids, dropped = self.prompt_ids(conversation)
+        if dropped:
+            yield Notice(f"the conversation no longer fits the model's context: dropped the oldest "
+                         f"{dropped} message{'s' if dropped > 1 else ''}")
+        room = self.loaded.context_length - len(ids)
+        sampling = self.settings.sampling
+        if sampling.max_new_tokens > room:
+            sampling = replace(sampling, max_new_tokens=room)
+        yield from generate(self.session, ids, sampling, self.loaded.eos_ids, self.loaded.tokenizer.decode)

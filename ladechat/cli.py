@@ -1,0 +1,222 @@
+"""Command line: `ladechat` (chat), `ladechat ask`, `ladechat bench`, `ladechat templates`."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from contextlib import AbstractContextManager
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from ladechat.engine.config import ConfigError, LookaheadConfig, SamplingConfig
+
+app = typer.Typer(add_completion=False, no_args_is_help=False, rich_markup_mode=None,
+                  pretty_exceptions_enable=False,
+                  help="Chat with a local LLM in the terminal, faster with lookahead decoding.")
+
+
+class Fail(Exception):
+    """A one-line error for the user; exit status 1."""
+
+
+# Options shared by chat, ask and bench. Each is declared once here and reused.
+Model = Annotated[Optional[str], typer.Option("--model", "-m", help="Hugging Face id, local folder or .gguf file (default: the embedded SmolLM2-135M-Instruct).")]
+Lookahead = Annotated[bool, typer.Option("--lookahead/--no-lookahead", help="Lookahead decoding on or off (off: plain one-token decoding).")]
+Window = Annotated[Optional[int], typer.Option("--window", "-W", help="Lookahead window width W (default: chosen for the device).")]
+Ngram = Annotated[Optional[int], typer.Option("--ngram", "-N", help="n-gram size N (>= 2).")]
+Cands = Annotated[Optional[int], typer.Option("--candidates", "-G", help="Candidate n-grams verified per step and kept per key, G (>= 0).")]
+MaxNew = Annotated[int, typer.Option("--max-new-tokens", help="Most tokens in one answer.")]
+Temperature = Annotated[Optional[float], typer.Option("--temperature", "-t", help="Sampling temperature; 0 is greedy.")]
+TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling: keep the smallest set of tokens with this much probability.")]
+TopK = Annotated[int, typer.Option("--top-k", help="Sample among the K most likely tokens only (0: no limit).")]
+MinP = Annotated[float, typer.Option("--min-p", help="Drop tokens less likely than min-p times the most likely one.")]
+RepPenalty = Annotated[float, typer.Option("--repetition-penalty", help="Penalise tokens already in the conversation (1.0: off).")]
+Seed = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling (same seed, same answer).")]
+Dtype = Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16 or float16 (auto: bf16 on GPUs and CPUs with native bf16, else fp32).")]
+Device = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")]
+FourBit = Annotated[bool, typer.Option("--load-in-4bit", help="Quantize weights to 4 bits with bitsandbytes.")]
+EightBit = Annotated[bool, typer.Option("--load-in-8bit", help="Quantize weights to 8 bits with bitsandbytes.")]
+DeviceMap = Annotated[Optional[str], typer.Option("--device-map", help="accelerate device map, e.g. 'auto' to spread a large model over GPUs and CPU memory.")]
+Attn = Annotated[str, typer.Option("--attn", help="Attention kernel: sdpa, eager or flash.")]
+Template = Annotated[Optional[str], typer.Option("--template", help="Chat template to use instead of the model's own (see: ladechat templates).")]
+System = Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.")]
+Debug = Annotated[bool, typer.Option("--debug", help="Show per-step acceptance and a per-turn statistics panel on stderr.")]
+
+
+def stdout_console() -> Console:
+    return Console(no_color=bool(os.environ.get("NO_COLOR")) or None, highlight=False)
+
+
+def stderr_console() -> Console:
+    return Console(stderr=True, no_color=bool(os.environ.get("NO_COLOR")) or None, highlight=False)
+
+
+def _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, min_p,
+              repetition_penalty, seed, template, device_type: str, default_temperature: float = 0.0):
+    from ladechat.bot import Settings
+    from ladechat.engine.defaults import default_lookahead
+    from ladechat.templates import TemplateError, names
+
+    if template is not None and template not in names():
+        raise Fail(TemplateError(f"unknown template {template!r} (available: {', '.join(names())})"))
+    base = default_lookahead(device_type)
+    try:
+        la = LookaheadConfig(
+            window=base.window if window is None else window, ngram=base.ngram if ngram is None else ngram,
+            candidates=base.candidates if candidates is None else candidates,
+            context_candidates=base.context_candidates, context_len=base.context_len, enabled=lookahead)
+        sampling = SamplingConfig(
+            max_new_tokens=max_new_tokens, temperature=default_temperature if temperature is None else temperature,
+            top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed)
+    except ConfigError as exc:
+        raise Fail(str(exc)) from None
+    return Settings(lookahead=la, sampling=sampling, template=template)
+
+
+def _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, err: Console):
+    from ladechat.engine.gguf import ModelNotFound
+    from ladechat.engine.loading import LoadError, LoadSpec, load, resolve_device, resolve_dtype
+
+    def progress(message: str) -> AbstractContextManager:
+        return err.status(message, spinner="dots")
+
+    spec = LoadSpec(model=model, dtype=dtype, device=device, attn=attn, load_in_4bit=load_in_4bit,
+                    load_in_8bit=load_in_8bit, device_map=device_map)
+    try:
+        resolve_dtype(dtype, resolve_device(device))  # flag errors before any slow import
+        loaded = load(spec, progress)
+    except (LoadError, ModelNotFound) as exc:
+        raise Fail(str(exc)) from None
+    for notice in loaded.notices:
+        err.print(f"[yellow]notice:[/] {notice}", highlight=False)
+    return loaded
+
+
+def _quiet_libraries() -> None:
+    # transformers' own progress bars and advisory warnings would interleave with our output.
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+@app.callback(invoke_without_command=True)
+def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = True, window: Window = None,
+         ngram: Ngram = None, candidates: Cands = None, max_new_tokens: MaxNew = 1024,
+         temperature: Temperature = None, top_p: TopP = 1.0, top_k: TopK = 0, min_p: MinP = 0.0,
+         repetition_penalty: RepPenalty = 1.0, seed: Seed = None, dtype: Dtype = "auto", device: Device = "auto",
+         load_in_4bit: FourBit = False, load_in_8bit: EightBit = False, device_map: DeviceMap = None,
+         attn: Attn = "sdpa", template: Template = None, system: System = None, debug: Debug = False) -> None:
+    """Interactive multi-turn chat (the default command). Type /help inside for commands."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from ladechat.ui.chat import run_chat
+
+    err = stderr_console()
+    _quiet_libraries()
+    loaded = _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, err)
+    settings = _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, min_p,
+                         repetition_penalty, seed, template, loaded.device.type,
+                         default_temperature=_model_temperature(loaded))
+    run_chat(loaded, settings, system=system, debug=debug, out=stdout_console(), err=err)
+
+
+def _model_temperature(loaded) -> float:
+    """The chat follows the model's generation config when it asks for sampling."""
+    config = loaded.model.generation_config
+    if getattr(config, "do_sample", False) and getattr(config, "temperature", None):
+        return float(config.temperature)
+    return 0.0
+
+
+@app.command()
+def ask(prompt: Annotated[Optional[str], typer.Argument(help="The question; '-' or a pipe reads it from stdin.")] = None,
+        model: Model = None, lookahead: Lookahead = True, window: Window = None, ngram: Ngram = None,
+        candidates: Cands = None, max_new_tokens: MaxNew = 512, temperature: Temperature = None,
+        top_p: TopP = 1.0, top_k: TopK = 0, min_p: MinP = 0.0, repetition_penalty: RepPenalty = 1.0,
+        seed: Seed = None, dtype: Dtype = "auto", device: Device = "auto", load_in_4bit: FourBit = False,
+        load_in_8bit: EightBit = False, device_map: DeviceMap = None, attn: Attn = "sdpa",
+        template: Template = None, system: System = None, debug: Debug = False,
+        as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, token_ids, stats) instead of streaming.")] = False) -> None:
+    """One-shot answer to PROMPT, streamed to stdout (greedy unless --temperature is given)."""
+    from ladechat.bot import Bot, Notice
+    from ladechat.conversation import Conversation, ConversationError
+    from ladechat.engine.events import Done
+    from ladechat.ui.stream import StreamPrinter, debug_panel, footer
+
+    err = stderr_console()
+    text = _read_prompt(prompt)
+    # Validate every flag before the (slow) model load.
+    _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, min_p,
+              repetition_penalty, seed, template, "cpu")
+    _quiet_libraries()
+    loaded = _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, err)
+    settings = _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, min_p,
+                         repetition_penalty, seed, template, loaded.device.type)
+    bot = Bot(loaded, settings)
+    conversation = Conversation(system=system, messages=[{"role": "user", "content": text}])
+    out = stdout_console()
+    printer = StreamPrinter(loaded.tokenizer, out, err, debug=debug)
+    done = None
+    try:
+        for event in bot.reply(conversation):
+            if isinstance(event, Done):
+                done = event
+            elif not as_json or isinstance(event, Notice):
+                printer.handle(event)
+    except ConversationError as exc:
+        raise Fail(str(exc)) from None
+    except KeyboardInterrupt:
+        err.print("\n[yellow]interrupted[/]")
+        raise typer.Exit(130) from None
+    if done is None:
+        raise Fail("generation ended without a result")
+    stats = done.stats
+    if as_json:
+        stats_dict = stats.as_dict()
+        record = {"text": loaded.tokenizer.decode(list(done.text_tokens), skip_special_tokens=True),
+                  "token_ids": list(done.text_tokens), "model": loaded.name, "stats": stats_dict}
+        sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
+    else:
+        out.print()
+        if debug:
+            err.print(debug_panel(stats))
+        err.print(f"[dim]{footer(stats)}[/]", highlight=False)
+    if stats.finish_reason == "interrupted":
+        raise typer.Exit(130)
+
+
+def _read_prompt(prompt: str | None) -> str:
+    if prompt is None and sys.stdin.isatty():
+        raise Fail("no prompt: give it as an argument, or pipe it in (e.g. echo hi | ladechat ask)")
+    if prompt is None or prompt == "-":
+        data = sys.stdin.buffer.read()
+        try:
+            prompt = data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise Fail("stdin is not valid UTF-8 text") from None
+        if "\x00" in prompt:
+            raise Fail("stdin looks binary (it contains NUL bytes); pass text")
+    if not prompt.strip():
+        raise Fail("empty prompt")
+    return prompt.strip("\n")
+
+
+@app.command()
+def templates() -> None:
+    """List the chat templates shipped with ladechat (for --template)."""
+    from ladechat import templates as shipped
+
+    for name in shipped.names():
+        print(name)
+
+
+def main() -> None:
+    try:
+        app()
+    except Fail as exc:
+        stderr_console().print(f"ladechat: error: {exc}", highlight=False, markup=False)
+        sys.exit(1)

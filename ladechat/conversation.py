@@ -1,0 +1,76 @@
+"""A conversation (system prompt + turns), how it becomes prompt tokens, and its JSON file format.
+
+File format (`/save`, `/load`), version 1:
+    {"format": "ladechat-conversation", "version": 1,
+     "model": "<name>", "system": "<text or null>",
+     "messages": [{"role": "user"|"assistant", "content": "...", "interrupted": false}, ...],
+     "settings": {"lookahead": true, "W": 5, "N": 4, "G": 5, "max_new_tokens": 512,
+                  "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                  "repetition_penalty": 1.0, "seed": null}}
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ladechat import templates
+
+FORMAT = "ladechat-conversation"
+
+
+class ConversationError(ValueError):
+    pass
+
+
+@dataclass
+class Conversation:
+    system: str | None = None
+    messages: list[dict] = field(default_factory=list)
+
+    def chat_messages(self) -> list[dict]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + [{"role": m["role"], "content": m["content"]} for m in self.messages]
+
+    def encode(self, tokenizer, template: str | None, budget: int) -> tuple[list[int], int]:
+        """Prompt ids that fit in `budget` tokens, dropping the oldest turns (never the system
+        prompt, never the last user message). Returns (ids, turns dropped)."""
+        dropped = 0
+        while True:
+            ids = templates.encode(tokenizer, self.chat_messages(), template)
+            if len(ids) <= budget:
+                return ids, dropped
+            if len(self.messages) <= 1:
+                raise ConversationError(f"the prompt is {len(ids)} tokens, more than the {budget} that fit in the "
+                                        "model's context (after room for the answer)")
+            # drop the oldest exchange: a user message and the answer that followed it
+            cut = 2 if len(self.messages) > 2 and self.messages[1]["role"] == "assistant" else 1
+            del self.messages[:cut]
+            dropped += cut
+
+    def to_json(self, model: str, settings: dict) -> str:
+        return json.dumps({"format": FORMAT, "version": 1, "model": model, "system": self.system,
+                           "messages": self.messages, "settings": settings}, indent=2, ensure_ascii=False)
+
+    @staticmethod
+    def from_file(path: Path) -> tuple[Conversation, dict]:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConversationError(f"no such file: {path}") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConversationError(f"cannot read {path}: {exc}") from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ConversationError(f"{path} is not a ladechat conversation file")
+        messages = data.get("messages")
+        system = data.get("system")
+        ok = isinstance(messages, list) and all(
+            isinstance(m, dict) and m.get("role") in ("user", "assistant") and isinstance(m.get("content"), str)
+            for m in messages)
+        if not ok or not (system is None or isinstance(system, str)):
+            raise ConversationError(f"{path} has a malformed message list")
+        settings = data.get("settings") if isinstance(data.get("settings"), dict) else {}
+        clean = [{"role": m["role"], "content": m["content"], "interrupted": bool(m.get("interrupted", False))}
+                 for m in messages]
+        return Conversation(system=system, messages=clean), settings

@@ -1,0 +1,72 @@
+"""Frozen, validated settings for one generation: how to speculate and how to choose tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A setting a user gave is out of range; the message is one line meant for them."""
+
+
+@dataclass(frozen=True)
+class LookaheadConfig:
+    """W, N, G of the paper plus our CPU-minded knobs.
+
+    window (W):     columns of the Jacobi window (level 0 includes the input token as column 0).
+    ngram (N):      n-gram size; the window has N-1 levels, candidates are N-1 tokens long.
+    candidates (G): at most G n-grams per key in the pool and G pool candidates per step.
+    context_candidates: extra candidates found by matching the conversation's last tokens
+                    against earlier text (prompt-lookup style); free to find, paid for per token.
+    context_len:    how many tokens such a context candidate proposes.
+    seed_pool:      put the prompt's n-grams into the pool before decoding.
+    enabled:        False runs plain one-token decoding through the same loop.
+    """
+
+    window: int = 5
+    ngram: int = 4
+    candidates: int = 5
+    context_candidates: int = 2
+    context_len: int = 8
+    seed_pool: bool = True
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.ngram >= 2, f"N (n-gram size) must be >= 2, got {self.ngram}")
+        _check(self.window >= 1, f"W (window) must be >= 1, got {self.window}")
+        _check(self.candidates >= 0, f"G (candidates) must be >= 0, got {self.candidates}")
+        _check(self.context_candidates >= 0, f"context candidates must be >= 0, got {self.context_candidates}")
+        _check(self.context_len >= 1, f"context length must be >= 1, got {self.context_len}")
+        _check(self.ngram <= 16 and self.window <= 64 and self.candidates <= 64,
+               "W, N, G are too large (limits: W <= 64, N <= 16, G <= 64)")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How a token is chosen from a row of logits. temperature == 0 means greedy."""
+
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        _check(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}")
+        _check(0 <= self.min_p < 1, f"min_p must be in [0, 1), got {self.min_p}")
+        _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)

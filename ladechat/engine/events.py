@@ -1,0 +1,88 @@
+"""The typed stream every front end (chat, ask, bench) consumes: Step events, then one Done."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Step:
+    """Tokens committed by one forward pass.
+
+    guessed[i] is True when tokens[i] was a verified guess (a candidate token that matched the
+    model's own choice), i.e. it arrived in parallel with the step's first token. The last token of
+    a step is always the model's own choice (the "bonus" token), never a guess.
+    """
+
+    tokens: tuple[int, ...]
+    guessed: tuple[bool, ...]
+    source: str  # "plain", "pool", "context" or "none" (no candidate matched)
+    fed: int  # tokens in the forward pass
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Stats:
+    """What one generation cost and how well speculation worked."""
+
+    new_tokens: int
+    steps: int
+    prompt_tokens: int
+    prefill_tokens: int  # prompt tokens that were not already in the KV cache
+    prefill_s: float
+    ttft_s: float
+    decode_s: float
+    total_s: float
+    accepted_histogram: dict[int, int]  # tokens committed per step -> how many steps
+    accepted_by_position: tuple[int, ...]  # guesses verified at depth 1, 2, ... of a candidate
+    source_counts: dict[str, int]  # which source supplied the winning guess, per step
+    pool_size: int
+    mean_fed: float  # tokens per forward pass
+    lookahead: bool
+    window: int
+    ngram: int
+    candidates: int
+    finish_reason: str  # "eos", "length", "stop", "interrupted"
+
+    @property
+    def compression(self) -> float:
+        """Tokens per forward pass: how many sequential steps lookahead saved."""
+        return self.new_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.new_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "new_tokens": self.new_tokens,
+            "steps": self.steps,
+            "compression": round(self.compression, 4),
+            "tokens_per_s": round(self.tokens_per_s, 3),
+            "ttft_s": round(self.ttft_s, 4),
+            "prefill_s": round(self.prefill_s, 4),
+            "prompt_tokens": self.prompt_tokens,
+            "prefill_tokens": self.prefill_tokens,
+            "decode_s": round(self.decode_s, 4),
+            "total_s": round(self.total_s, 4),
+            "accepted_histogram": {str(k): v for k, v in sorted(self.accepted_histogram.items())},
+            "accepted_by_position": list(self.accepted_by_position),
+            "source_counts": dict(self.source_counts),
+            "pool_size": self.pool_size,
+            "mean_fed": round(self.mean_fed, 3),
+            "lookahead": self.lookahead,
+            "W": self.window,
+            "N": self.ngram,
+            "G": self.candidates,
+            "finish_reason": self.finish_reason,
+        }
+
+
+@dataclass(frozen=True)
+class Done:
+    text_tokens: tuple[int, ...]  # every token generated, in order (including a final EOS)
+    stats: Stats

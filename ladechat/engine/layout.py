@@ -1,0 +1,125 @@
+r"""The token layout of one lookahead step and the attention mask that separates its branches.
+
+A step is a tree of tokens rooted at the last accepted token t. Every row's position is
+p + (its depth in the tree) and every row attends to all committed KV plus its own ancestors.
+Example: W=3, N=3, and two pool candidates "a b" and "a c" (merged into a trie):
+
+  row  token   position  branch
+   0   t       p         input (also column 0 of level 0)
+   1   l0[1]   p+1       window level 0   (a chain: each column follows the previous one)
+   2   l0[2]   p+2       window level 0
+   3   l1[0]   p+1       window level 1   (column j hangs off level 0, column j)
+   4   l1[1]   p+2       window level 1
+   5   l1[2]   p+3       window level 1
+   6   a       p+1       candidate trie
+   7   b       p+2       candidate trie
+   8   c       p+2       candidate trie
+
+  query \ key   t  l0 l0 l1 l1 l1 a  b  c      x = attends
+  t   (p)       x
+  l0[1] (p+1)   x  x
+  l0[2] (p+2)   x  x  x
+  l1[0] (p+1)   x        x
+  l1[1] (p+2)   x  x        x
+  l1[2] (p+3)   x  x  x        x
+  a   (p+1)     x                 x
+  b   (p+2)     x                 x  x
+  c   (p+2)     x                 x     x
+
+So t and level 0 are causal among themselves; a level-l token in column j sees level 0 up to
+column j and the column-j tokens of levels 1..l; a candidate token sees t and its own prefix; no
+branch sees another. Window row of (level l, column j) is l*W + j; candidate rows follow.
+The logits the step needs: row 0 (the model's next token), the window's last level (new guesses),
+and every candidate row (verification and the bonus token after the last matched one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    tokens: list[int]  # one per row
+    parents: list[int]  # parent row, -1 for row 0
+    window_rows: int  # rows 0 .. window_rows-1 are the window ((N-1) * W)
+    last_level: range  # rows whose argmax become the new window tokens
+    children: list[dict[int, int]]  # candidate trie: row -> {token: child row}; row 0 is the root
+    sources: list[str]  # per candidate row: where its candidate came from
+
+    @property
+    def size(self) -> int:
+        return len(self.tokens)
+
+    def logit_rows(self) -> list[int]:
+        rows = set(self.last_level)
+        rows.add(0)
+        rows.update(range(self.window_rows, self.size))
+        return sorted(rows)
+
+
+def window_parents(window: int, levels: int) -> list[int]:
+    """Parents of the window rows: level 0 is a chain from t, level l hangs off level l-1."""
+    parents = [-1] + list(range(window - 1))  # level 0: column j follows column j-1
+    for level in range(1, levels):
+        parents += [(level - 1) * window + j for j in range(window)]
+    return parents
+
+
+def build_layout(window_tokens: list[list[int]], candidates: list[tuple[tuple[int, ...], str]]) -> StepLayout:
+    """window_tokens: N-1 levels of W tokens (window_tokens[0][0] is t); candidates: (tokens, source)."""
+    levels, width = len(window_tokens), len(window_tokens[0])
+    tokens = [tok for level in window_tokens for tok in level]
+    parents = window_parents(width, levels)
+    children: list[dict[int, int]] = [dict() for _ in tokens]
+    sources: list[str] = []
+    for cand, source in candidates:
+        node = 0
+        for tok in cand:
+            nxt = children[node].get(tok)
+            if nxt is None:
+                nxt = len(tokens)
+                tokens.append(tok)
+                parents.append(node)
+                children[node][tok] = nxt
+                children.append({})
+                sources.append(source)
+            node = nxt
+    last = (levels - 1) * width
+    return StepLayout(tokens, parents, levels * width, range(last, last + width), children, sources)
+
+
+def tree_mask(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ancestor-or-self matrix (S, S) bool and depth (S,) of a tree given by parent rows.
+
+    Vectorised pointer jumping: each pass moves every row's pointer one ancestor up, so the loop
+    runs once per tree level, whatever W, N, G are.
+    """
+    size = len(parents)
+    up = torch.tensor(parents + [size], dtype=torch.long)  # index `size` is a sentinel: "no parent"
+    up[up < 0] = size
+    sees = torch.zeros(size, size + 1, dtype=torch.bool)
+    rows = torch.arange(size)
+    cur = rows.clone()
+    sees[rows, cur] = True
+    while True:
+        cur = up[cur]
+        if bool((cur == size).all()):
+            break
+        sees[rows, cur] = True
+    sees = sees[:, :size]
+    depth = sees.sum(dim=1) - 1
+    return sees, depth
+
+
+def step_inputs(layout: StepLayout, past: int, dtype: torch.dtype, device: torch.device):
+    """input_ids, position_ids and the additive 4D mask (1, 1, S, past + S) for one step."""
+    sees, depth = tree_mask(layout.parents)
+    size = layout.size
+    mask = torch.zeros(1, 1, size, past + size, dtype=dtype)
+    mask[0, 0, :, past:].masked_fill_(~sees, torch.finfo(dtype).min)
+    ids = torch.tensor([layout.tokens], dtype=torch.long)
+    positions = (depth + past).unsqueeze(0)
+    return ids.to(device), positions.to(device), mask.to(device)

@@ -1,0 +1,211 @@
+"""Load a causal LM for lookahead: a hub id, a local folder, a .gguf file, or the embedded default."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ladechat.engine import gguf
+from ladechat.engine.gguf import ModelNotFound
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+ATTENTION = ("sdpa", "eager", "flash")
+
+
+class LoadError(Exception):
+    """Loading failed for a reason the user can act on; the message is one line."""
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    model: str | None = None  # None: the embedded default
+    dtype: str = "auto"
+    device: str = "auto"
+    attn: str = "sdpa"
+    load_in_4bit: bool = False
+    load_in_8bit: bool = False
+    device_map: str | None = None
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: object
+    tokenizer: object
+    name: str
+    device: torch.device
+    dtype: torch.dtype
+    eos_ids: frozenset[int]
+    context_length: int
+    notices: tuple[str, ...] = ()
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            build = "a CPU-only torch build" if torch.version.cuda is None else "no visible CUDA device"
+            raise LoadError(f"--device {name} asked for a GPU, but CUDA is not available here ({build}); "
+                            "use --device cpu")
+        return torch.device(name)
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "mps" and torch.backends.mps.is_available():
+        return torch.device("mps")
+    raise LoadError(f"unknown or unavailable --device {name!r} (choose auto, cpu, cuda, cuda:N)")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if device.type == "cpu" and cpu_has_native_bf16() else torch.float32
+    if name not in DTYPES:
+        raise LoadError(f"unknown --dtype {name!r} (choose auto, float32, bfloat16, float16)")
+    return DTYPES[name]
+
+
+def _source(model: str | None, progress) -> tuple[str, str]:
+    """(folder or hub id to load, display name)."""
+    if model is None:
+        path = gguf.embedded_gguf()
+        return str(gguf.ensure_converted(path, progress)), gguf.EMBEDDED_NAME
+    path = Path(model).expanduser()
+    if model.endswith(".gguf"):
+        if not path.is_file():
+            raise ModelNotFound(f"GGUF file not found: {model}")
+        return str(gguf.ensure_converted(path, progress)), path.name
+    if path.exists():
+        if not path.is_dir() or not (path / "config.json").is_file():
+            raise ModelNotFound(f"{model} is not a model folder (no config.json in it)")
+        return str(path), model
+    if model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise ModelNotFound(f"model folder not found: {model}")
+    return model, model
+
+
+def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | None = None) -> LoadedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if spec.attn not in ATTENTION:
+        raise LoadError(f"unknown --attn {spec.attn!r} (choose sdpa, eager, flash)")
+    if spec.load_in_4bit and spec.load_in_8bit:
+        raise LoadError("choose one of --load-in-4bit and --load-in-8bit")
+    device = resolve_device(spec.device)
+    dtype = resolve_dtype(spec.dtype, device)
+    notices: list[str] = []
+    attn = spec.attn
+    if attn == "flash":
+        # The lookahead step needs an arbitrary 4D mask, which flash-attn kernels cannot take.
+        if importlib.util.find_spec("flash_attn") is None:
+            notices.append("flash-attn is not installed (pip install 'ladechat[flash]'); using sdpa")
+        else:
+            notices.append("flash-attn cannot take the lookahead step's tree mask; using sdpa for every step")
+        attn = "sdpa"
+    source, name = _source(spec.model, progress)
+    kwargs: dict = {"dtype": dtype, "attn_implementation": attn}
+    if spec.load_in_4bit or spec.load_in_8bit:
+        if importlib.util.find_spec("bitsandbytes") is None:
+            flag = "--load-in-4bit" if spec.load_in_4bit else "--load-in-8bit"
+            raise LoadError(f"{flag} needs bitsandbytes, which is not installed: pip install 'ladechat[quant]'")
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=spec.load_in_4bit, load_in_8bit=spec.load_in_8bit,
+            bnb_4bit_compute_dtype=dtype if spec.load_in_4bit else None)
+    if spec.device_map:
+        kwargs["device_map"] = spec.device_map
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as exc:
+        raise ModelNotFound(_not_found(spec.model or source, exc)) from None
+    if getattr(config, "is_encoder_decoder", False):
+        raise LoadError(f"{name} is an encoder-decoder model; ladechat needs a decoder-only causal LM")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise LoadError(_not_found(spec.model or source, exc)) from None
+    if not (spec.load_in_4bit or spec.load_in_8bit or spec.device_map):
+        model = model.to(device)
+    model.eval()
+    if not mask_probe(model):
+        if attn != "eager":
+            model.set_attn_implementation("eager")
+            if mask_probe(model):
+                notices.append(f"{name} ignores 4D masks under {attn}; switched to eager attention")
+            else:
+                raise LoadError(f"{name} does not honour a 4D attention mask with position ids, "
+                                "so lookahead cannot run on it")
+        else:
+            raise LoadError(f"{name} does not honour a 4D attention mask with position ids, "
+                            "so lookahead cannot run on it")
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, device=model.device, dtype=model.dtype,
+                       eos_ids=eos_ids(model, tokenizer), context_length=context_length(model.config),
+                       notices=tuple(notices))
+
+
+def _not_found(model: str, exc: Exception) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "offline" in text.lower() or "connect" in text.lower() or "couldn't" in text.lower() or "not a local folder" in text:
+        return (f"model {model!r} is not in the local Hugging Face cache and the hub cannot be reached; "
+                "pass a local folder or .gguf file, or download it first")
+    return f"cannot load model {model!r}: {text}"
+
+
+def eos_ids(model, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos:
+        ids.update(int(e) for e in eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+def context_length(config) -> int:
+    length = getattr(config, "max_position_embeddings", None) or 2048
+    window = getattr(config, "sliding_window", None)
+    # Our 4D mask is full attention for every layer, so a sliding-window model is exact only
+    # while the whole conversation fits in its window.
+    if window and getattr(config, "use_sliding_window", True):
+        length = min(length, window)
+    return int(length)
+
+
+def mask_probe(model) -> bool:
+    """Does the model honour an explicit 4D mask + position ids? Runs three tiny forwards.
+
+    [a, b, c] where c may not see b and sits at position 1 must give c the same logits as the
+    plain sequence [a, c].
+    """
+    from ladechat.engine.layout import StepLayout, step_inputs
+
+    device, dtype = model.device, model.dtype
+    vocab = model.config.get_text_config().vocab_size
+    a, b, c = 1 % vocab, 2 % vocab, 3 % vocab
+    layout = StepLayout([a, b, c], [-1, 0, 0], 3, range(0, 3), [{}, {}, {}], [])
+    ids, positions, mask = step_inputs(layout, 0, dtype, device)
+    with torch.inference_mode():
+        tree = model(input_ids=ids, position_ids=positions, attention_mask=mask).logits[0, 2].float()
+        plain = model(input_ids=torch.tensor([[a, c]], device=device)).logits[0, 1].float()
+        leak = model(input_ids=torch.tensor([[a, b, c]], device=device)).logits[0, 2].float()
+    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    close = torch.allclose(tree, plain, atol=tol * max(1.0, float(plain.abs().max())), rtol=0)
+    return close and not torch.allclose(tree, leak, atol=1e-6, rtol=0)

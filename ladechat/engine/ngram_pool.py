@@ -1,0 +1,101 @@
+"""Where candidate continuations come from: the n-gram pool and the conversation itself."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class NGramPool:
+    """n-grams keyed by their first token: key -> up to `per_key` continuations of N-1 tokens.
+
+    The lookahead window feeds it one n-gram per column per step; the prompt can seed it. When a key
+    is full the least recently added continuation is evicted; adding one that is already there
+    makes it the most recent again (the window keeps confirming n-grams that are likely).
+    """
+
+    def __init__(self, ngram: int, per_key: int) -> None:
+        self.ngram = ngram
+        self.per_key = per_key
+        self._table: dict[int, OrderedDict[tuple[int, ...], None]] = {}
+
+    def add(self, key: int, continuation: tuple[int, ...]) -> None:
+        if self.per_key == 0:
+            return
+        entries = self._table.setdefault(key, OrderedDict())
+        if continuation in entries:
+            entries.move_to_end(continuation)
+            return
+        entries[continuation] = None
+        if len(entries) > self.per_key:
+            entries.popitem(last=False)
+
+    def seed(self, tokens: list[int]) -> None:
+        """Add every n-gram of a token sequence (e.g. the prompt)."""
+        n = self.ngram
+        for i in range(len(tokens) - n + 1):
+            self.add(tokens[i], tuple(tokens[i + 1 : i + n]))
+
+    def get(self, key: int) -> list[tuple[int, ...]]:
+        """Continuations for `key`, most recently added first."""
+        entries = self._table.get(key)
+        return list(reversed(entries)) if entries else []
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._table.values())
+
+
+class ContextIndex:
+    """Finds earlier places in the conversation whose last tokens match the current ones.
+
+    Keyed by the `match_len` tokens that end at each position; looking up the conversation's own
+    last `match_len` tokens gives the tokens that followed them before (prompt-lookup decoding,
+    but over the whole conversation, maintained incrementally).
+    """
+
+    def __init__(self, match_len: int = 2, max_hits: int = 4) -> None:
+        self.match_len = match_len
+        self.max_hits = max_hits
+        self.tokens: list[int] = []
+        self._ends: dict[tuple[int, ...], list[int]] = {}
+
+    def extend(self, tokens: list[int]) -> None:
+        m = self.match_len
+        for tok in tokens:
+            self.tokens.append(tok)
+            end = len(self.tokens)
+            if end >= m:
+                key = tuple(self.tokens[end - m : end])
+                ends = self._ends.setdefault(key, [])
+                ends.append(end)
+                if len(ends) > self.max_hits * 4:
+                    del ends[: -self.max_hits * 2]
+
+    def truncate(self, length: int) -> None:
+        """Forget everything after the first `length` tokens (a conversation was edited)."""
+        if length >= len(self.tokens):
+            return
+        kept = self.tokens[:length]
+        self.tokens = []
+        self._ends = {}
+        self.extend(kept)
+
+    def continuations(self, tail: list[int], length: int, limit: int) -> list[tuple[int, ...]]:
+        """Up to `limit` distinct continuations of `length` tokens that once followed `tail`.
+
+        `tail` is the conversation's last tokens including ones not yet indexed (the token being
+        fed); the most recent occurrence comes first.
+        """
+        m = self.match_len
+        if limit == 0 or len(tail) < m:
+            return []
+        ends = self._ends.get(tuple(tail[-m:]))
+        if not ends:
+            return []
+        found: list[tuple[int, ...]] = []
+        for end in reversed(ends):
+            cont = tuple(self.tokens[end : end + length])
+            if cont and cont not in found:
+                found.append(cont)
+                if len(found) == limit:
+                    break
+        return found

@@ -1,0 +1,32 @@
+"""Chat templates shipped for models without one, or chosen with --template NAME."""
+
+from __future__ import annotations
+
+from importlib import resources
+
+
+class TemplateError(ValueError):
+    pass
+
+
+def names() -> list[str]:
+    return sorted(p.name[: -len(".jinja")] for p in resources.files(__name__).iterdir() if p.name.endswith(".jinja"))
+
+
+def source(name: str) -> str:
+    if name not in names():
+        raise TemplateError(f"unknown template {name!r} (available: {', '.join(names())})")
+    return resources.files(__name__).joinpath(f"{name}.jinja").read_text()
+
+
+def render(tokenizer, messages: list[dict], template: str | None = None) -> str:
+    """The prompt text for `messages`, ending with the assistant's turn about to start."""
+    chat_template = source(template) if template else None
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise TemplateError("this model has no chat template; pass --template NAME (see: ladechat templates)")
+    return tokenizer.apply_chat_template(messages, chat_template=chat_template, add_generation_prompt=True,
+                                         tokenize=False)
+
+
+def encode(tokenizer, messages: list[dict], template: str | None = None) -> list[int]:
+    return tokenizer(render(tokenizer, messages, template), add_special_tokens=False)["input_ids"]

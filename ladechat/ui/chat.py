@@ -1,0 +1,260 @@
+"""The interactive chat: prompt-toolkit input, streamed answers, slash commands."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from rich.console import Console
+
+from ladechat.bot import Bot, Settings
+from ladechat.conversation import Conversation, ConversationError
+from ladechat.engine.config import ConfigError
+from ladechat.engine.events import Done, Stats
+from ladechat.engine.loading import LoadedModel
+from ladechat.ui import commands
+from ladechat.ui.stream import StreamPrinter, debug_panel, footer
+
+
+def state_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "ladechat"
+
+
+class Totals:
+    """Session totals per mode (lookahead on / off)."""
+
+    def __init__(self) -> None:
+        self.by_mode: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+
+    def add(self, stats: Stats) -> None:
+        row = self.by_mode["lookahead" if stats.lookahead else "plain"]
+        row["turns"] += 1
+        row["tokens"] += stats.new_tokens
+        row["steps"] += stats.steps
+        row["seconds"] += stats.decode_s
+
+    def lines(self) -> list[str]:
+        if not self.by_mode:
+            return ["no answers yet"]
+        out = []
+        for mode, r in sorted(self.by_mode.items()):
+            tps = r["tokens"] / r["seconds"] if r["seconds"] else 0.0
+            comp = r["tokens"] / r["steps"] if r["steps"] else 0.0
+            out.append(f"{mode}: {int(r['turns'])} answers, {int(r['tokens'])} tokens, {int(r['steps'])} steps, "
+                       f"{comp:.2f} tokens/step, {tps:.1f} tok/s")
+        return out
+
+
+class ChatApp:
+    def __init__(self, loaded: LoadedModel, settings: Settings, system: str | None, debug: bool,
+                 out: Console, err: Console) -> None:
+        self.loaded = loaded
+        self.bot = Bot(loaded, settings)
+        self.conversation = Conversation(system=system)
+        self.debug = debug
+        self.out = out
+        self.err = err
+        self.totals = Totals()
+
+    # -- answering ----------------------------------------------------------------------------
+    def answer(self) -> None:
+        printer = StreamPrinter(self.loaded.tokenizer, self.out, self.err, debug=self.debug)
+        events = self.bot.reply(self.conversation)
+        stats = None
+        try:
+            for event in events:
+                if isinstance(event, Done):
+                    stats = event.stats
+                else:
+                    printer.handle(event)
+        except KeyboardInterrupt:
+            events.close()  # the session is consistent between events
+        except ConversationError as exc:
+            self.conversation.messages.pop()
+            self.error(str(exc))
+            return
+        interrupted = stats is None or stats.finish_reason == "interrupted"
+        self.conversation.messages.append({"role": "assistant", "content": printer.text,
+                                           "interrupted": interrupted})
+        self.out.print()
+        if stats is not None:
+            self.totals.add(stats)
+            if self.debug:
+                self.err.print(debug_panel(stats))
+            self.err.print(f"[dim]{footer(stats)}[/]", highlight=False)
+        if interrupted:
+            self.err.print("[yellow]interrupted: the partial answer is kept[/]")
+
+    def ask(self, text: str) -> None:
+        self.conversation.messages.append({"role": "user", "content": text})
+        self.answer()
+
+    # -- commands -----------------------------------------------------------------------------
+    def error(self, message: str) -> None:
+        self.err.print(f"error: {message}", style="red", highlight=False, markup=False)
+
+    def info(self, message: str) -> None:
+        self.err.print(message, highlight=False, markup=False)
+
+    def command(self, line: str) -> bool:
+        """Run a slash command; False means leave the chat."""
+        try:
+            cmd = commands.parse(line)
+            return self._run(cmd)
+        except (commands.CommandError, ConfigError, ConversationError) as exc:
+            self.error(str(exc))
+        except OSError as exc:
+            self.error(f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
+        return True
+
+    def _run(self, cmd: commands.Command) -> bool:
+        s = self.bot.settings
+        if cmd.name == "/exit":
+            return False
+        if cmd.name == "/help":
+            self.info(commands.HELP)
+        elif cmd.name == "/lookahead":
+            self.bot.configure(s.updated({"lookahead": commands.on_off(cmd.arg, "/lookahead")}))
+            self.info(f"lookahead {'on' if self.bot.settings.lookahead.enabled else 'off'} from the next answer")
+        elif cmd.name == "/set":
+            self.bot.configure(s.updated(commands.parse_set(cmd.arg)))
+            self.info(self._show())
+        elif cmd.name == "/show":
+            self.info(self._show())
+        elif cmd.name == "/stats":
+            self.info("\n".join(self.totals.lines()))
+        elif cmd.name == "/debug":
+            self.debug = commands.on_off(cmd.arg, "/debug")
+            self.info(f"debug {'on' if self.debug else 'off'}")
+        elif cmd.name == "/system":
+            self.conversation = Conversation(system=cmd.arg or None)
+            self.info("system prompt set; new conversation" if cmd.arg else "system prompt removed; new conversation")
+        elif cmd.name == "/clear":
+            self.conversation = Conversation(system=self.conversation.system)
+            self.info("new conversation")
+        elif cmd.name in ("/undo", "/retry"):
+            self._undo_or_retry(cmd.name)
+        elif cmd.name == "/save":
+            self._save(cmd.arg)
+        elif cmd.name == "/load":
+            self._load(cmd.arg)
+        return True
+
+    def _show(self) -> str:
+        la, sm = self.bot.settings.lookahead, self.bot.settings.sampling
+        return (f"model {self.loaded.name} on {self.loaded.device} ({str(self.loaded.dtype).removeprefix('torch.')})\n"
+                f"lookahead {'on' if la.enabled else 'off'}: W={la.window} N={la.ngram} G={la.candidates}\n"
+                f"max_new_tokens={sm.max_new_tokens} temperature={sm.temperature} top_p={sm.top_p} "
+                f"top_k={sm.top_k} min_p={sm.min_p} repetition_penalty={sm.repetition_penalty} seed={sm.seed}\n"
+                f"system prompt: {self.conversation.system!r}")
+
+    def _undo_or_retry(self, name: str) -> None:
+        msgs = self.conversation.messages
+        if not msgs:
+            raise commands.CommandError(f"nothing to {name[1:]}")
+        if msgs[-1]["role"] == "assistant":
+            msgs.pop()
+        if name == "/undo":
+            msgs.pop()
+            self.info("dropped the last question and its answer")
+        else:
+            self.answer()
+
+    def _save(self, arg: str) -> None:
+        if not arg:
+            raise commands.CommandError("usage: /save PATH")
+        path = Path(arg).expanduser()
+        data = self.conversation.to_json(self.loaded.name, self.bot.settings.as_dict())
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(data + "\n", encoding="utf-8")
+        tmp.replace(path)
+        self.info(f"saved {len(self.conversation.messages)} messages to {path}")
+
+    def _load(self, arg: str) -> None:
+        if not arg:
+            raise commands.CommandError("usage: /load PATH")
+        conversation, settings = Conversation.from_file(Path(arg).expanduser())
+        try:
+            new_settings = self.bot.settings.updated(settings)
+        except (ConfigError, TypeError) as exc:
+            raise ConversationError(f"{arg} has bad settings: {exc}") from None
+        self.bot.configure(new_settings)
+        self.conversation = conversation
+        self.info(f"loaded {len(conversation.messages)} messages from {arg}")
+
+
+def _prompt_session():
+    from prompt_toolkit import PromptSession
+    from prompt_toolkit.completion import WordCompleter
+    from prompt_toolkit.history import FileHistory
+    from prompt_toolkit.key_binding import KeyBindings
+
+    folder = state_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    bindings = KeyBindings()
+
+    @bindings.add("escape", "enter")
+    def _newline(event) -> None:
+        event.current_buffer.insert_text("\n")
+
+    completer = WordCompleter(list(commands.COMMANDS), sentence=True, match_middle=False)
+    return PromptSession(history=FileHistory(str(folder / "history")), key_bindings=bindings, completer=completer,
+                         complete_while_typing=True)
+
+
+def _read_message(read_line) -> str | None:
+    """One message: a line, or a \"\"\"-block. None at end of input."""
+    line = read_line(">>> ")
+    if line is None:
+        return None
+    if not line.lstrip().startswith('"""'):
+        return line
+    body = line.lstrip()[3:]
+    lines = []
+    while not body.rstrip().endswith('"""'):
+        lines.append(body)
+        body = read_line("... ")
+        if body is None:
+            return "\n".join(lines)
+    lines.append(body.rstrip()[:-3])
+    return "\n".join(lines).strip("\n")
+
+
+def run_chat(loaded: LoadedModel, settings: Settings, system: str | None, debug: bool,
+             out: Console, err: Console) -> None:
+    app = ChatApp(loaded, settings, system, debug, out, err)
+    la = settings.lookahead
+    err.print(f"[bold]ladechat[/] · {loaded.name} on {loaded.device} · lookahead "
+              f"{'on' if la.enabled else 'off'} (W={la.window} N={la.ngram} G={la.candidates}) · "
+              "/help for commands, Ctrl-D to quit", highlight=False)
+    if sys.stdin.isatty():
+        session = _prompt_session()
+
+        def read_line(prompt: str) -> str | None:
+            while True:
+                try:
+                    return session.prompt(prompt)
+                except KeyboardInterrupt:
+                    continue  # Ctrl-C at the prompt clears the line
+                except EOFError:
+                    return None
+    else:
+        def read_line(prompt: str) -> str | None:
+            line = sys.stdin.readline()
+            return line.rstrip("\n") if line else None
+
+    while True:
+        text = _read_message(read_line)
+        if text is None:
+            break
+        if not text.strip():
+            continue
+        if text.lstrip().startswith("/"):
+            if not app.command(text):
+                break
+            continue
+        app.ask(text)
+    err.print("bye")

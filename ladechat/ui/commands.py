@@ -1,0 +1,76 @@
+"""Slash commands of the chat: parsing and help text (no I/O here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+HELP = """\
+/help                 this list
+/lookahead on|off     lookahead decoding on or off (from the next answer)
+/set KEY=VALUE ...    w, n, g, max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed
+/show                 current settings
+/stats                session totals per mode: tokens, steps, tokens/step, tok/s
+/debug on|off         per-step acceptance and a per-turn statistics panel
+/system TEXT          set the system prompt (empty: remove it); starts a new conversation
+/clear                start a new conversation (settings are kept)
+/undo                 drop the last question and its answer
+/retry                answer the last question again
+/save PATH            save the conversation and settings as JSON
+/load PATH            load a conversation saved with /save
+/exit                 leave (Ctrl-D works too)
+Input: Enter sends; Alt+Enter (or Esc then Enter) adds a new line; a message that starts with
+\"\"\" continues until a line that ends with \"\"\". Ctrl-C stops an answer or clears the line."""
+
+COMMANDS = ("/help", "/lookahead", "/set", "/show", "/stats", "/debug", "/system", "/clear", "/undo", "/retry",
+            "/save", "/load", "/exit", "/quit")
+
+SET_KEYS = {"w": "W", "n": "N", "g": "G", "max_new_tokens": "max_new_tokens", "temperature": "temperature",
+            "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+            "seed": "seed"}
+INT_KEYS = {"W", "N", "G", "max_new_tokens", "top_k", "seed"}
+
+
+class CommandError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    arg: str
+
+
+def parse(line: str) -> Command:
+    head, _, rest = line.strip().partition(" ")
+    name = head.lower()
+    if name not in COMMANDS:
+        raise CommandError(f"unknown command {head} (try /help)")
+    return Command(name="/exit" if name == "/quit" else name, arg=rest.strip())
+
+
+def on_off(arg: str, name: str) -> bool:
+    if arg.lower() in ("on", "true", "1", "yes"):
+        return True
+    if arg.lower() in ("off", "false", "0", "no"):
+        return False
+    raise CommandError(f"usage: {name} on|off")
+
+
+def parse_set(arg: str) -> dict:
+    """'w=7 n=5 temperature=0.7' -> {'W': 7, 'N': 5, 'temperature': 0.7} (values checked for type)."""
+    if not arg:
+        raise CommandError("usage: /set KEY=VALUE ... (keys: " + ", ".join(SET_KEYS) + ")")
+    values: dict = {}
+    for item in arg.replace(",", " ").split():
+        key, eq, raw = item.partition("=")
+        key = SET_KEYS.get(key.lower())
+        if not eq or key is None:
+            raise CommandError(f"cannot set {item!r} (keys: {', '.join(SET_KEYS)})")
+        try:
+            if key == "seed" and raw.lower() in ("none", "random"):
+                values[key] = None
+            else:
+                values[key] = int(raw) if key in INT_KEYS else float(raw)
+        except ValueError:
+            raise CommandError(f"{key} needs a {'whole ' if key in INT_KEYS else ''}number, got {raw!r}") from None
+    return values

@@ -1,0 +1,82 @@
+"""Print a generation's event stream: text as it arrives, parallel tokens highlighted, a footer."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from ladechat.bot import Notice
+from ladechat.detok import Detokenizer
+from ladechat.engine.events import Done, Stats, Step
+
+GUESSED_STYLE = "bold cyan"
+
+
+class StreamPrinter:
+    """Consumes Step/Done/Notice events. Content goes to `out`, everything else to `err`."""
+
+    def __init__(self, tokenizer, out: Console, err: Console, debug: bool = False) -> None:
+        self.detok = Detokenizer(tokenizer)
+        self.tokenizer = tokenizer
+        self.out = out
+        self.err = err
+        self.debug = debug
+        self.stats: Stats | None = None
+
+    def handle(self, event) -> None:
+        if isinstance(event, Notice):
+            self.err.print(f"[yellow]notice:[/] {event.text}", highlight=False)
+        elif isinstance(event, Step):
+            self._step(event)
+        elif isinstance(event, Done):
+            self.stats = event.stats
+
+    def _step(self, step: Step) -> None:
+        n_guessed = sum(step.guessed)
+        guessed_text = self.detok.add(step.tokens[:n_guessed]) if n_guessed else ""
+        own_text = self.detok.add(step.tokens[n_guessed:])
+        text = Text()
+        text.append(guessed_text, style=GUESSED_STYLE)
+        text.append(own_text)
+        self.out.print(text, end="", soft_wrap=True, highlight=False)
+        if self.debug:
+            pieces = " ".join(repr(self.tokenizer.decode([t])) + ("*" if g else "")
+                              for t, g in zip(step.tokens, step.guessed))
+            self.err.print(f"[dim]  step: +{len(step.tokens)} from {step.source}, fed {step.fed}, "
+                           f"{step.seconds * 1000:.0f} ms: {pieces}[/]", highlight=False)
+
+    @property
+    def text(self) -> str:
+        return self.detok.text
+
+
+def footer(stats: Stats) -> str:
+    mode = f"lookahead W={stats.window} N={stats.ngram} G={stats.candidates}" if stats.lookahead else "lookahead off"
+    extra = " (interrupted)" if stats.finish_reason == "interrupted" else ""
+    return (f"{stats.new_tokens} tokens, {stats.decode_tokens_per_s:.1f} tok/s, "
+            f"{stats.compression:.2f} tokens/step, {mode}{extra}")
+
+
+def debug_panel(stats: Stats) -> Panel:
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="bold")
+    table.add_column()
+    hist = "  ".join(f"{k}:{v}" for k, v in sorted(stats.accepted_histogram.items()))
+    positions = "  ".join(f"{i + 1}:{n}" for i, n in enumerate(stats.accepted_by_position) if n) or "-"
+    rows = [
+        ("compression", f"{stats.compression:.3f} tokens/step ({stats.new_tokens} tokens in {stats.steps} steps)"),
+        ("tokens per step", hist or "-"),
+        ("accepted by depth", positions),
+        ("winning source", ", ".join(f"{k}:{v}" for k, v in sorted(stats.source_counts.items())) or "-"),
+        ("pool size", str(stats.pool_size)),
+        ("tokens fed/step", f"{stats.mean_fed:.1f}"),
+        ("step time", f"{stats.decode_s / max(stats.steps, 1) * 1000:.1f} ms mean"),
+        ("prefill", f"{stats.prefill_tokens} tokens in {stats.prefill_s * 1000:.0f} ms"),
+        ("time to first token", f"{stats.ttft_s * 1000:.0f} ms"),
+        ("finish", stats.finish_reason),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    return Panel(table, title="turn stats", expand=False)
