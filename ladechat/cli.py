@@ -214,9 +214,43 @@ def templates() -> None:
         print(name)
 
 
+@app.command()
+def bench(dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Prompt set: mtbench, humaneval, gsm8k (from ../shared/data) or a JSONL path; repeatable.")] = ["mtbench"],
+          methods: Annotated[str, typer.Option("--methods", help="Comma-separated: hf, hf-lookup, plain, lookahead.")] = "hf,hf-lookup,plain,lookahead",
+          limit: Annotated[Optional[int], typer.Option("--limit", help="Items per dataset (default: all).")] = None,
+          model: Model = None, window: Window = None, ngram: Ngram = None, candidates: Cands = None,
+          max_new_tokens: MaxNew = 256, dtype: Dtype = "auto", device: Device = "auto", attn: Attn = "sdpa",
+          template: Template = None,
+          as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False) -> None:
+    """Compare HF greedy, HF prompt lookup, ladechat plain and lookahead on real prompts (greedy)."""
+    from ladechat import bench as benchmark
+    from ladechat.ui.report import bench_tables
+
+    err = stderr_console()
+    method_list = [m.strip() for m in methods.split(",") if m.strip()]
+    try:
+        for name in dataset:
+            benchmark.find_dataset(name)
+        if limit is not None and limit < 1:
+            raise Fail(f"--limit must be >= 1, got {limit}")
+        _quiet_libraries()
+        loaded = _load(model, dtype, device, attn, False, False, None, err)
+        settings = _settings(True, window, ngram, candidates, max_new_tokens, 0.0, 1.0, 0, 0.0, 1.0, None,
+                             template, loaded.device.type)
+        results = benchmark.run(loaded, dataset, method_list, settings.lookahead, max_new_tokens, limit, template,
+                                progress=lambda name, i, n: err.print(f"[dim]{name}: {i}/{n}[/]", highlight=False))
+    except benchmark.BenchError as exc:
+        raise Fail(str(exc)) from None
+    if as_json:
+        print(json.dumps(results, indent=2))
+    else:
+        for table in bench_tables(results):
+            stdout_console().print(table)
+
+
 def main() -> None:
     try:
         app()
     except Fail as exc:
-        stderr_console().print(f"ladechat: error: {exc}", highlight=False, markup=False)
+        sys.stderr.write(f"ladechat: error: {exc}\n")  # plain: one line, never wrapped
         sys.exit(1)

@@ -1,0 +1,39 @@
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not (SHARED_DATA / "mtbench-dev.jsonl").is_file():
+        pytest.skip(f"real prompt sets not found at {SHARED_DATA} (the ../shared/data folder beside the repo)")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def embedded_fp32():
+    """The embedded SmolLM2 model in fp32 (make test installs it; its absence is a failure)."""
+    from ladechat.engine.loading import LoadSpec, load
+
+    return load(LoadSpec(dtype="float32", device="cpu"))
+
+
+@pytest.fixture()
+def isolated_home(tmp_path, monkeypatch):
+    """XDG state (history) in a temp dir; the model cache stays shared so the model loads fast."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.setenv("NO_COLOR", "")
+    return tmp_path
+
+
+def ladechat_bin() -> str:
+    exe = REPO / ".venv" / "bin" / "ladechat"
+    return str(exe) if exe.exists() else shutil.which("ladechat")
+
+
+torch.set_num_threads(max(1, torch.get_num_threads()))

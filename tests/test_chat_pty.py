@@ -1,0 +1,76 @@
+"""Drive the real interactive `ladechat` in a pseudo-terminal, as a user would."""
+
+import json
+import os
+
+import pexpect
+
+from conftest import ladechat_bin
+
+PROMPT = ">>>"  # prompt-toolkit wraps the prompt in escape codes
+
+
+def spawn(tmp_path):
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state"), "TERM": "xterm", "PROMPT_TOOLKIT_NO_CPR": "1",
+           "NO_COLOR": "1"}
+    child = pexpect.spawn(ladechat_bin(), ["--dtype", "float32", "--max-new-tokens", "48"], env=env,
+                          encoding="utf-8", timeout=120, dimensions=(40, 200))
+    child.expect(PROMPT)
+    return child
+
+
+def say(child, line, *expect):
+    child.sendline(line)
+    for pattern in expect:
+        child.expect(pattern)
+    child.expect(PROMPT)
+    return child.before
+
+
+def test_chat_session_end_to_end(tmp_path):
+    child = spawn(tmp_path)
+    say(child, "What is the capital of France?", "Paris", r"tokens/step, lookahead W=")
+    say(child, "/lookahead off", "lookahead off from the next answer")
+    say(child, "And of Germany?", "Berlin", r"tokens/step, lookahead off")
+    say(child, "/set n=3 w=4", "W=4 N=3")
+    say(child, "/stats", r"lookahead: 1 answers", r"plain: 1 answers")
+    say(child, "/bogus", "unknown command /bogus")
+    saved = tmp_path / "conv.json"
+    say(child, f"/save {saved}", "saved 4 messages")
+    data = json.loads(saved.read_text())
+    assert [m["role"] for m in data["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert "Paris" in data["messages"][1]["content"] and data["settings"]["N"] == 3
+    say(child, "/clear", "new conversation")
+    say(child, f"/load {saved}", "loaded 4 messages")
+    say(child, "/load /no/such/file.json", "no such file")
+    say(child, "/save /proc/forbidden/x.json", "error")
+    # Ctrl-C during a long answer keeps the partial answer, marked as interrupted
+    say(child, "/set max_new_tokens=600", "max_new_tokens=600")
+    child.sendline("Write a very long story about a dragon who learns to bake bread.")
+    child.expect("bake bread")  # the echo of the question
+    child.expect(r"[A-Za-z]+ [A-Za-z]+ [A-Za-z]+ [A-Za-z]+", timeout=60)  # the answer is streaming
+    child.sendcontrol("c")
+    child.expect("interrupted")
+    child.expect(PROMPT)
+    say(child, f"/save {saved}", "saved 6 messages")
+    last = json.loads(saved.read_text())["messages"][-1]
+    assert last["role"] == "assistant" and last["interrupted"] and last["content"]
+    child.sendline("/exit")
+    child.expect("bye")
+    child.expect(pexpect.EOF)
+
+
+def test_greedy_chat_answers_identical_with_lookahead_on_and_off(tmp_path):
+    child = spawn(tmp_path)
+    question = "Write a Python function that returns the squares of a list of numbers."
+    answers = []
+    for mode in ("on", "off"):
+        say(child, "/clear", "new conversation")
+        say(child, f"/lookahead {mode}", f"lookahead {mode}")
+        say(child, question, "tokens/step")
+        path = tmp_path / f"{mode}.json"
+        say(child, f"/save {path}", "saved 2 messages")
+        answers.append(json.loads(path.read_text())["messages"][1]["content"])
+    assert answers[0] == answers[1] and answers[0]
+    child.sendeof()
+    child.expect(pexpect.EOF)

@@ -1,0 +1,78 @@
+"""The real `ladechat` command: piped ask, --json, and one-line errors for bad input."""
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from conftest import ladechat_bin
+
+
+def ladechat(*args, stdin=None, env_extra=None, timeout=240):
+    env = {**os.environ, "NO_COLOR": "", **(env_extra or {})}
+    return subprocess.run([ladechat_bin(), *args], input=stdin, capture_output=True, timeout=timeout, env=env)
+
+
+def test_ask_piped_is_plain_text():
+    r = ladechat("ask", "--max-new-tokens", "24", stdin=b"What is the capital of France?")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.decode()
+    assert "Paris" in out
+    assert "\x1b[" not in out  # no ANSI codes when stdout is a pipe
+    assert "tokens/step" in r.stderr.decode()  # the footer is a diagnostic: stderr
+
+
+def test_ask_json_fields(embedded_fp32):
+    r = ladechat("ask", "--json", "--max-new-tokens", "32", "Name three colors.")
+    assert r.returncode == 0, r.stderr
+    record = json.loads(r.stdout)
+    for key in ("new_tokens", "steps", "compression", "tokens_per_s", "ttft_s", "lookahead", "W", "N", "G"):
+        assert key in record["stats"]
+    assert record["stats"]["new_tokens"] == len(record["token_ids"])
+    tok = embedded_fp32.tokenizer
+    assert tok.decode(record["token_ids"], skip_special_tokens=True) == record["text"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["ask", "-N", "0", "hi"], "N (n-gram size) must be >= 2, got 0"),
+    (["ask", "-W", "-1", "hi"], "W (window) must be >= 1, got -1"),
+    (["ask", "--max-new-tokens", "-5", "hi"], "max_new_tokens must be >= 1, got -5"),
+    (["ask", "--temperature", "-1", "hi"], "temperature must be >= 0, got -1.0"),
+    (["ask", "--dtype", "float99", "hi"], "unknown --dtype 'float99'"),
+    (["ask", "--device", "cuda", "hi"], "CUDA is not available here"),
+    (["ask", "--template", "nope", "hi"], "unknown template 'nope'"),
+    (["ask", "--model", "/no/such/folder", "hi"], "model folder not found: /no/such/folder"),
+    (["ask", "--model", "nobody/no-such-model-xyz", "hi"], "hub cannot be reached"),
+    (["ask", "--load-in-4bit", "hi"], "needs bitsandbytes"),
+])
+def test_bad_input_one_line_error(args, message):
+    r = ladechat(*args, env_extra={"HF_HUB_OFFLINE": "1"})
+    err = r.stderr.decode().strip()
+    assert r.returncode == 1
+    assert message in err
+    assert err.startswith("ladechat: error:") and "\n" not in err and "Traceback" not in err
+
+
+def test_folder_that_is_not_a_model(tmp_path):
+    r = ladechat("ask", "--model", str(tmp_path), "hi")
+    assert r.returncode == 1
+    assert "is not a model folder (no config.json in it)" in r.stderr.decode()
+
+
+def test_empty_and_binary_stdin():
+    r = ladechat("ask", stdin=b"   \n")
+    assert r.returncode == 1 and "empty prompt" in r.stderr.decode()
+    r = ladechat("ask", stdin=b"\xff\xfe\x00bad")
+    assert r.returncode == 1 and "not valid UTF-8" in r.stderr.decode()
+
+
+def test_help_lists_every_option():
+    r = ladechat("ask", "--help")
+    text = r.stdout.decode()
+    for opt in ("--model", "--lookahead", "--window", "--ngram", "--candidates", "--max-new-tokens",
+                "--temperature", "--top-p", "--top-k", "--seed", "--dtype", "--device", "--load-in-4bit",
+                "--load-in-8bit", "--attn", "--template", "--system", "--debug", "--json"):
+        assert opt in text, opt
+    r = ladechat("templates")
+    assert r.stdout.decode().split() == ["alpaca", "chatml", "llama-2", "vicuna", "zephyr"]

@@ -1,0 +1,127 @@
+"""Mask/positions against the diagram in layout.py, pool eviction, KV gather, stopping, config."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from ladechat.engine import kv
+from ladechat.engine.config import ConfigError, LookaheadConfig, SamplingConfig
+from ladechat.engine.decode import verify
+from ladechat.engine.layout import build_layout, step_inputs, tree_mask
+from ladechat.engine.ngram_pool import ContextIndex, NGramPool
+from ladechat.engine.stopping import StopRule
+
+# The diagram of layout.py: W=3, N=3, candidates "a b" and "a c" (t=0, a=10, b=11, c=12).
+DIAGRAM = """
+x........
+xx.......
+xxx......
+x..x.....
+xx..x....
+xxx..x...
+x.....x..
+x.....xx.
+x.....x.x
+"""
+
+
+def diagram_layout():
+    window = [[0, 1, 2], [3, 4, 5]]
+    return build_layout(window, [((10, 11), "pool"), ((10, 12), "pool")])
+
+
+def test_mask_matches_diagram():
+    layout = diagram_layout()
+    sees, depth = tree_mask(layout.parents)
+    expected = [[c == "x" for c in row] for row in DIAGRAM.split()]
+    assert sees.tolist() == expected
+    assert depth.tolist() == [0, 1, 2, 1, 2, 3, 1, 2, 2]
+    assert layout.tokens == [0, 1, 2, 3, 4, 5, 10, 11, 12]
+
+
+def test_step_inputs_positions_and_committed_prefix():
+    layout = diagram_layout()
+    ids, positions, mask = step_inputs(layout, past=7, dtype=torch.float32, device=torch.device("cpu"))
+    assert positions.tolist() == [[7, 8, 9, 8, 9, 10, 8, 9, 9]]
+    assert mask.shape == (1, 1, 9, 16)
+    assert (mask[0, 0, :, :7] == 0).all()  # every row sees all committed KV
+    blocked = mask[0, 0, :, 7:] != 0
+    assert blocked.tolist() == [[c != "x" for c in row] for row in DIAGRAM.split()]
+
+
+def test_logit_rows_are_t_last_level_and_candidates():
+    layout = diagram_layout()
+    assert layout.logit_rows() == [0, 3, 4, 5, 6, 7, 8]
+    n2 = build_layout([[0, 1, 2]], [])
+    assert n2.logit_rows() == [0, 1, 2]
+
+
+def test_verify_walks_trie_and_adds_bonus():
+    layout = diagram_layout()
+    choices = {0: 10, 6: 12, 8: 99}  # model says a, then c, then 99 (the bonus)
+    accepted, matched, source = verify(layout, lambda row, path: choices[row])
+    assert accepted == [10, 12, 99] and matched == [6, 8] and source == "pool"
+    accepted, matched, source = verify(layout, lambda row, path: 42)
+    assert accepted == [42] and matched == [] and source == "none"
+
+
+def test_pool_evicts_least_recently_added():
+    pool = NGramPool(ngram=3, per_key=2)
+    pool.add(1, (2, 3))
+    pool.add(1, (4, 5))
+    pool.add(1, (2, 3))  # re-added: most recent again
+    pool.add(1, (6, 7))  # evicts (4, 5)
+    assert pool.get(1) == [(6, 7), (2, 3)]
+    assert len(pool) == 2
+    zero = NGramPool(ngram=3, per_key=0)
+    zero.add(1, (2, 3))
+    assert zero.get(1) == [] and len(zero) == 0
+
+
+def test_pool_seed_and_context_index():
+    pool = NGramPool(ngram=3, per_key=4)
+    pool.seed([1, 2, 3, 1, 2, 4])
+    assert pool.get(1) == [(2, 4), (2, 3)]
+    ctx = ContextIndex(match_len=2)
+    ctx.extend([5, 6, 7, 8, 5, 6])
+    assert ctx.continuations(ctx.tokens, 3, 2) == [(7, 8, 5)]
+    ctx.truncate(3)
+    assert ctx.tokens == [5, 6, 7] and ctx.continuations(ctx.tokens, 3, 2) == []
+
+
+def test_commit_kv_gathers_accepted_rows():
+    cache = DynamicCache()
+    past, step = 4, 6
+    keys = torch.arange(past + step, dtype=torch.float32).view(1, 1, -1, 1).repeat(1, 2, 1, 3)
+    cache.update(keys.clone(), keys.clone() + 100, 0)
+    cache.update(keys.clone(), keys.clone() + 100, 1)
+    kv.commit_kv(cache, past, [0, 3, 5])
+    for layer in cache.layers:
+        assert layer.keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 7, 9]
+        assert layer.values[0, 1, :, 0].tolist() == [100, 101, 102, 103, 104, 107, 109]
+    kv.commit_kv(cache, 5, [0, 1])  # a prefix: plain crop
+    assert kv.cache_length(cache) == 7
+
+
+def test_stop_rule():
+    rule = StopRule(frozenset([9]), max_new_tokens=10)
+    assert rule.cut([1, 2], [3, 9, 4]) == (2, "eos")
+    assert rule.cut(list(range(8)), [1, 2, 3]) == (2, "length")
+    assert rule.cut([], [1, 2]) == (2, None)
+    text = {1: "he", 2: "llo", 3: " wor", 4: "ld"}
+    words = StopRule(frozenset(), 100, ("lo w",), decode=lambda ids: "".join(text[i] for i in ids))
+    assert words.cut([1], [2, 3, 4]) == (2, "stop")  # the token completing "lo w" is kept, not "ld"
+
+
+def test_config_validation_messages():
+    with pytest.raises(ConfigError, match="N .* >= 2"):
+        LookaheadConfig(ngram=1)
+    with pytest.raises(ConfigError, match="W .* >= 1"):
+        LookaheadConfig(window=0)
+    with pytest.raises(ConfigError, match="G .* >= 0"):
+        LookaheadConfig(candidates=-1)
+    LookaheadConfig(ngram=2, candidates=0, window=1)
+    with pytest.raises(ConfigError, match="max_new_tokens"):
+        SamplingConfig(max_new_tokens=-5)
+    with pytest.raises(ConfigError, match="temperature"):
+        SamplingConfig(temperature=-1)
