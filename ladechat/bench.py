@@ -69,7 +69,8 @@ def _hf_answer(model, ids: list[int], max_new: int, eos: list[int], lookup: bool
     return out[0, len(ids):].tolist(), time.perf_counter() - start
 
 
-def run_item(loaded, item: dict, method: str, la: LookaheadConfig, max_new: int, template: str | None):
+def run_item(loaded, item: dict, method: str, la: LookaheadConfig, max_new: int, template: str | None,
+             step_cost: dict[int, float] | None = None):
     """Answer every turn of `item` with `method`. Returns (all answer ids, seconds, steps)."""
     tok = loaded.tokenizer
     eos = sorted(loaded.eos_ids)
@@ -77,7 +78,7 @@ def run_item(loaded, item: dict, method: str, la: LookaheadConfig, max_new: int,
     answers: list[int] = []
     seconds = 0.0
     steps = 0
-    session = Session(loaded.model, LookaheadConfig(**{**la.__dict__, "enabled": method == "lookahead"}))
+    session = Session(loaded.model, LookaheadConfig(**{**la.__dict__, "enabled": method == "lookahead"}), step_cost)
     for turn in item["turns"]:
         messages.append({"role": "user", "content": turn})
         ids = templates.encode(tok, messages, template)
@@ -107,17 +108,18 @@ def run(loaded, datasets: list[str], methods: list[str], la: LookaheadConfig, ma
     results: dict = {"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."),
                      "device": str(loaded.device), "max_new_tokens": max_new,
                      "W": la.window, "N": la.ngram, "G": la.candidates, "datasets": {}}
+    step_cost = loaded.step_cost()
     # warm-up: first calls allocate and pick kernels
     warm = {"turns": ["Hello"]}
     for m in methods:
-        run_item(loaded, warm, m, la, 8, template)
+        run_item(loaded, warm, m, la, 8, template, step_cost)
     for name in datasets:
         items = load_items(name, limit)
         tallies = {m: Tally() for m in methods}
         for i, item in enumerate(items):
             reference = None
             for m in methods:
-                answer, seconds, steps = run_item(loaded, item, m, la, max_new, template)
+                answer, seconds, steps = run_item(loaded, item, m, la, max_new, template, step_cost)
                 if m == "hf":
                     reference = answer
                 t = tallies[m]

@@ -44,7 +44,7 @@ class Bot:
     def __init__(self, loaded: LoadedModel, settings: Settings) -> None:
         self.loaded = loaded
         self.settings = settings
-        self.session = Session(loaded.model, settings.lookahead)
+        self.session = Session(loaded.model, settings.lookahead, step_cost=loaded.step_cost())
 
     def configure(self, settings: Settings) -> None:
         self.settings = settings

@@ -145,3 +145,22 @@ def test_session_reuses_cache_across_turns():
     stats = events[-1].stats
     assert stats.prefill_tokens == 3  # the answer's KV was already there (its last token is the step input)
     assert list(events[-1].text_tokens) == hf_greedy(model, second, 30)
+
+
+@pytest.mark.parametrize("curve", [
+    {1: 1.0, 2: 1.8, 4: 1.9, 8: 2.0, 64: 4.0},  # steep: the window is mostly left out
+    {1: 1.0, 64: 1.01},  # flat (GPU-like): always the full step
+])
+def test_cost_aware_planning_stays_exact(curve):
+    rng = random.Random(99)
+    for family in ("llama", "qwen3"):
+        model = model_for(family)
+        for _ in range(4):
+            prompt = repetitive_prompt(rng, model.config.vocab_size, rng.randint(5, 40))
+            la = LookaheadConfig(window=rng.randint(1, 6), ngram=rng.randint(2, 5), candidates=rng.randint(0, 6))
+            events = list(generate(Session(model, la, step_cost=curve), prompt, SamplingConfig(max_new_tokens=40),
+                                   frozenset()))
+            assert list(events[-1].text_tokens) == hf_greedy(model, prompt, 40)
+            fed = [e.fed for e in events[:-1]]
+            if len(curve) == 2:
+                assert all(f >= la.window * (la.ngram - 1) for f in fed)

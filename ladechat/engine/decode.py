@@ -24,7 +24,10 @@ from ladechat.engine.events import Done, Stats, Step
 from ladechat.engine.layout import StepLayout, build_layout, step_inputs
 from ladechat.engine.ngram_pool import ContextIndex, NGramPool
 from ladechat.engine.sampling import Chooser
+from ladechat.engine.step_cost import cost
 from ladechat.engine.stopping import StopRule
+
+WINDOW_SLACK = 0.15  # how much dearer a step may get for carrying the window (see _plan)
 
 
 class Session:
@@ -35,8 +38,9 @@ class Session:
     token but the last, which is the next step's input).
     """
 
-    def __init__(self, model, lookahead: LookaheadConfig) -> None:
+    def __init__(self, model, lookahead: LookaheadConfig, step_cost: dict[int, float] | None = None) -> None:
         self.model = model
+        self.step_cost = step_cost  # measured seconds per step size; None: always the full step
         self.cache = kv.new_cache()
         self.cached: list[int] = []
         self.context = ContextIndex()
@@ -59,7 +63,7 @@ class Session:
 
     def reset(self) -> None:
         """Forget the conversation (cache, context, pool, window) but keep the settings."""
-        self.__init__(self.model, self.lookahead)
+        self.__init__(self.model, self.lookahead, self.step_cost)
 
     # -- prefix reuse -------------------------------------------------------------------------
     def _sync_prompt(self, prompt: list[int]) -> tuple[int, float]:
@@ -108,6 +112,23 @@ class Session:
         self.window = window[1:] + [new_tokens]
         self.window_age += 1
 
+    def _plan(self, t: int, prompt: list[int]) -> StepLayout:
+        """The step's layout: window + candidates, or candidates alone where the window costs too much.
+
+        With a measured step-cost curve, the window rides along only when it adds at most
+        WINDOW_SLACK to the cost of verifying the candidates alone. On a GPU (flat curve) and for
+        bf16 on a CPU with native bf16 that is nearly always; for fp32 on a small CPU, where two to
+        sixteen tokens cost 1.3-1.8x one, the window only joins steps that are large anyway.
+        """
+        candidates = self._candidates(t)
+        full = build_layout(self._window_for(t, prompt), candidates)
+        if self.step_cost is None or full.window_rows == 1:
+            return full
+        alone = full.size - full.window_rows + 1
+        if cost(self.step_cost, full.size) <= cost(self.step_cost, alone) * (1 + WINDOW_SLACK):
+            return full
+        return build_layout([[t]], candidates)
+
     # -- candidates ---------------------------------------------------------------------------
     def _candidates(self, t: int) -> list[tuple[tuple[int, ...], str]]:
         la = self.lookahead
@@ -148,10 +169,7 @@ def generate(session: Session, prompt: list[int], sampling: SamplingConfig, eos_
         while True:
             step_start = time.perf_counter()
             past = len(session.cached)
-            if la.enabled:
-                layout = build_layout(session._window_for(t, prompt), session._candidates(t))
-            else:
-                layout = build_layout([[t]], [])
+            layout = session._plan(t, prompt) if la.enabled else build_layout([[t]], [])
             rows = layout.logit_rows()
             with torch.inference_mode():
                 if layout.size == 1:
@@ -172,7 +190,7 @@ def generate(session: Session, prompt: list[int], sampling: SamplingConfig, eos_
             else:
                 choose = lambda row, path: chooser.pick(logits[row_at[row]], history + path)  # noqa: E731
             block, matched, source = verify(layout, choose)
-            if la.enabled and layout.size > 1:
+            if layout.window_rows > 1:
                 # The window always advances by argmax, as in the paper, also when sampling.
                 session._harvest_and_shift([argmax[row_at[r]] for r in layout.last_level])
             keep, why = stop.cut(generated, block)

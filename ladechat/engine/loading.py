@@ -44,6 +44,12 @@ class LoadedModel:
     context_length: int
     notices: tuple[str, ...] = ()
 
+    def step_cost(self) -> dict[int, float]:
+        """This model's step-cost curve on this device (measured once, then read from the cache)."""
+        from ladechat.engine.step_cost import cached_curve
+
+        return cached_curve(self.model, self.name)
+
 
 def cpu_has_native_bf16() -> bool:
     try:

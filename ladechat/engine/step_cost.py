@@ -1,0 +1,74 @@
+"""How much a forward step costs as a function of how many tokens it feeds, on this device.
+
+Lookahead pays off only when the tokens a step accepts outweigh what the extra rows cost, and on a
+CPU that cost curve is far from flat (fp32 on a 2-core EPYC: 1 token ~60 ms, 2-4 tokens 85-105 ms,
+16 tokens ~90 ms). The curve is measured once per model, device and dtype (a second or two) and
+cached, so the decoder can size its steps from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import time
+
+import torch
+
+from ladechat.engine import kv
+from ladechat.engine.gguf import cache_root
+from ladechat.engine.layout import build_layout, step_inputs
+
+SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+
+
+def measure(model, sizes=SIZES, context: int = 192, reps: int = 5) -> dict[int, float]:
+    """Median seconds of one step feeding `s` tokens after `context` cached tokens, per size s."""
+    device, dtype = model.device, model.dtype
+    vocab = model.config.get_text_config().vocab_size
+    prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0))
+    cache = kv.new_cache()
+    with torch.inference_mode():
+        model(input_ids=prompt.to(device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    curve: dict[int, float] = {}
+    for size in sizes:
+        # a chain of `size` tokens: the mask and position work are those of a real step
+        layout = build_layout([list(range(1, size + 1))], [])
+        ids, positions, mask = step_inputs(layout, context, dtype, device)
+        rows = torch.tensor(layout.logit_rows()[: max(1, size // 2)], device=device)
+        times = []
+        for _ in range(reps + 1):
+            start = time.perf_counter()
+            with torch.inference_mode():
+                out = model(input_ids=ids, position_ids=positions, attention_mask=mask if size > 1 else None,
+                            past_key_values=cache, use_cache=True, logits_to_keep=rows)
+                out.logits.argmax(-1).tolist()
+            times.append(time.perf_counter() - start)
+            kv.truncate(cache, context)
+        curve[size] = statistics.median(times[1:])
+    return curve
+
+
+def cached_curve(model, name: str) -> dict[int, float]:
+    key = json.dumps([name, str(model.device), str(model.dtype), torch.__version__, torch.get_num_threads(),
+                      list(SIZES)])
+    path = cache_root() / "step-cost" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    try:
+        return {int(k): float(v) for k, v in json.loads(path.read_text()).items()}
+    except (OSError, ValueError):
+        pass
+    curve = measure(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(curve))
+    return curve
+
+
+def cost(curve: dict[int, float], size: int) -> float:
+    """Interpolated cost of a step of `size` tokens."""
+    sizes = sorted(curve)
+    if size <= sizes[0]:
+        return curve[sizes[0]]
+    for lo, hi in zip(sizes, sizes[1:]):
+        if size <= hi:
+            return curve[lo] + (curve[hi] - curve[lo]) * (size - lo) / (hi - lo)
+    return curve[sizes[-1]] * size / sizes[-1]
