@@ -82,7 +82,7 @@ def test_pool_seed_and_context_index():
     pool = NGramPool(ngram=3, per_key=4)
     pool.seed([1, 2, 3, 1, 2, 4])
     assert pool.get(1) == [(2, 4), (2, 3)]
-    ctx = ContextIndex(match_len=2)
+    ctx = ContextIndex(match_lens=(2,))
     ctx.extend([5, 6, 7, 8, 5, 6])
     assert ctx.continuations(ctx.tokens, 3, 2) == [(7, 8, 5)]
     ctx.truncate(3)

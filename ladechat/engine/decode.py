@@ -27,7 +27,8 @@ from ladechat.engine.sampling import Chooser
 from ladechat.engine.step_cost import cost
 from ladechat.engine.stopping import StopRule
 
-WINDOW_SLACK = 0.15  # how much dearer a step may get for carrying the window (see _plan)
+STEP_BUDGET = 0.3  # a step may cost up to 1.3x a one-token step (see _plan)
+WINDOW_SLACK = 0.15  # or 15% more than its candidates alone, to carry window columns
 
 
 class Session:
@@ -104,30 +105,55 @@ class Session:
         return self.window
 
     def _harvest_and_shift(self, new_tokens: list[int]) -> None:
-        window = self.window
+        """Pool the n-gram of each computed column, then move those columns down one level.
+
+        A step may carry only the first k columns (see _plan); the others keep their guesses.
+        """
+        window, k = self.window, len(new_tokens)
         if self.window_age >= len(window) - 1:
             for col, last in enumerate(new_tokens):
                 gram = [level[col] for level in window] + [last]
                 self.pool.add(gram[0], tuple(gram[1:]))
-        self.window = window[1:] + [new_tokens]
+        for level in range(len(window) - 1):
+            window[level][:k] = window[level + 1][:k]
+        window[-1][:k] = new_tokens
         self.window_age += 1
 
     def _plan(self, t: int, prompt: list[int]) -> StepLayout:
-        """The step's layout: window + candidates, or candidates alone where the window costs too much.
+        """The step's layout, sized from the measured step-cost curve.
 
-        With a measured step-cost curve, the window rides along only when it adds at most
-        WINDOW_SLACK to the cost of verifying the candidates alone. On a GPU (flat curve) and for
-        bf16 on a CPU with native bf16 that is nearly always; for fp32 on a small CPU, where two to
-        sixteen tokens cost 1.3-1.8x one, the window only joins steps that are large anyway.
+        Candidates go in best first (context matches, longest first, then pool n-grams) while the
+        step stays within the budget: the largest size that costs at most 1 + STEP_BUDGET times a
+        one-token step. The first candidate always goes in (a context match is right often enough
+        to pay for itself even where two tokens cost 1.3x one, as in fp32 on a small CPU). Window
+        columns then ride along while the step stays within that budget, or within WINDOW_SLACK
+        of the candidates' own cost. On a GPU (flat curve) everything fits; on a small CPU it is
+        often a few columns or none. Columns are a prefix of the window, so the tree keeps its
+        shape.
         """
         candidates = self._candidates(t)
-        full = build_layout(self._window_for(t, prompt), candidates)
-        if self.step_cost is None or full.window_rows == 1:
-            return full
-        alone = full.size - full.window_rows + 1
-        if cost(self.step_cost, full.size) <= cost(self.step_cost, alone) * (1 + WINDOW_SLACK):
-            return full
-        return build_layout([[t]], candidates)
+        window = self._window_for(t, prompt)
+        if self.step_cost is None:
+            return build_layout(window, candidates)
+        budget = self._budget()
+        chosen = candidates[:1]
+        for cand in candidates[1:]:
+            if build_layout([[t]], chosen + [cand]).size > budget:
+                break
+            chosen.append(cand)
+        alone = build_layout([[t]], chosen)
+        limit = max(cost(self.step_cost, budget), cost(self.step_cost, alone.size) * (1 + WINDOW_SLACK))
+        levels = len(window)
+        for columns in range(len(window[0]), 0, -1):
+            if columns == 1 and levels == 1:
+                break
+            if cost(self.step_cost, alone.size + columns * levels - 1) <= limit:
+                return build_layout([level[:columns] for level in window], chosen)
+        return alone
+
+    def _budget(self) -> int:
+        base = cost(self.step_cost, 1) * (1 + STEP_BUDGET)
+        return max([s for s in range(1, 257) if cost(self.step_cost, s) <= base], default=1)
 
     # -- candidates ---------------------------------------------------------------------------
     def _candidates(self, t: int) -> list[tuple[tuple[int, ...], str]]:

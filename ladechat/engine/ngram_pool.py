@@ -47,28 +47,28 @@ class NGramPool:
 class ContextIndex:
     """Finds earlier places in the conversation whose last tokens match the current ones.
 
-    Keyed by the `match_len` tokens that end at each position; looking up the conversation's own
-    last `match_len` tokens gives the tokens that followed them before (prompt-lookup decoding,
-    but over the whole conversation, maintained incrementally).
+    For each match length m in `match_lens` (longest first), positions are keyed by the m tokens
+    that end there; looking up the conversation's own last m tokens gives the tokens that followed
+    them before (prompt-lookup decoding, over the whole conversation, maintained incrementally).
+    Longer matches come first: they are rarer but far more often right.
     """
 
-    def __init__(self, match_len: int = 2, max_hits: int = 4) -> None:
-        self.match_len = match_len
+    def __init__(self, match_lens: tuple[int, ...] = (3, 2, 1), max_hits: int = 4) -> None:
+        self.match_lens = match_lens
         self.max_hits = max_hits
         self.tokens: list[int] = []
         self._ends: dict[tuple[int, ...], list[int]] = {}
 
     def extend(self, tokens: list[int]) -> None:
-        m = self.match_len
         for tok in tokens:
             self.tokens.append(tok)
             end = len(self.tokens)
-            if end >= m:
-                key = tuple(self.tokens[end - m : end])
-                ends = self._ends.setdefault(key, [])
-                ends.append(end)
-                if len(ends) > self.max_hits * 4:
-                    del ends[: -self.max_hits * 2]
+            for m in self.match_lens:
+                if end >= m:
+                    ends = self._ends.setdefault(tuple(self.tokens[end - m : end]), [])
+                    ends.append(end)
+                    if len(ends) > self.max_hits * 4:
+                        del ends[: -self.max_hits * 2]
 
     def truncate(self, length: int) -> None:
         """Forget everything after the first `length` tokens (a conversation was edited)."""
@@ -80,22 +80,16 @@ class ContextIndex:
         self.extend(kept)
 
     def continuations(self, tail: list[int], length: int, limit: int) -> list[tuple[int, ...]]:
-        """Up to `limit` distinct continuations of `length` tokens that once followed `tail`.
-
-        `tail` is the conversation's last tokens including ones not yet indexed (the token being
-        fed); the most recent occurrence comes first.
-        """
-        m = self.match_len
-        if limit == 0 or len(tail) < m:
-            return []
-        ends = self._ends.get(tuple(tail[-m:]))
-        if not ends:
-            return []
+        """Up to `limit` distinct continuations of up to `length` tokens that once followed `tail`,
+        from the longest matches first and, within one match length, the most recent first."""
         found: list[tuple[int, ...]] = []
-        for end in reversed(ends):
-            cont = tuple(self.tokens[end : end + length])
-            if cont and cont not in found:
-                found.append(cont)
-                if len(found) == limit:
-                    break
+        for m in self.match_lens:
+            if len(found) >= limit or len(tail) < m:
+                continue
+            for end in reversed(self._ends.get(tuple(tail[-m:]), ())):
+                cont = tuple(self.tokens[end : end + length])
+                if cont and cont not in found:
+                    found.append(cont)
+                    if len(found) == limit:
+                        break
         return found
