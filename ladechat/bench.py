@@ -60,17 +60,24 @@ class Tally:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-def _hf_answer(model, ids: list[int], max_new: int, eos: list[int], lookup: bool) -> tuple[list[int], float]:
-    extra = {"prompt_lookup_num_tokens": 10} if lookup else {}
+def _hf_answer(model, ids: list[int], sampling: SamplingConfig, eos: list[int], lookup: bool
+               ) -> tuple[list[int], float]:
+    extra: dict = {"prompt_lookup_num_tokens": 10} if lookup else {}
+    if not sampling.greedy:
+        extra.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                     min_p=sampling.min_p or None, repetition_penalty=sampling.repetition_penalty)
+    else:
+        extra.update(do_sample=False, repetition_penalty=sampling.repetition_penalty)
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(torch.tensor([ids], device=model.device), max_new_tokens=max_new, do_sample=False,
+        ids_t = torch.tensor([ids], device=model.device)
+        out = model.generate(ids_t, attention_mask=torch.ones_like(ids_t), max_new_tokens=sampling.max_new_tokens,
                              eos_token_id=eos, pad_token_id=eos[0], **extra)
     return out[0, len(ids):].tolist(), time.perf_counter() - start
 
 
-def run_item(loaded, item: dict, method: str, la: LookaheadConfig, max_new: int, template: str | None,
-             step_cost: dict[int, float] | None = None):
+def run_item(loaded, item: dict, method: str, la: LookaheadConfig, sampling: SamplingConfig,
+             template: str | None, step_cost: dict[int, float] | None = None):
     """Answer every turn of `item` with `method`. Returns (all answer ids, seconds, steps)."""
     tok = loaded.tokenizer
     eos = sorted(loaded.eos_ids)
@@ -83,12 +90,14 @@ def run_item(loaded, item: dict, method: str, la: LookaheadConfig, max_new: int,
         messages.append({"role": "user", "content": turn})
         ids = templates.encode(tok, messages, template)
         if method in ("hf", "hf-lookup"):
-            answer, took = _hf_answer(loaded.model, ids, max_new, eos, method == "hf-lookup")
+            if sampling.seed is not None:
+                torch.manual_seed(sampling.seed)
+            answer, took = _hf_answer(loaded.model, ids, sampling, eos, method == "hf-lookup")
             steps = None  # HF does not report its forward passes
         else:
             start = time.perf_counter()
             done = None
-            for event in generate(session, ids, SamplingConfig(max_new_tokens=max_new), loaded.eos_ids):
+            for event in generate(session, ids, sampling, loaded.eos_ids):
                 if isinstance(event, Done):
                     done = event
             took = time.perf_counter() - start
@@ -100,26 +109,29 @@ def run_item(loaded, item: dict, method: str, la: LookaheadConfig, max_new: int,
     return answers, seconds, steps
 
 
-def run(loaded, datasets: list[str], methods: list[str], la: LookaheadConfig, max_new: int, limit: int | None,
-        template: str | None = None, progress=None) -> dict:
+def run(loaded, datasets: list[str], methods: list[str], la: LookaheadConfig, sampling: SamplingConfig,
+        limit: int | None, template: str | None = None, progress=None) -> dict:
+    """Greedy runs also report whether each method's answers equal HF greedy's, token for token;
+    sampled runs (temperature > 0) cannot, and report speed and compression only."""
     for m in methods:
         if m not in METHODS:
             raise BenchError(f"unknown method {m!r} (choose from {', '.join(METHODS)})")
     results: dict = {"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."),
-                     "device": str(loaded.device), "max_new_tokens": max_new,
+                     "device": str(loaded.device), "max_new_tokens": sampling.max_new_tokens,
+                     "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
                      "W": la.window, "N": la.ngram, "G": la.candidates, "datasets": {}}
     step_cost = loaded.step_cost()
     # warm-up: first calls allocate and pick kernels
     warm = {"turns": ["Hello"]}
     for m in methods:
-        run_item(loaded, warm, m, la, 8, template, step_cost)
+        run_item(loaded, warm, m, la, SamplingConfig(max_new_tokens=8), template, step_cost)
     for name in datasets:
         items = load_items(name, limit)
         tallies = {m: Tally() for m in methods}
         for i, item in enumerate(items):
             reference = None
             for m in methods:
-                answer, seconds, steps = run_item(loaded, item, m, la, max_new, template, step_cost)
+                answer, seconds, steps = run_item(loaded, item, m, la, sampling, template, step_cost)
                 if m == "hf":
                     reference = answer
                 t = tallies[m]
@@ -127,7 +139,7 @@ def run(loaded, datasets: list[str], methods: list[str], la: LookaheadConfig, ma
                 t.seconds += seconds
                 t.steps += steps or 0
                 t.items += 1
-                t.identical += int(reference is not None and answer == reference)
+                t.identical += int(sampling.greedy and reference is not None and answer == reference)
                 t.per_item.append((len(answer), seconds))
             if progress:
                 progress(name, i + 1, len(items))

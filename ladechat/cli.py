@@ -43,6 +43,7 @@ DeviceMap = Annotated[Optional[str], typer.Option("--device-map", help="accelera
 Attn = Annotated[str, typer.Option("--attn", help="Attention kernel: sdpa, eager or flash.")]
 Template = Annotated[Optional[str], typer.Option("--template", help="Chat template to use instead of the model's own (see: ladechat templates).")]
 System = Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.")]
+Stop = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop the answer after this text (repeatable).")]
 Debug = Annotated[bool, typer.Option("--debug", help="Show per-step acceptance and a per-turn statistics panel on stderr.")]
 
 
@@ -55,7 +56,8 @@ def stderr_console() -> Console:
 
 
 def _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, min_p,
-              repetition_penalty, seed, template, device_type: str, default_temperature: float = 0.0):
+              repetition_penalty, seed, template, device_type: str, default_temperature: float = 0.0,
+              stop: list[str] | None = None):
     from ladechat.bot import Settings
     from ladechat.engine.defaults import default_lookahead
     from ladechat.templates import TemplateError, names
@@ -70,7 +72,8 @@ def _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature,
             context_candidates=base.context_candidates, context_len=base.context_len, enabled=lookahead)
         sampling = SamplingConfig(
             max_new_tokens=max_new_tokens, temperature=default_temperature if temperature is None else temperature,
-            top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed)
+            top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
+            stop=tuple(s for s in (stop or ()) if s))
     except ConfigError as exc:
         raise Fail(str(exc)) from None
     return Settings(lookahead=la, sampling=sampling, template=template)
@@ -109,7 +112,8 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = True, w
          temperature: Temperature = None, top_p: TopP = 1.0, top_k: TopK = 0, min_p: MinP = 0.0,
          repetition_penalty: RepPenalty = 1.0, seed: Seed = None, dtype: Dtype = "auto", device: Device = "auto",
          load_in_4bit: FourBit = False, load_in_8bit: EightBit = False, device_map: DeviceMap = None,
-         attn: Attn = "sdpa", template: Template = None, system: System = None, debug: Debug = False) -> None:
+         attn: Attn = "sdpa", template: Template = None, system: System = None, stop: Stop = None,
+         debug: Debug = False) -> None:
     """Interactive multi-turn chat (the default command). Type /help inside for commands."""
     if ctx.invoked_subcommand is not None:
         return
@@ -120,7 +124,7 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = True, w
     loaded = _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, err)
     settings = _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, min_p,
                          repetition_penalty, seed, template, loaded.device.type,
-                         default_temperature=_model_temperature(loaded))
+                         default_temperature=_model_temperature(loaded), stop=stop)
     run_chat(loaded, settings, system=system, debug=debug, out=stdout_console(), err=err)
 
 
@@ -139,7 +143,7 @@ def ask(prompt: Annotated[Optional[str], typer.Argument(help="The question; '-' 
         top_p: TopP = 1.0, top_k: TopK = 0, min_p: MinP = 0.0, repetition_penalty: RepPenalty = 1.0,
         seed: Seed = None, dtype: Dtype = "auto", device: Device = "auto", load_in_4bit: FourBit = False,
         load_in_8bit: EightBit = False, device_map: DeviceMap = None, attn: Attn = "sdpa",
-        template: Template = None, system: System = None, debug: Debug = False,
+        template: Template = None, system: System = None, stop: Stop = None, debug: Debug = False,
         as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, token_ids, stats) instead of streaming.")] = False) -> None:
     """One-shot answer to PROMPT, streamed to stdout (greedy unless --temperature is given)."""
     from ladechat.bot import Bot, Notice
@@ -155,7 +159,7 @@ def ask(prompt: Annotated[Optional[str], typer.Argument(help="The question; '-' 
     _quiet_libraries()
     loaded = _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, err)
     settings = _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, min_p,
-                         repetition_penalty, seed, template, loaded.device.type)
+                         repetition_penalty, seed, template, loaded.device.type, stop=stop)
     bot = Bot(loaded, settings)
     conversation = Conversation(system=system, messages=[{"role": "user", "content": text}])
     out = stdout_console()
@@ -219,10 +223,11 @@ def bench(dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Pr
           methods: Annotated[str, typer.Option("--methods", help="Comma-separated: hf, hf-lookup, plain, lookahead.")] = "hf,hf-lookup,plain,lookahead",
           limit: Annotated[Optional[int], typer.Option("--limit", help="Items per dataset (default: all).")] = None,
           model: Model = None, window: Window = None, ngram: Ngram = None, candidates: Cands = None,
-          max_new_tokens: MaxNew = 256, dtype: Dtype = "auto", device: Device = "auto", attn: Attn = "sdpa",
+          max_new_tokens: MaxNew = 256, temperature: Temperature = None, top_p: TopP = 1.0, top_k: TopK = 0,
+          seed: Seed = 0, dtype: Dtype = "auto", device: Device = "auto", attn: Attn = "sdpa",
           template: Template = None,
           as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False) -> None:
-    """Compare HF greedy, HF prompt lookup, ladechat plain and lookahead on real prompts (greedy)."""
+    """Compare HF generate, HF prompt lookup, ladechat plain and lookahead on real prompts, side by side."""
     from ladechat import bench as benchmark
     from ladechat.ui.report import bench_tables
 
@@ -235,9 +240,9 @@ def bench(dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Pr
             raise Fail(f"--limit must be >= 1, got {limit}")
         _quiet_libraries()
         loaded = _load(model, dtype, device, attn, False, False, None, err)
-        settings = _settings(True, window, ngram, candidates, max_new_tokens, 0.0, 1.0, 0, 0.0, 1.0, None,
-                             template, loaded.device.type)
-        results = benchmark.run(loaded, dataset, method_list, settings.lookahead, max_new_tokens, limit, template,
+        settings = _settings(True, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, 0.0, 1.0,
+                             seed, template, loaded.device.type)
+        results = benchmark.run(loaded, dataset, method_list, settings.lookahead, settings.sampling, limit, template,
                                 progress=lambda name, i, n: err.print(f"[dim]{name}: {i}/{n}[/]", highlight=False))
     except benchmark.BenchError as exc:
         raise Fail(str(exc)) from None

@@ -76,3 +76,36 @@ def test_help_lists_every_option():
         assert opt in text, opt
     r = ladechat("templates")
     assert r.stdout.decode().split() == ["alpaca", "chatml", "llama-2", "vicuna", "zephyr"]
+
+
+def test_local_folder_model(tmp_path, embedded_fp32):
+    """A model folder on disk (a tiny random Llama with the embedded tokenizer) loads and answers."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = embedded_fp32.tokenizer
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    r = ladechat("ask", "--model", str(tmp_path), "--dtype", "float32", "--max-new-tokens", "6", "--json", "hi")
+    assert r.returncode == 0, r.stderr
+    record = json.loads(r.stdout)
+    assert record["model"] == str(tmp_path) and 1 <= record["stats"]["new_tokens"] <= 6
+
+
+def test_gguf_file_model():
+    from ladechat.engine.gguf import embedded_gguf
+
+    path = embedded_gguf()
+    r = ladechat("ask", "--model", str(path), "--max-new-tokens", "8", "--json", "Say hello.")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["model"] == path.name
+
+
+def test_stop_string_ends_the_answer():
+    r = ladechat("ask", "--json", "--stop", "5", "--max-new-tokens", "60",
+                 "Count from 1 to 10, separated by commas.")
+    assert r.returncode == 0, r.stderr
+    record = json.loads(r.stdout)
+    assert record["stats"]["finish_reason"] == "stop"
+    assert record["text"].rstrip().endswith("5") and "6" not in record["text"]

@@ -29,6 +29,7 @@ from ladechat.engine.stopping import StopRule
 
 STEP_BUDGET = 0.3  # a step may cost up to 1.3x a one-token step (see _plan)
 WINDOW_SLACK = 0.15  # or 15% more than its candidates alone, to carry window columns
+PROBE_EVERY = 8  # while acceptance is poor, still try candidates on every 8th step
 
 
 class Session:
@@ -42,6 +43,9 @@ class Session:
     def __init__(self, model, lookahead: LookaheadConfig, step_cost: dict[int, float] | None = None) -> None:
         self.model = model
         self.step_cost = step_cost  # measured seconds per step size; None: always the full step
+        self.budget = _budget(step_cost) if step_cost else 0  # largest step size within STEP_BUDGET
+        self.gain = 1.0  # running mean of the extra tokens a step with candidates accepted
+        self.skipped = 0  # candidate steps skipped in a row because acceptance was poor
         self.cache = kv.new_cache()
         self.cached: list[int] = []
         self.context = ContextIndex()
@@ -135,13 +139,19 @@ class Session:
         window = self._window_for(t, prompt)
         if self.step_cost is None:
             return build_layout(window, candidates)
-        budget = self._budget()
+        budget = self.budget
         chosen = candidates[:1]
         for cand in candidates[1:]:
             if build_layout([[t]], chosen + [cand]).size > budget:
                 break
             chosen.append(cand)
         alone = build_layout([[t]], chosen)
+        # Speculation must not cost more than it saves: while recent steps accepted fewer extra
+        # tokens than the step's extra cost, decode plainly, re-checking every PROBE_EVERY steps.
+        if chosen and self.gain < cost(self.step_cost, alone.size) / cost(self.step_cost, 1) - 1:
+            self.skipped += 1
+            if self.skipped % PROBE_EVERY:
+                return build_layout([[t]], [])
         limit = max(cost(self.step_cost, budget), cost(self.step_cost, alone.size) * (1 + WINDOW_SLACK))
         levels = len(window)
         for columns in range(len(window[0]), 0, -1):
@@ -150,10 +160,6 @@ class Session:
             if cost(self.step_cost, alone.size + columns * levels - 1) <= limit:
                 return build_layout([level[:columns] for level in window], chosen)
         return alone
-
-    def _budget(self) -> int:
-        base = cost(self.step_cost, 1) * (1 + STEP_BUDGET)
-        return max([s for s in range(1, 257) if cost(self.step_cost, s) <= base], default=1)
 
     # -- candidates ---------------------------------------------------------------------------
     def _candidates(self, t: int) -> list[tuple[tuple[int, ...], str]]:
@@ -216,6 +222,8 @@ def generate(session: Session, prompt: list[int], sampling: SamplingConfig, eos_
             else:
                 choose = lambda row, path: chooser.pick(logits[row_at[row]], history + path)  # noqa: E731
             block, matched, source = verify(layout, choose)
+            if layout.size > layout.window_rows:  # the step carried candidates
+                session.gain = 0.8 * session.gain + 0.2 * len(matched)
             if layout.window_rows > 1:
                 # The window always advances by argmax, as in the paper, also when sampling.
                 session._harvest_and_shift([argmax[row_at[r]] for r in layout.last_level])
@@ -274,6 +282,11 @@ def verify(layout: StepLayout, choose) -> tuple[list[int], list[int], str]:
         node = child
     source = layout.sources[matched[0] - layout.window_rows] if matched else "none"
     return accepted, matched, source
+
+
+def _budget(step_cost: dict[int, float]) -> int:
+    base = cost(step_cost, 1) * (1 + STEP_BUDGET)
+    return max([s for s in range(1, 257) if cost(step_cost, s) <= base], default=1)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

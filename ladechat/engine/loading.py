@@ -167,7 +167,8 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
 
 def _not_found(model: str, exc: Exception) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if "offline" in text.lower() or "connect" in text.lower() or "couldn't" in text.lower() or "not a local folder" in text:
+    hints = ("offline", "connect", "couldn't", "not a local folder")
+    if any(h in text.lower() for h in hints):
         return (f"model {model!r} is not in the local Hugging Face cache and the hub cannot be reached; "
                 "pass a local folder or .gguf file, or download it first")
     return f"cannot load model {model!r}: {text}"

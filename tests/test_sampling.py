@@ -1,0 +1,153 @@
+"""Sampling with lookahead keeps the model's distribution exactly (chi-square tests with power)."""
+
+import math
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from ladechat.engine.config import LookaheadConfig, SamplingConfig
+from ladechat.engine.decode import Session, generate, verify
+from ladechat.engine.layout import build_layout
+from ladechat.engine.sampling import Chooser
+from tiny_models import tiny_model
+
+ALPHA_Z = 3.09  # one-sided z for significance 0.001: a correct rule fails about 1 run in 1000
+
+
+def chi2_critical(dof: int) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile at significance 0.001."""
+    return dof * (1 - 2 / (9 * dof) + ALPHA_Z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def chi2_two_samples(a: Counter, b: Counter) -> tuple[float, int]:
+    na, nb = sum(a.values()), sum(b.values())
+    keys = [k for k in set(a) | set(b) if a[k] + b[k] >= 5]
+    stat = 0.0
+    for k in keys:
+        total = a[k] + b[k]
+        ea, eb = total * na / (na + nb), total * nb / (na + nb)
+        stat += (a[k] - ea) ** 2 / ea + (b[k] - eb) ** 2 / eb
+    return stat, max(1, len(keys) - 1)
+
+
+def chi2_expected(observed: Counter, expected: dict) -> tuple[float, int]:
+    n = sum(observed.values())
+    keys = [k for k, p in expected.items() if p * n >= 5]
+    stat = sum((observed[k] - expected[k] * n) ** 2 / (expected[k] * n) for k in keys)
+    rest_obs = n - sum(observed[k] for k in keys)
+    rest_exp = n - sum(expected[k] * n for k in keys)
+    if rest_exp >= 5:
+        stat += (rest_obs - rest_exp) ** 2 / rest_exp
+    return stat, max(1, len(keys) - (0 if rest_exp >= 5 else 1))
+
+
+# -- the verification rule itself, against the exact distribution ------------------------------
+# A trie with candidates (1, 2) and (1, 3) and (4,), and fixed next-token distributions per row.
+LAYOUT = build_layout([[0]], [((1, 2), "pool"), ((1, 3), "pool"), ((4,), "context")])
+ROW = {tok: row for row, tok in enumerate(LAYOUT.tokens)}
+
+
+def row_logits(probs):
+    return torch.log(torch.tensor(probs, dtype=torch.float32).clamp_min(1e-30))
+
+
+DISTS = {0: [0.0, 0.5, 0.1, 0.1, 0.3], ROW[1]: [0.2, 0.1, 0.4, 0.3, 0.0], ROW[4]: [0.1, 0.2, 0.3, 0.4, 0.0],
+         ROW[2]: [0.25] * 4 + [0.0], ROW[3]: [0.25] * 4 + [0.0]}
+LOGITS = {row: row_logits(p) for row, p in DISTS.items()}
+
+
+def exact_first_two():
+    out = {}
+    for x0, p0 in enumerate(DISTS[0]):
+        nxt = DISTS[ROW[x0]] if x0 in (1, 4) else None
+        for x1 in range(5):
+            if nxt is not None:
+                out[(x0, x1)] = out.get((x0, x1), 0) + p0 * nxt[x1]
+    return {k: v for k, v in out.items() if v > 0}
+
+
+def sample_pairs(choose_factory, n=6000):
+    pairs = Counter()
+    for i in range(n):
+        choose = choose_factory(i)
+        accepted, _, _ = verify(LAYOUT, choose)
+        if len(accepted) >= 2 and accepted[0] in (1, 4):
+            pairs[tuple(accepted[:2])] += 1
+        elif accepted[0] in (1, 4):
+            pytest.fail("a matched candidate must yield a bonus token")
+    return pairs
+
+
+def test_verify_rule_matches_exact_distribution():
+    chooser = Chooser(SamplingConfig(temperature=1.0, seed=1))
+    pairs = sample_pairs(lambda i: (lambda row, path: chooser.pick(LOGITS[row], path)))
+    exact = exact_first_two()
+    total = sum(exact.values())
+    stat, dof = chi2_expected(pairs, {k: v / total for k, v in exact.items()})
+    assert stat < chi2_critical(dof), (stat, dof)
+
+
+def test_wrong_rule_is_detected():
+    """Accepting a draft whenever the model allows it (instead of sampling) must fail the test."""
+    chooser = Chooser(SamplingConfig(temperature=1.0, seed=2))
+
+    def greedy_for_drafts(row, path):
+        children = LAYOUT.children[row]
+        allowed = [tok for tok in children if DISTS[row][tok] > 0]
+        return allowed[0] if allowed else chooser.pick(LOGITS[row], path)
+
+    pairs = sample_pairs(lambda i: greedy_for_drafts)
+    exact = exact_first_two()
+    total = sum(exact.values())
+    stat, dof = chi2_expected(pairs, {k: v / total for k, v in exact.items()})
+    assert stat > chi2_critical(dof)
+
+
+# -- end to end on a tiny model: lookahead sampling vs plain sampling ---------------------------
+def draw(model, prompt, la, cfg, n):
+    seqs = Counter()
+    session = Session(model, la)
+    for i in range(n):
+        session.reset()
+        sampling = SamplingConfig(**{**cfg, "seed": 10_000 + i, "max_new_tokens": 2})
+        events = list(generate(session, prompt, sampling, frozenset()))
+        seqs[tuple(events[-1].text_tokens)] += 1
+    return seqs
+
+
+SETTINGS = [
+    ({"temperature": 1.0, "top_k": 3}, dict(window=3, ngram=3, candidates=3)),
+    ({"temperature": 0.7, "top_p": 0.8, "top_k": 4}, dict(window=2, ngram=4, candidates=2)),
+    ({"temperature": 1.2, "top_k": 3, "repetition_penalty": 1.3}, dict(window=4, ngram=2, candidates=4)),
+    ({"temperature": 1.0, "top_k": 5, "min_p": 0.1}, dict(window=1, ngram=3, candidates=5)),
+]
+
+
+@pytest.mark.parametrize("cfg,la", SETTINGS)
+def test_lookahead_sampling_matches_plain_sampling(cfg, la):
+    model = tiny_model("llama", seed=3)
+    rng = random.Random(5)
+    motif = [rng.randrange(96) for _ in range(3)]
+    prompt = motif * 6  # repetitive: the first step has candidates to verify
+    n = 800
+    ours = draw(model, prompt, LookaheadConfig(**la), cfg, n)
+    plain = draw(model, prompt, LookaheadConfig(enabled=False), cfg, n)
+    stat, dof = chi2_two_samples(ours, plain)
+    assert stat < chi2_critical(dof), (stat, dof, ours.most_common(5), plain.most_common(5))
+
+
+def test_same_seed_same_output_and_zero_temperature_is_greedy():
+    model = tiny_model("qwen2", seed=4)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    la = LookaheadConfig(window=3, ngram=3, candidates=3)
+
+    def run(cfg):
+        return list(generate(Session(model, la), prompt, cfg, frozenset()))[-1].text_tokens
+
+    sampled = SamplingConfig(temperature=0.9, top_k=20, seed=123, max_new_tokens=30)
+    assert run(sampled) == run(sampled)
+    greedy = run(SamplingConfig(max_new_tokens=30))
+    assert run(SamplingConfig(temperature=1e-4, seed=1, max_new_tokens=30)) == greedy
+    assert run(SamplingConfig(temperature=0.0, seed=7, max_new_tokens=30)) == greedy
