@@ -120,6 +120,9 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = True, w
     from ladechat.ui.chat import run_chat
 
     err = stderr_console()
+    # Validate every flag before the (slow) model load.
+    _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, min_p,
+              repetition_penalty, seed, template, "cpu", stop=stop)
     _quiet_libraries()
     loaded = _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, err)
     settings = _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, min_p,

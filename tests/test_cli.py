@@ -109,3 +109,9 @@ def test_stop_string_ends_the_answer():
     record = json.loads(r.stdout)
     assert record["stats"]["finish_reason"] == "stop"
     assert record["text"].rstrip().endswith("5") and "6" not in record["text"]
+
+
+def test_chat_rejects_bad_flags_before_loading():
+    r = ladechat("-N", "0")
+    assert r.returncode == 1
+    assert r.stderr.decode().strip() == "ladechat: error: N (n-gram size) must be >= 2, got 0"
