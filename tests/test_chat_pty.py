@@ -2,6 +2,7 @@
 
 import json
 import os
+import time
 
 import pexpect
 
@@ -47,8 +48,8 @@ def test_chat_session_end_to_end(tmp_path):
     # Ctrl-C during a long answer keeps the partial answer, marked as interrupted
     say(child, "/set max_new_tokens=600", "max_new_tokens=600")
     child.sendline("Write a very long story about a dragon who learns to bake bread.")
-    child.expect("bake bread")  # the echo of the question
-    child.expect(r"[A-Za-z]+ [A-Za-z]+ [A-Za-z]+ [A-Za-z]+", timeout=60)  # the answer is streaming
+    child.expect("bake bread")  # the echo of the question (prompt-toolkit may redraw it)
+    time.sleep(5)  # the answer (up to 600 tokens) is streaming by now
     child.sendcontrol("c")
     child.expect("interrupted")
     child.expect(PROMPT)
