@@ -44,6 +44,7 @@ Attn = Annotated[str, typer.Option("--attn", help="Attention kernel: sdpa, eager
 Template = Annotated[Optional[str], typer.Option("--template", help="Chat template to use instead of the model's own (see: ladechat templates).")]
 System = Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.")]
 Stop = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop the answer after this text (repeatable).")]
+Markdown = Annotated[bool, typer.Option("--markdown/--no-markdown", help="On a terminal, redraw a finished answer that has code blocks, lists or headings as rendered Markdown.")]
 Debug = Annotated[bool, typer.Option("--debug", help="Show per-step acceptance and a per-turn statistics panel on stderr.")]
 
 
@@ -113,7 +114,7 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = True, w
          repetition_penalty: RepPenalty = 1.0, seed: Seed = None, dtype: Dtype = "auto", device: Device = "auto",
          load_in_4bit: FourBit = False, load_in_8bit: EightBit = False, device_map: DeviceMap = None,
          attn: Attn = "sdpa", template: Template = None, system: System = None, stop: Stop = None,
-         debug: Debug = False) -> None:
+         markdown: Markdown = True, debug: Debug = False) -> None:
     """Interactive multi-turn chat (the default command). Type /help inside for commands."""
     if ctx.invoked_subcommand is not None:
         return
@@ -128,7 +129,7 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = True, w
     settings = _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, min_p,
                          repetition_penalty, seed, template, loaded.device.type,
                          default_temperature=_model_temperature(loaded), stop=stop)
-    run_chat(loaded, settings, system=system, debug=debug, out=stdout_console(), err=err)
+    run_chat(loaded, settings, system=system, debug=debug, markdown=markdown, out=stdout_console(), err=err)
 
 
 def _model_temperature(loaded) -> float:
@@ -146,11 +147,12 @@ def ask(prompt: Annotated[Optional[str], typer.Argument(help="The question; '-' 
         top_p: TopP = 1.0, top_k: TopK = 0, min_p: MinP = 0.0, repetition_penalty: RepPenalty = 1.0,
         seed: Seed = None, dtype: Dtype = "auto", device: Device = "auto", load_in_4bit: FourBit = False,
         load_in_8bit: EightBit = False, device_map: DeviceMap = None, attn: Attn = "sdpa",
-        template: Template = None, system: System = None, stop: Stop = None, debug: Debug = False,
-        as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, token_ids, stats) instead of streaming.")] = False) -> None:
+        template: Template = None, system: System = None, stop: Stop = None, markdown: Markdown = True,
+        debug: Debug = False, as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, token_ids, stats) instead of streaming.")] = False) -> None:
     """One-shot answer to PROMPT, streamed to stdout (greedy unless --temperature is given)."""
     from ladechat.bot import Bot, Notice
     from ladechat.conversation import Conversation, ConversationError
+    from ladechat.engine.decode import OutOfMemory
     from ladechat.engine.events import Done
     from ladechat.ui.stream import StreamPrinter, debug_panel, footer
 
@@ -166,7 +168,7 @@ def ask(prompt: Annotated[Optional[str], typer.Argument(help="The question; '-' 
     bot = Bot(loaded, settings)
     conversation = Conversation(system=system, messages=[{"role": "user", "content": text}])
     out = stdout_console()
-    printer = StreamPrinter(loaded.tokenizer, out, err, debug=debug)
+    printer = StreamPrinter(loaded.tokenizer, out, err, debug=debug, markdown=markdown)
     done = None
     try:
         for event in bot.reply(conversation):
@@ -176,6 +178,10 @@ def ask(prompt: Annotated[Optional[str], typer.Argument(help="The question; '-' 
                 printer.handle(event)
     except ConversationError as exc:
         raise Fail(str(exc)) from None
+    except OutOfMemory as exc:
+        if printer.text:
+            out.print()
+        raise Fail(f"{exc}; try a shorter prompt, a smaller --max-new-tokens, -W or -G, or --load-in-4bit") from None
     except KeyboardInterrupt:
         err.print("\n[yellow]interrupted[/]")
         raise typer.Exit(130) from None
@@ -188,7 +194,7 @@ def ask(prompt: Annotated[Optional[str], typer.Argument(help="The question; '-' 
                   "token_ids": list(done.text_tokens), "model": loaded.name, "stats": stats_dict}
         sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
     else:
-        out.print()
+        printer.finish(complete=stats.finish_reason != "interrupted")
         if debug:
             err.print(debug_panel(stats))
         err.print(f"[dim]{footer(stats)}[/]", highlight=False)

@@ -75,3 +75,51 @@ def test_greedy_chat_answers_identical_with_lookahead_on_and_off(tmp_path):
     assert answers[0] == answers[1] and answers[0]
     child.sendeof()
     child.expect(pexpect.EOF)
+
+
+def saved_messages(child, path, count):
+    say(child, f"/save {path}", f"saved {count} messages")
+    return json.loads(path.read_text())
+
+
+def test_system_multiline_undo_retry_and_markdown(tmp_path):
+    child = spawn(tmp_path)
+    path = tmp_path / "c.json"
+    say(child, "/system You are a terse assistant.", "system prompt set; new conversation")
+    say(child, "/show", "system prompt: 'You are a terse assistant.'")
+    # Alt+Enter (Esc, Enter) inserts a new line; Enter sends the whole message.
+    child.send("Name a colour.")
+    child.send("\x1b\r")
+    child.send("Answer in one word.")
+    child.send("\r")
+    child.expect("tokens/step")
+    child.expect(PROMPT)
+    # A message that starts with """ runs until a line that ends with """.
+    child.sendline('"""Write a Python function')
+    child.sendline("that adds two numbers.")
+    child.sendline('Use a code block."""')
+    child.expect("tokens/step")
+    child.expect(PROMPT)
+    data = saved_messages(child, path, 4)
+    assert data["system"] == "You are a terse assistant."
+    questions = [m["content"] for m in data["messages"] if m["role"] == "user"]
+    assert questions == ["Name a colour.\nAnswer in one word.",
+                         "Write a Python function\nthat adds two numbers.\nUse a code block."]
+    code_answer = data["messages"][3]["content"]
+    assert "```" in code_answer
+    # /retry regenerates the last answer (greedy: the same text); /undo drops question and answer.
+    child.sendline("/retry")
+    child.expect("tokens/step")
+    screen = child.before
+    child.expect(PROMPT)
+    assert "\r\x1b[2K\x1b[1A\x1b[2K" in screen  # the finished code answer was erased and redrawn as Markdown
+    assert saved_messages(child, path, 4)["messages"][3]["content"] == code_answer
+    say(child, "/undo", "dropped the last question and its answer")
+    assert [m["content"] for m in saved_messages(child, path, 2)["messages"]][0] == questions[0]
+    say(child, "/undo", "dropped the last question and its answer")
+    say(child, "/undo", "nothing to undo")
+    say(child, "/retry", "nothing to retry")
+    say(child, "/system", "system prompt removed")
+    assert saved_messages(child, path, 0)["system"] is None
+    child.sendeof()
+    child.expect(pexpect.EOF)

@@ -32,6 +32,16 @@ WINDOW_SLACK = 0.15  # or 15% more than its candidates alone, to carry window co
 PROBE_EVERY = 8  # while acceptance is poor, still try candidates on every 8th step
 
 
+class OutOfMemory(RuntimeError):
+    """A forward pass ran out of device or host memory. The session was left consistent (the
+    half-done step dropped), so the conversation can go on, e.g. after dropping old turns."""
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    # CUDA raises torch.OutOfMemoryError; the CPU allocator raises a plain RuntimeError.
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(exc)
+
+
 class Session:
     """Decoding state that outlives one answer: KV cache, the tokens it holds, pool and window.
 
@@ -175,7 +185,8 @@ def generate(session: Session, prompt: list[int], sampling: SamplingConfig, eos_
     """Stream the answer to `prompt` (the full conversation's token ids) as Step events, then Done.
 
     KeyboardInterrupt inside a forward pass leaves the session consistent (the half-done step is
-    dropped) and ends the stream with finish_reason "interrupted".
+    dropped) and ends the stream with finish_reason "interrupted". Running out of memory does the
+    same, then raises OutOfMemory (the tokens streamed so far stay valid).
     """
     if not prompt:
         raise ValueError("empty prompt")
@@ -252,6 +263,14 @@ def generate(session: Session, prompt: list[int], sampling: SamplingConfig, eos_
     except KeyboardInterrupt:
         kv.truncate(session.cache, len(session.cached))
         reason = "interrupted"
+    except (RuntimeError, MemoryError) as exc:
+        if not _is_out_of_memory(exc):
+            raise
+        kv.truncate(session.cache, len(session.cached))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        raise OutOfMemory(f"out of memory on {device} after {len(generated)} new tokens, with "
+                          f"{len(session.cached)} tokens in the KV cache") from None
     total = time.perf_counter() - start
     stats = Stats(
         new_tokens=len(generated), steps=steps, prompt_tokens=len(prompt), prefill_tokens=prefill_tokens,

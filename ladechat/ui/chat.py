@@ -12,6 +12,7 @@ from rich.console import Console
 from ladechat.bot import Bot, Settings
 from ladechat.conversation import Conversation, ConversationError
 from ladechat.engine.config import ConfigError
+from ladechat.engine.decode import OutOfMemory
 from ladechat.engine.events import Done, Stats
 from ladechat.engine.loading import LoadedModel
 from ladechat.ui import commands
@@ -50,20 +51,22 @@ class Totals:
 
 class ChatApp:
     def __init__(self, loaded: LoadedModel, settings: Settings, system: str | None, debug: bool,
-                 out: Console, err: Console) -> None:
+                 out: Console, err: Console, markdown: bool = True) -> None:
         self.loaded = loaded
         self.bot = Bot(loaded, settings)
         self.conversation = Conversation(system=system)
         self.debug = debug
+        self.markdown = markdown
         self.out = out
         self.err = err
         self.totals = Totals()
 
     # -- answering ----------------------------------------------------------------------------
     def answer(self) -> None:
-        printer = StreamPrinter(self.loaded.tokenizer, self.out, self.err, debug=self.debug)
+        printer = StreamPrinter(self.loaded.tokenizer, self.out, self.err, debug=self.debug, markdown=self.markdown)
         events = self.bot.reply(self.conversation)
         stats = None
+        out_of_memory = None
         try:
             for event in events:
                 if isinstance(event, Done):
@@ -76,16 +79,25 @@ class ChatApp:
             self.conversation.messages.pop()
             self.error(str(exc))
             return
+        except OutOfMemory as exc:
+            out_of_memory = (f"{exc}; try /clear, fewer tokens per step (/set w=.. g=..), a smaller "
+                             "max_new_tokens or --load-in-4bit")
+            if not printer.text:
+                self.conversation.messages.pop()
+                self.error(f"{out_of_memory} (the question was not answered; Up recalls it)")
+                return
         interrupted = stats is None or stats.finish_reason == "interrupted"
         self.conversation.messages.append({"role": "assistant", "content": printer.text,
                                            "interrupted": interrupted})
-        self.out.print()
+        printer.finish(complete=not interrupted)
         if stats is not None:
             self.totals.add(stats)
             if self.debug:
                 self.err.print(debug_panel(stats))
             self.err.print(f"[dim]{footer(stats)}[/]", highlight=False)
-        if interrupted:
+        if out_of_memory:
+            self.error(f"{out_of_memory} (the partial answer is kept)")
+        elif interrupted:
             self.err.print("[yellow]interrupted: the partial answer is kept[/]")
 
     def ask(self, text: str) -> None:
@@ -129,6 +141,9 @@ class ChatApp:
         elif cmd.name == "/debug":
             self.debug = commands.on_off(cmd.arg, "/debug")
             self.info(f"debug {'on' if self.debug else 'off'}")
+        elif cmd.name == "/markdown":
+            self.markdown = commands.on_off(cmd.arg, "/markdown")
+            self.info(f"markdown rendering of finished answers {'on' if self.markdown else 'off'}")
         elif cmd.name == "/system":
             self.conversation = Conversation(system=cmd.arg or None)
             self.info("system prompt set; new conversation" if cmd.arg else "system prompt removed; new conversation")
@@ -224,8 +239,8 @@ def _read_message(read_line) -> str | None:
 
 
 def run_chat(loaded: LoadedModel, settings: Settings, system: str | None, debug: bool,
-             out: Console, err: Console) -> None:
-    app = ChatApp(loaded, settings, system, debug, out, err)
+             out: Console, err: Console, markdown: bool = True) -> None:
+    app = ChatApp(loaded, settings, system, debug, out, err, markdown=markdown)
     la = settings.lookahead
     err.print(f"[bold]ladechat[/] · {loaded.name} on {loaded.device} · lookahead "
               f"{'on' if la.enabled else 'off'} (W={la.window} N={la.ngram} G={la.candidates}) · "

@@ -11,6 +11,7 @@ HELP = """\
 /show                 current settings
 /stats                session totals per mode: tokens, steps, tokens/step, tok/s
 /debug on|off         per-step acceptance and a per-turn statistics panel
+/markdown on|off      redraw finished answers with code blocks, lists or headings as Markdown
 /system TEXT          set the system prompt (empty: remove it); starts a new conversation
 /clear                start a new conversation (settings are kept)
 /undo                 drop the last question and its answer
@@ -21,8 +22,8 @@ HELP = """\
 Input: Enter sends; Alt+Enter (or Esc then Enter) adds a new line; a message that starts with
 \"\"\" continues until a line that ends with \"\"\". Ctrl-C stops an answer or clears the line."""
 
-COMMANDS = ("/help", "/lookahead", "/set", "/show", "/stats", "/debug", "/system", "/clear", "/undo", "/retry",
-            "/save", "/load", "/exit", "/quit")
+COMMANDS = ("/help", "/lookahead", "/set", "/show", "/stats", "/debug", "/markdown", "/system", "/clear", "/undo",
+            "/retry", "/save", "/load", "/exit", "/quit")
 
 SET_KEYS = {"w": "W", "n": "N", "g": "G", "max_new_tokens": "max_new_tokens", "temperature": "temperature",
             "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",

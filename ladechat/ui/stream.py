@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import math
+import re
+
+from rich.cells import cell_len
 from rich.console import Console
+from rich.control import Control
+from rich.markdown import Markdown
+from rich.segment import ControlType
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -12,17 +19,21 @@ from ladechat.detok import Detokenizer
 from ladechat.engine.events import Done, Stats, Step
 
 GUESSED_STYLE = "bold cyan"
+# Block-level Markdown worth rendering: code fences, headings, lists, tables, quotes.
+MARKDOWN_BLOCKS = re.compile(r"^\s*(```|#{1,6} |[-*+] \S|\d+[.)] \S|\|.*\|\s*$|> )", re.MULTILINE)
 
 
 class StreamPrinter:
     """Consumes Step/Done/Notice events. Content goes to `out`, everything else to `err`."""
 
-    def __init__(self, tokenizer, out: Console, err: Console, debug: bool = False) -> None:
+    def __init__(self, tokenizer, out: Console, err: Console, debug: bool = False, markdown: bool = False) -> None:
         self.detok = Detokenizer(tokenizer)
         self.tokenizer = tokenizer
         self.out = out
         self.err = err
         self.debug = debug
+        self.markdown = markdown
+        self.shown = ""  # exactly what went to the screen, to know how many rows it covers
         self.stats: Stats | None = None
 
     def handle(self, event) -> None:
@@ -41,15 +52,40 @@ class StreamPrinter:
         text.append(guessed_text, style=GUESSED_STYLE)
         text.append(own_text)
         self.out.print(text, end="", soft_wrap=True, highlight=False)
+        self.shown += text.plain
         if self.debug:
             pieces = " ".join(repr(self.tokenizer.decode([t])) + ("*" if g else "")
                               for t, g in zip(step.tokens, step.guessed))
             self.err.print(f"[dim]  step: +{len(step.tokens)} from {step.source}, fed {step.fed}, "
                            f"{step.seconds * 1000:.0f} ms: {pieces}[/]", highlight=False)
 
+    def finish(self, complete: bool = True) -> None:
+        """End the answer's line; redraw a complete answer as rendered Markdown where that helps.
+
+        The stream itself is plain text (re-rendering Markdown on every step would make it
+        flicker and lose the highlighting), so a finished answer with block-level Markdown is
+        erased and printed once more, rendered, if it is still entirely on the screen. Not with
+        --debug (stderr lines are interleaved) and only on a terminal.
+        """
+        rows = screen_rows(self.shown, self.out.size.width)
+        redraw = (complete and self.markdown and not self.debug and self.out.is_terminal
+                  and MARKDOWN_BLOCKS.search(self.shown) is not None and rows < self.out.size.height)
+        if not redraw:
+            self.out.print()
+            return
+        codes = [(ControlType.CARRIAGE_RETURN,), (ControlType.ERASE_IN_LINE, 2)]
+        codes += [(ControlType.CURSOR_UP, 1), (ControlType.ERASE_IN_LINE, 2)] * (rows - 1)
+        self.out.control(Control(*codes))
+        self.out.print(Markdown(self.detok.text.strip("\n")))
+
     @property
     def text(self) -> str:
         return self.detok.text
+
+
+def screen_rows(text: str, width: int) -> int:
+    """Rows that `text`, printed from column 0, covers on a terminal that wraps at `width` cells."""
+    return sum(max(1, math.ceil(cell_len(line.expandtabs(8)) / width)) for line in text.split("\n"))
 
 
 def footer(stats: Stats) -> str:

@@ -1,0 +1,87 @@
+"""Running out of memory mid-answer: the session stays consistent, the chat keeps going."""
+
+import io
+from dataclasses import replace
+
+import pytest
+import torch
+from rich.console import Console
+
+from ladechat.bot import Settings
+from ladechat.engine import kv
+from ladechat.engine.config import LookaheadConfig, SamplingConfig
+from ladechat.engine.decode import OutOfMemory, Session, generate
+from ladechat.engine.events import Done, Step
+from ladechat.ui.chat import ChatApp
+from test_exactness import hf_greedy
+from tiny_models import tiny_model
+
+CPU_OOM = RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: you tried "
+                       "to allocate 40000000000000 bytes")
+
+
+class RunsOutOfMemory:
+    """A model that raises `error` right after its `fail_on_call`-th forward pass has written the KV cache,
+    the worst moment: the cache then holds rows of a step that will never be committed."""
+
+    def __init__(self, model, fail_on_call: int, error: BaseException) -> None:
+        self.model, self.fail_on_call, self.error, self.calls = model, fail_on_call, error, 0
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, **kwargs):
+        self.calls += 1
+        out = self.model(**kwargs)
+        if self.calls == self.fail_on_call:
+            raise self.error
+        return out
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), CPU_OOM,
+                                   MemoryError()])
+def test_out_of_memory_leaves_the_session_consistent(error):
+    model = tiny_model("llama")
+    prompt = [5, 17, 23, 5, 17, 23, 5, 17, 9, 40, 41, 42]
+    la = LookaheadConfig(window=3, ngram=3, candidates=3)
+    session = Session(RunsOutOfMemory(model, fail_on_call=6, error=error), la)
+    partial = []
+    with pytest.raises(OutOfMemory, match=r"out of memory on cpu after \d+ new tokens"):
+        for event in generate(session, prompt, SamplingConfig(max_new_tokens=40), frozenset()):
+            if isinstance(event, Step):
+                partial += event.tokens
+    assert partial and kv.cache_length(session.cache) == len(session.cached) == len(prompt) + len(partial) - 1
+    # Continuing on the same session (as the chat does) gives exactly the greedy continuation.
+    rest = [e for e in generate(session, prompt + partial, SamplingConfig(max_new_tokens=20), frozenset())]
+    assert isinstance(rest[-1], Done)
+    assert partial + list(rest[-1].text_tokens) == hf_greedy(model, prompt, len(partial) + 20)
+
+
+def test_other_runtime_errors_are_not_taken_for_out_of_memory():
+    session = Session(RunsOutOfMemory(tiny_model("llama"), 2, RuntimeError("shape mismatch")), LookaheadConfig())
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        list(generate(session, [1, 2, 3, 4], SamplingConfig(max_new_tokens=8), frozenset()))
+
+
+def chat_app(loaded, fail_on_call):
+    wrapped = replace(loaded, model=RunsOutOfMemory(loaded.model, fail_on_call, torch.OutOfMemoryError("CUDA OOM")))
+    settings = Settings(LookaheadConfig(window=2, ngram=3, candidates=1), SamplingConfig(max_new_tokens=24))
+    err = io.StringIO()
+    return ChatApp(wrapped, settings, None, False, Console(file=io.StringIO()), Console(file=err, width=300)), err
+
+
+def test_chat_survives_out_of_memory(embedded_fp32):
+    app, err = chat_app(embedded_fp32, fail_on_call=1)  # the prefill itself fails
+    app.ask("What is the capital of France?")
+    assert app.conversation.messages == []
+    assert "error: out of memory on cpu after 0 new tokens" in err.getvalue()
+    assert "the question was not answered" in err.getvalue()
+
+    app, err = chat_app(embedded_fp32, fail_on_call=4)  # three steps in
+    app.ask("What is the capital of France?")
+    question, answer = app.conversation.messages
+    assert answer["role"] == "assistant" and answer["interrupted"] and answer["content"]
+    assert "the partial answer is kept" in err.getvalue()
+    app.ask("And of Germany?")  # the same session goes on
+    assert [m["role"] for m in app.conversation.messages] == ["user", "assistant"] * 2
+    assert not app.conversation.messages[-1]["interrupted"] and app.conversation.messages[-1]["content"]
