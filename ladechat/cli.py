@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from ladechat.engine.config import ConfigError, LookaheadConfig, SamplingConfig
 
@@ -95,7 +96,7 @@ def _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, er
     except (LoadError, ModelNotFound) as exc:
         raise Fail(str(exc)) from None
     for notice in loaded.notices:
-        err.print(f"[yellow]notice:[/] {notice}", highlight=False)
+        err.print(f"[yellow]notice:[/] {escape(notice)}", highlight=False)
     return loaded
 
 
@@ -252,7 +253,7 @@ def bench(dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Pr
         settings = _settings(True, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, 0.0, 1.0,
                              seed, template, loaded.device.type)
         results = benchmark.run(loaded, dataset, method_list, settings.lookahead, settings.sampling, limit, template,
-                                progress=lambda name, i, n: err.print(f"[dim]{name}: {i}/{n}[/]", highlight=False))
+                                progress=lambda name, i, n: err.print(f"[dim]{escape(name)}: {i}/{n}[/]", highlight=False))
     except benchmark.BenchError as exc:
         raise Fail(str(exc)) from None
     if as_json:

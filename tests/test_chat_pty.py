@@ -85,6 +85,9 @@ def saved_messages(child, path, count):
 def test_system_multiline_undo_retry_and_markdown(tmp_path):
     child = spawn(tmp_path)
     path = tmp_path / "c.json"
+    child.send("this half-typed line is abandoned")
+    child.sendcontrol("c")  # Ctrl-C at the prompt clears the line, the chat goes on
+    say(child, "/stats", "no answers yet")
     say(child, "/system You are a terse assistant.", "system prompt set; new conversation")
     say(child, "/show", "system prompt: 'You are a terse assistant.'")
     # Alt+Enter (Esc, Enter) inserts a new line; Enter sends the whole message.

@@ -115,3 +115,16 @@ def test_chat_rejects_bad_flags_before_loading():
     r = ladechat("-N", "0")
     assert r.returncode == 1
     assert r.stderr.decode().strip() == "ladechat: error: N (n-gram size) must be >= 2, got 0"
+
+
+def test_prompt_longer_than_the_context():
+    r = ladechat("ask", "--max-new-tokens", "8", stdin=("lorem ipsum " * 6000).encode())
+    err = r.stderr.decode().strip()
+    assert r.returncode == 1 and "Traceback" not in err
+    assert err.startswith("ladechat: error: the prompt is") and "that fit in the model's context" in err
+
+
+def test_flash_attention_absent_falls_back_with_a_notice():
+    r = ladechat("ask", "--attn", "flash", "--max-new-tokens", "4", "--dtype", "float32", "Hi")
+    assert r.returncode == 0 and r.stdout.decode().strip()
+    assert "notice: flash-attn is not installed (pip install 'ladechat[flash]'); using sdpa" in r.stderr.decode()

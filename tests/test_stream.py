@@ -1,5 +1,6 @@
 """The stream printer: plain streaming, then a finished Markdown answer redrawn once, rendered."""
 
+import ast
 import io
 
 import pytest
@@ -59,3 +60,15 @@ def test_prose_and_non_terminal_and_partial_answers_are_not_redrawn(tokenizer):
 def test_answer_taller_than_the_screen_is_left_as_streamed(tokenizer):
     _, screen = stream(tokenizer, CODE_ANSWER, height=5)
     assert UP not in screen and "```python" in screen
+
+
+def test_text_that_looks_like_rich_markup_is_printed_verbatim(tokenizer):
+    text = "Use list[int] and close with [/] or [bold]x[/bold]."
+    buf, err = io.StringIO(), io.StringIO()
+    printer = StreamPrinter(tokenizer, Console(file=buf, width=200), Console(file=err, width=200), debug=True)
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        printer.handle(Step((token,), (False,), "plain", 1, 0.0))
+    printer.finish()
+    assert buf.getvalue() == text + "\n"
+    pieces = [ast.literal_eval(line.split(" ms: ", 1)[1]) for line in err.getvalue().splitlines()]
+    assert "".join(pieces) == text  # each step's token, shown as repr, markup-like brackets included

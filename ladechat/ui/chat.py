@@ -8,6 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from ladechat.bot import Bot, Settings
 from ladechat.conversation import Conversation, ConversationError
@@ -242,7 +243,7 @@ def run_chat(loaded: LoadedModel, settings: Settings, system: str | None, debug:
              out: Console, err: Console, markdown: bool = True) -> None:
     app = ChatApp(loaded, settings, system, debug, out, err, markdown=markdown)
     la = settings.lookahead
-    err.print(f"[bold]ladechat[/] · {loaded.name} on {loaded.device} · lookahead "
+    err.print(f"[bold]ladechat[/] · {escape(loaded.name)} on {loaded.device} · lookahead "
               f"{'on' if la.enabled else 'off'} (W={la.window} N={la.ngram} G={la.candidates}) · "
               "/help for commands, Ctrl-D to quit", highlight=False)
     if sys.stdin.isatty():

@@ -7,6 +7,7 @@ import re
 
 from rich.cells import cell_len
 from rich.console import Console
+from rich.markup import escape
 from rich.control import Control
 from rich.markdown import Markdown
 from rich.segment import ControlType
@@ -38,7 +39,7 @@ class StreamPrinter:
 
     def handle(self, event) -> None:
         if isinstance(event, Notice):
-            self.err.print(f"[yellow]notice:[/] {event.text}", highlight=False)
+            self.err.print(f"[yellow]notice:[/] {escape(event.text)}", highlight=False)
         elif isinstance(event, Step):
             self._step(event)
         elif isinstance(event, Done):
@@ -57,7 +58,7 @@ class StreamPrinter:
             pieces = " ".join(repr(self.tokenizer.decode([t])) + ("*" if g else "")
                               for t, g in zip(step.tokens, step.guessed))
             self.err.print(f"[dim]  step: +{len(step.tokens)} from {step.source}, fed {step.fed}, "
-                           f"{step.seconds * 1000:.0f} ms: {pieces}[/]", highlight=False)
+                           f"{step.seconds * 1000:.0f} ms: {escape(pieces)}[/]", highlight=False)
 
     def finish(self, complete: bool = True) -> None:
         """End the answer's line; redraw a complete answer as rendered Markdown where that helps.

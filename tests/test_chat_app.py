@@ -1,0 +1,56 @@
+"""The chat's conversation handling in-process: context overflow, corrupt /load files."""
+
+import io
+import json
+from dataclasses import replace
+
+from rich.console import Console
+
+from ladechat.bot import Settings
+from ladechat.engine.config import LookaheadConfig, SamplingConfig
+from ladechat.ui.chat import ChatApp
+
+
+def chat_app(loaded, system=None, max_new_tokens=24):
+    settings = Settings(LookaheadConfig(window=2, ngram=3, candidates=1), SamplingConfig(max_new_tokens=max_new_tokens))
+    err = io.StringIO()
+    return ChatApp(loaded, settings, system, False, Console(file=io.StringIO()), Console(file=err, width=300)), err
+
+
+def test_overflowing_conversation_drops_oldest_turns_with_a_notice(embedded_fp32):
+    small = replace(embedded_fp32, context_length=160)  # the same model, told its context is 160 tokens
+    app, err = chat_app(small, system="You are a helpful assistant.")
+    questions = [f"Question {i}: name a fruit that is {colour}." for i, colour in
+                 enumerate(["red", "yellow", "green", "orange", "purple"])]
+    for q in questions:
+        app.ask(q)
+    screen = err.getvalue()
+    assert "notice: the conversation no longer fits the model's context: dropped the oldest 2 messages" in screen
+    messages = app.conversation.messages
+    assert app.conversation.system == "You are a helpful assistant."  # never dropped
+    assert messages[-2]["content"] == questions[-1] and messages[-1]["role"] == "assistant"
+    assert messages[0]["content"] != questions[0]  # the oldest exchange is gone
+    assert len(messages) < 2 * len(questions)
+
+
+def test_corrupt_or_foreign_load_keeps_the_current_conversation(embedded_fp32, tmp_path):
+    app, err = chat_app(embedded_fp32)
+    app.ask("What is the capital of France?")
+    before = [dict(m) for m in app.conversation.messages]
+    bad = {
+        "corrupt.json": '{"format": "ladechat-conversation", "messages": [',
+        "foreign.json": json.dumps({"hello": "world"}),
+        "malformed.json": json.dumps({"format": "ladechat-conversation", "messages": [{"role": "wizard"}]}),
+        "badsettings.json": json.dumps({"format": "ladechat-conversation", "messages": [], "settings": {"N": 0}}),
+    }
+    for name, text in bad.items():
+        (tmp_path / name).write_text(text)
+        assert app.command(f"/load {tmp_path / name}") is True
+    (tmp_path / "binary.json").write_bytes(b"\xff\xfe\x00")
+    app.command(f"/load {tmp_path / 'binary.json'}")
+    lines = [line for line in err.getvalue().splitlines() if line.startswith("error:")]
+    assert len(lines) == 5, lines
+    assert "cannot read" in lines[0] and "is not a ladechat conversation file" in lines[1]
+    assert "malformed message list" in lines[2] and "bad settings" in lines[3] and "cannot read" in lines[4]
+    assert app.conversation.messages == before
+    assert app.bot.settings.lookahead.ngram == 3
