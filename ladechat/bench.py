@@ -17,6 +17,7 @@ from ladechat import templates
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.events import Done
+from ladechat.engine.runner import StaticRunner
 
 METHODS = ("hf", "hf-lookup", "plain", "lookahead")
 DATASETS = {"mtbench": "mtbench-dev.jsonl", "humaneval": "humaneval-dev.jsonl", "gsm8k": "gsm8k-dev.jsonl"}
@@ -77,15 +78,17 @@ def _hf_answer(model, ids: list[int], sampling: SamplingConfig, eos: list[int], 
 
 
 def run_item(loaded, item: dict, method: str, la: LookaheadConfig, sampling: SamplingConfig,
-             template: str | None, step_cost: dict[int, float] | None = None):
-    """Answer every turn of `item` with `method`. Returns (all answer ids, seconds, steps)."""
+             template: str | None, step_cost: dict[int, float] | None = None, runner=None):
+    """Answer every turn of `item` with `method`. Returns (all answer ids, seconds, steps).
+    runner: a fixed-shape runner to reuse (its compiled graphs) instead of the default one."""
     tok = loaded.tokenizer
     eos = sorted(loaded.eos_ids)
     messages: list[dict] = []
     answers: list[int] = []
     seconds = 0.0
     steps = 0
-    session = Session(loaded.model, LookaheadConfig(**{**la.__dict__, "enabled": method == "lookahead"}), step_cost)
+    session = Session(loaded.model, LookaheadConfig(**{**la.__dict__, "enabled": method == "lookahead"}), step_cost,
+                      runner=runner)
     for turn in item["turns"]:
         messages.append({"role": "user", "content": turn})
         ids = templates.encode(tok, messages, template)
@@ -110,9 +113,10 @@ def run_item(loaded, item: dict, method: str, la: LookaheadConfig, sampling: Sam
 
 
 def run(loaded, datasets: list[str], methods: list[str], la: LookaheadConfig, sampling: SamplingConfig,
-        limit: int | None, template: str | None = None, progress=None) -> dict:
+        limit: int | None, template: str | None = None, progress=None, compile: bool = False) -> dict:
     """Greedy runs also report whether each method's answers equal HF greedy's, token for token;
-    sampled runs (temperature > 0) cannot, and report speed and compression only."""
+    sampled runs (temperature > 0) cannot, and report speed and compression only. compile: ladechat's
+    methods run fixed-shape compiled steps (one runner per method, compiled once)."""
     for m in methods:
         if m not in METHODS:
             raise BenchError(f"unknown method {m!r} (choose from {', '.join(METHODS)})")
@@ -120,18 +124,21 @@ def run(loaded, datasets: list[str], methods: list[str], la: LookaheadConfig, sa
                      "device": str(loaded.device), "max_new_tokens": sampling.max_new_tokens,
                      "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
                      "W": la.window, "N": la.ngram, "G": la.candidates, "datasets": {}}
+    results["compiled"] = compile
     step_cost = loaded.step_cost()
-    # warm-up: first calls allocate and pick kernels
+    runners = {m: StaticRunner(loaded.model, la, loaded.context_length, compile=True) if compile else None
+               for m in methods if m in ("plain", "lookahead")}
+    # warm-up: first calls allocate and pick kernels (and compile)
     warm = {"turns": ["Hello"]}
     for m in methods:
-        run_item(loaded, warm, m, la, SamplingConfig(max_new_tokens=8), template, step_cost)
+        run_item(loaded, warm, m, la, SamplingConfig(max_new_tokens=8), template, step_cost, runners.get(m))
     for name in datasets:
         items = load_items(name, limit)
         tallies = {m: Tally() for m in methods}
         for i, item in enumerate(items):
             reference = None
             for m in methods:
-                answer, seconds, steps = run_item(loaded, item, m, la, sampling, template, step_cost)
+                answer, seconds, steps = run_item(loaded, item, m, la, sampling, template, step_cost, runners.get(m))
                 if m == "hf":
                     reference = answer
                 t = tallies[m]

@@ -10,6 +10,7 @@ from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.events import Done, Step
 from ladechat.engine.loading import LoadedModel
+from ladechat.engine.runner import StaticRunner
 
 
 @dataclass(frozen=True)
@@ -41,14 +42,26 @@ class Settings:
 
 
 class Bot:
-    def __init__(self, loaded: LoadedModel, settings: Settings) -> None:
+    """compile: fixed-shape steps on a pre-allocated cache, compiled (see engine/runner.py); every
+    lookahead step is then a full one, so it suits a GPU, where a full step costs about one token's."""
+
+    def __init__(self, loaded: LoadedModel, settings: Settings, compile: bool = False) -> None:
         self.loaded = loaded
         self.settings = settings
-        self.session = Session(loaded.model, settings.lookahead, step_cost=loaded.step_cost())
+        self.compiled = compile
+        if compile:
+            runner = StaticRunner(loaded.model, settings.lookahead, loaded.context_length, compile=True)
+            self.session = Session(loaded.model, settings.lookahead, runner=runner)
+        else:
+            self.session = Session(loaded.model, settings.lookahead, step_cost=loaded.step_cost())
 
     def configure(self, settings: Settings) -> None:
+        self.session.configure(settings.lookahead)  # first: it may refuse W/N/G
         self.settings = settings
-        self.session.configure(settings.lookahead)
+
+    def warm_up(self) -> None:
+        """With compile: build the step graphs for the current W/N/G now rather than mid-answer."""
+        self.session.warm_up()
 
     def prompt_ids(self, conversation: Conversation) -> tuple[list[int], int]:
         budget = self.loaded.context_length - min(self.settings.sampling.max_new_tokens,

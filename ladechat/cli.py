@@ -41,10 +41,12 @@ Device = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N
 FourBit = Annotated[bool, typer.Option("--load-in-4bit", help="Quantize weights to 4 bits with bitsandbytes.")]
 EightBit = Annotated[bool, typer.Option("--load-in-8bit", help="Quantize weights to 8 bits with bitsandbytes.")]
 DeviceMap = Annotated[Optional[str], typer.Option("--device-map", help="accelerate device map, e.g. 'auto' to spread a large model over GPUs and CPU memory.")]
+MaxMemory = Annotated[Optional[str], typer.Option("--max-memory", help="With --device-map: memory per device, e.g. '0=20GiB,cpu=64GiB'; what fits nowhere is offloaded to disk.")]
 Attn = Annotated[str, typer.Option("--attn", help="Attention kernel: sdpa, eager or flash.")]
 Template = Annotated[Optional[str], typer.Option("--template", help="Chat template to use instead of the model's own (see: ladechat templates).")]
 System = Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.")]
 Stop = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop the answer after this text (repeatable).")]
+Compile = Annotated[bool, typer.Option("--compile", help="Fixed-shape steps on a pre-allocated KV cache, compiled with torch.compile (CUDA graphs on a GPU); every lookahead step is a full one. Compiles at start.")]
 Markdown = Annotated[bool, typer.Option("--markdown/--no-markdown", help="On a terminal, redraw a finished answer that has code blocks, lists or headings as rendered Markdown.")]
 Debug = Annotated[bool, typer.Option("--debug", help="Show per-step acceptance and a per-turn statistics panel on stderr.")]
 
@@ -81,16 +83,17 @@ def _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature,
     return Settings(lookahead=la, sampling=sampling, template=template)
 
 
-def _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, err: Console):
+def _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, err: Console, max_memory=None):
     from ladechat.engine.gguf import ModelNotFound
-    from ladechat.engine.loading import LoadError, LoadSpec, load, resolve_device, resolve_dtype
+    from ladechat.engine.loading import LoadError, LoadSpec, load, parse_max_memory, resolve_device, resolve_dtype
 
     def progress(message: str) -> AbstractContextManager:
         return err.status(message, spinner="dots")
 
-    spec = LoadSpec(model=model, dtype=dtype, device=device, attn=attn, load_in_4bit=load_in_4bit,
-                    load_in_8bit=load_in_8bit, device_map=device_map)
     try:
+        spec = LoadSpec(model=model, dtype=dtype, device=device, attn=attn, load_in_4bit=load_in_4bit,
+                        load_in_8bit=load_in_8bit, device_map=device_map,
+                        max_memory=parse_max_memory(max_memory) if max_memory is not None else ())
         resolve_dtype(dtype, resolve_device(device))  # flag errors before any slow import
         loaded = load(spec, progress)
     except (LoadError, ModelNotFound) as exc:
@@ -98,6 +101,19 @@ def _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, er
     for notice in loaded.notices:
         err.print(f"[yellow]notice:[/] {escape(notice)}", highlight=False)
     return loaded
+
+
+def _bot(loaded, settings, compile: bool, err: Console):
+    from ladechat.bot import Bot
+
+    try:
+        bot = Bot(loaded, settings, compile=compile)
+        if compile:
+            with err.status("compiling the decoding steps (once per W/N/G)", spinner="dots"):
+                bot.warm_up()
+    except ConfigError as exc:
+        raise Fail(str(exc)) from None
+    return bot
 
 
 def _quiet_libraries() -> None:
@@ -114,8 +130,8 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = True, w
          temperature: Temperature = None, top_p: TopP = 1.0, top_k: TopK = 0, min_p: MinP = 0.0,
          repetition_penalty: RepPenalty = 1.0, seed: Seed = None, dtype: Dtype = "auto", device: Device = "auto",
          load_in_4bit: FourBit = False, load_in_8bit: EightBit = False, device_map: DeviceMap = None,
-         attn: Attn = "sdpa", template: Template = None, system: System = None, stop: Stop = None,
-         markdown: Markdown = True, debug: Debug = False) -> None:
+         max_memory: MaxMemory = None, attn: Attn = "sdpa", template: Template = None, system: System = None, stop: Stop = None,
+         compile: Compile = False, markdown: Markdown = True, debug: Debug = False) -> None:
     """Interactive multi-turn chat (the default command). Type /help inside for commands."""
     if ctx.invoked_subcommand is not None:
         return
@@ -126,11 +142,12 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = True, w
     _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, min_p,
               repetition_penalty, seed, template, "cpu", stop=stop)
     _quiet_libraries()
-    loaded = _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, err)
+    loaded = _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, err, max_memory)
     settings = _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, min_p,
                          repetition_penalty, seed, template, loaded.device.type,
                          default_temperature=_model_temperature(loaded), stop=stop)
-    run_chat(loaded, settings, system=system, debug=debug, markdown=markdown, out=stdout_console(), err=err)
+    bot = _bot(loaded, settings, compile, err)
+    run_chat(bot, system=system, debug=debug, markdown=markdown, out=stdout_console(), err=err)
 
 
 def _model_temperature(loaded) -> float:
@@ -147,11 +164,12 @@ def ask(prompt: Annotated[Optional[str], typer.Argument(help="The question; '-' 
         candidates: Cands = None, max_new_tokens: MaxNew = 512, temperature: Temperature = None,
         top_p: TopP = 1.0, top_k: TopK = 0, min_p: MinP = 0.0, repetition_penalty: RepPenalty = 1.0,
         seed: Seed = None, dtype: Dtype = "auto", device: Device = "auto", load_in_4bit: FourBit = False,
-        load_in_8bit: EightBit = False, device_map: DeviceMap = None, attn: Attn = "sdpa",
-        template: Template = None, system: System = None, stop: Stop = None, markdown: Markdown = True,
-        debug: Debug = False, as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, token_ids, stats) instead of streaming.")] = False) -> None:
+        load_in_8bit: EightBit = False, device_map: DeviceMap = None, max_memory: MaxMemory = None,
+        attn: Attn = "sdpa",
+        template: Template = None, system: System = None, stop: Stop = None, compile: Compile = False,
+        markdown: Markdown = True, debug: Debug = False, as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, token_ids, stats) instead of streaming.")] = False) -> None:
     """One-shot answer to PROMPT, streamed to stdout (greedy unless --temperature is given)."""
-    from ladechat.bot import Bot, Notice
+    from ladechat.bot import Notice
     from ladechat.conversation import Conversation, ConversationError
     from ladechat.engine.decode import OutOfMemory
     from ladechat.engine.events import Done
@@ -163,10 +181,10 @@ def ask(prompt: Annotated[Optional[str], typer.Argument(help="The question; '-' 
     _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, min_p,
               repetition_penalty, seed, template, "cpu")
     _quiet_libraries()
-    loaded = _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, err)
+    loaded = _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, err, max_memory)
     settings = _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, min_p,
                          repetition_penalty, seed, template, loaded.device.type, stop=stop)
-    bot = Bot(loaded, settings)
+    bot = _bot(loaded, settings, compile, err)
     conversation = Conversation(system=system, messages=[{"role": "user", "content": text}])
     out = stdout_console()
     printer = StreamPrinter(loaded.tokenizer, out, err, debug=debug, markdown=markdown)
@@ -235,13 +253,21 @@ def bench(dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Pr
           model: Model = None, window: Window = None, ngram: Ngram = None, candidates: Cands = None,
           max_new_tokens: MaxNew = 256, temperature: Temperature = None, top_p: TopP = 1.0, top_k: TopK = 0,
           seed: Seed = 0, dtype: Dtype = "auto", device: Device = "auto", attn: Attn = "sdpa",
-          template: Template = None,
+          template: Template = None, compile: Compile = False,
+          step_cost: Annotated[bool, typer.Option("--step-cost", help="Measure time per step against tokens fed (dynamic, static, --compile'd runners) instead of answering prompts.")] = False,
+          shape: Annotated[Optional[str], typer.Option("--shape", help="With --step-cost: a randomly initialised Llama of this shape instead of --model: llama-2-7b, llama-3-8b, smollm2-135m, tiny.")] = None,
+          sizes: Annotated[str, typer.Option("--sizes", help="With --step-cost: tokens fed per step, comma-separated (1 or multiples of 4).")] = "1,8,16,32,64,128,256",
+          context: Annotated[int, typer.Option("--context", help="With --step-cost: tokens already in the KV cache.")] = 512,
+          reps: Annotated[int, typer.Option("--reps", help="With --step-cost: timed steps per size (median).")] = 10,
           as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False) -> None:
     """Compare HF generate, HF prompt lookup, ladechat plain and lookahead on real prompts, side by side."""
     from ladechat import bench as benchmark
     from ladechat.ui.report import bench_tables
 
     err = stderr_console()
+    if step_cost:
+        _step_cost(model, shape, sizes, context, reps, compile, dtype, device, attn, as_json, err)
+        return
     method_list = [m.strip() for m in methods.split(",") if m.strip()]
     try:
         for name in dataset:
@@ -253,6 +279,7 @@ def bench(dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Pr
         settings = _settings(True, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, 0.0, 1.0,
                              seed, template, loaded.device.type)
         results = benchmark.run(loaded, dataset, method_list, settings.lookahead, settings.sampling, limit, template,
+                                compile=compile,
                                 progress=lambda name, i, n: err.print(f"[dim]{escape(name)}: {i}/{n}[/]", highlight=False))
     except benchmark.BenchError as exc:
         raise Fail(str(exc)) from None
@@ -261,6 +288,35 @@ def bench(dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Pr
     else:
         for table in bench_tables(results):
             stdout_console().print(table)
+
+
+def _step_cost(model, shape, sizes, context, reps, compile, dtype, device, attn, as_json, err) -> None:
+    from ladechat import step_bench
+    from ladechat.engine.loading import LoadError, resolve_device, resolve_dtype
+    from ladechat.ui.report import step_cost_table
+
+    try:
+        size_list = step_bench.parse_sizes(sizes)
+        if context < 1 or reps < 1:
+            raise Fail(f"--context and --reps must be >= 1, got {context} and {reps}")
+        if shape is not None and model is not None:
+            raise Fail("give --model or --shape, not both")
+        _quiet_libraries()
+        if shape is not None:
+            dev = resolve_device(device)
+            with err.status(f"building a random {shape} model on {dev}", spinner="dots"):
+                net, name = step_bench.random_model(shape, resolve_dtype(dtype, dev), dev), f"random {shape}"
+        else:
+            loaded = _load(model, dtype, device, attn, False, False, None, err)
+            net, name = loaded.model, loaded.name
+        with err.status("timing steps" + (" (compiling first)" if compile else ""), spinner="dots"):
+            result = step_bench.run(net, name, size_list, context, reps, compile)
+    except (step_bench.StepBenchError, LoadError) as exc:
+        raise Fail(str(exc)) from None
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        stdout_console().print(step_cost_table(result))
 
 
 def main() -> None:

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from rich.console import Console
 
-from ladechat.bot import Settings
+from ladechat.bot import Bot, Settings
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.ui.chat import ChatApp
 
@@ -14,7 +14,7 @@ from ladechat.ui.chat import ChatApp
 def chat_app(loaded, system=None, max_new_tokens=24):
     settings = Settings(LookaheadConfig(window=2, ngram=3, candidates=1), SamplingConfig(max_new_tokens=max_new_tokens))
     err = io.StringIO()
-    return ChatApp(loaded, settings, system, False, Console(file=io.StringIO()), Console(file=err, width=300)), err
+    return ChatApp(Bot(loaded, settings), system, False, Console(file=io.StringIO()), Console(file=err, width=300)), err
 
 
 def test_overflowing_conversation_drops_oldest_turns_with_a_notice(embedded_fp32):

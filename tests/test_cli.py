@@ -44,7 +44,11 @@ def test_ask_json_fields(embedded_fp32):
     (["ask", "--template", "nope", "hi"], "unknown template 'nope'"),
     (["ask", "--model", "/no/such/folder", "hi"], "model folder not found: /no/such/folder"),
     (["ask", "--model", "nobody/no-such-model-xyz", "hi"], "hub cannot be reached"),
-    (["ask", "--load-in-4bit", "hi"], "needs bitsandbytes"),
+    (["ask", "--max-memory", "cpu=lots", "--device-map", "auto", "hi"], "--max-memory wants DEVICE=SIZE pairs"),
+    (["ask", "--max-memory", "cpu=4GiB", "hi"], "--max-memory needs --device-map"),
+    (["ask", "--compile", "-W", "64", "-N", "16", "-G", "64", "hi"], "more than the 512 a fixed-shape step allows"),
+    (["bench", "--step-cost", "--sizes", "1,3"], "step sizes must be 1 or multiples of 4"),
+    (["bench", "--step-cost", "--shape", "llama-99b"], "unknown --shape 'llama-99b'"),
 ])
 def test_bad_input_one_line_error(args, message):
     r = ladechat(*args, env_extra={"HF_HUB_OFFLINE": "1"})
@@ -128,3 +132,34 @@ def test_flash_attention_absent_falls_back_with_a_notice():
     r = ladechat("ask", "--attn", "flash", "--max-new-tokens", "4", "--dtype", "float32", "Hi")
     assert r.returncode == 0 and r.stdout.decode().strip()
     assert "notice: flash-attn is not installed (pip install 'ladechat[flash]'); using sdpa" in r.stderr.decode()
+
+
+def test_step_cost_bench_on_a_random_model():
+    r = ladechat("bench", "--step-cost", "--shape", "tiny", "--sizes", "1,8,16", "--reps", "2", "--context", "64",
+                 "--dtype", "float32", "--json")
+    assert r.returncode == 0, r.stderr.decode()
+    result = json.loads(r.stdout)
+    assert result["model"] == "random tiny" and result["context"] == 64 and result["hf_generate_per_token_s"] > 0
+    assert set(result["curves"]) == {"dynamic", "static"}
+    for curve in result["curves"].values():
+        assert set(curve) == {"1", "8", "16"} and all(t > 0 for t in curve.values())
+
+
+def test_ask_compiled_gives_the_same_tokens():
+    args = ["ask", "--dtype", "float32", "--max-new-tokens", "40", "--json", "Name three rivers in Europe."]
+    plain = ladechat(*args)
+    compiled = ladechat("ask", "--compile", *args[1:])
+    assert plain.returncode == 0 and compiled.returncode == 0, compiled.stderr.decode()
+    ours, ref = json.loads(compiled.stdout), json.loads(plain.stdout)
+    assert ours["token_ids"] == ref["token_ids"] and ours["stats"]["new_tokens"] == 40
+
+
+def test_missing_bitsandbytes_is_one_line(tmp_path):
+    # a bitsandbytes that fails to import, as on a machine without it (it is a dev dependency here)
+    (tmp_path / "bitsandbytes").mkdir()
+    (tmp_path / "bitsandbytes" / "__init__.py").write_text("raise ImportError(\"No module named 'bitsandbytes'\")\n")
+    for flag in ("--load-in-4bit", "--load-in-8bit"):
+        r = ladechat("ask", flag, "hi", env_extra={"PYTHONPATH": str(tmp_path)})
+        err = r.stderr.decode().strip()
+        assert r.returncode == 1 and "\n" not in err and "Traceback" not in err
+        assert f"ladechat: error: {flag} needs bitsandbytes" in err and "pip install 'ladechat[quant]'" in err

@@ -7,7 +7,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from ladechat.bot import Settings
+from ladechat.bot import Bot, Settings
 from ladechat.engine import kv
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import OutOfMemory, Session, generate
@@ -67,7 +67,7 @@ def chat_app(loaded, fail_on_call):
     wrapped = replace(loaded, model=RunsOutOfMemory(loaded.model, fail_on_call, torch.OutOfMemoryError("CUDA OOM")))
     settings = Settings(LookaheadConfig(window=2, ngram=3, candidates=1), SamplingConfig(max_new_tokens=24))
     err = io.StringIO()
-    return ChatApp(wrapped, settings, None, False, Console(file=io.StringIO()), Console(file=err, width=300)), err
+    return ChatApp(Bot(wrapped, settings), None, False, Console(file=io.StringIO()), Console(file=err, width=300)), err
 
 
 def test_chat_survives_out_of_memory(embedded_fp32):

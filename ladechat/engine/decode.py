@@ -18,11 +18,11 @@ from collections.abc import Iterator
 
 import torch
 
-from ladechat.engine import kv
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.events import Done, Stats, Step
-from ladechat.engine.layout import StepLayout, build_layout, step_inputs
+from ladechat.engine.layout import StepLayout, build_layout
 from ladechat.engine.ngram_pool import ContextIndex, NGramPool
+from ladechat.engine.runner import DynamicRunner
 from ladechat.engine.sampling import Chooser
 from ladechat.engine.step_cost import cost
 from ladechat.engine.stopping import StopRule
@@ -47,16 +47,21 @@ class Session:
 
     A chat keeps one Session, so later turns reuse the cached prefix of the conversation and the
     n-grams the window found earlier. The cache always holds exactly `cached` (every committed
-    token but the last, which is the next step's input).
+    token but the last, which is the next step's input). The runner owns the cache and the
+    forward call (runner.py); with a fixed-shape runner every lookahead step is a full one.
     """
 
-    def __init__(self, model, lookahead: LookaheadConfig, step_cost: dict[int, float] | None = None) -> None:
+    def __init__(self, model, lookahead: LookaheadConfig, step_cost: dict[int, float] | None = None,
+                 runner=None) -> None:
         self.model = model
+        self.runner = runner or DynamicRunner(model)
+        self.runner.configure(lookahead)
+        if self.runner.fixed:
+            step_cost = None  # every step is padded to full size anyway
         self.step_cost = step_cost  # measured seconds per step size; None: always the full step
         self.budget = _budget(step_cost) if step_cost else 0  # largest step size within STEP_BUDGET
         self.gain = 1.0  # running mean of the extra tokens a step with candidates accepted
         self.skipped = 0  # candidate steps skipped in a row because acceptance was poor
-        self.cache = kv.new_cache()
         self.cached: list[int] = []
         self.context = ContextIndex()
         self.lookahead = lookahead
@@ -68,6 +73,7 @@ class Session:
     def configure(self, lookahead: LookaheadConfig) -> None:
         """Apply new W/N/G: the pool survives a change of W, the window a change of G only."""
         old = self.lookahead
+        self.runner.configure(lookahead)  # first: it may refuse a step too large for its fixed shape
         if (old.ngram, old.candidates) != (lookahead.ngram, lookahead.candidates):
             pool = NGramPool(lookahead.ngram, lookahead.candidates)
             pool.seed(self.context.tokens)
@@ -78,23 +84,28 @@ class Session:
 
     def reset(self) -> None:
         """Forget the conversation (cache, context, pool, window) but keep the settings."""
-        self.__init__(self.model, self.lookahead, self.step_cost)
+        self.runner.reset()
+        self.__init__(self.model, self.lookahead, self.step_cost, self.runner)
+
+    @property
+    def cache(self):
+        return self.runner.cache
+
+    def warm_up(self) -> None:
+        """Compile a fixed-shape runner's step graphs now (no-op for the default runner)."""
+        if self.runner.fixed:
+            self.runner.warm_up(len(self.cached))
 
     # -- prefix reuse -------------------------------------------------------------------------
     def _sync_prompt(self, prompt: list[int]) -> tuple[int, float]:
         """Make the cache hold prompt[:-1], reusing its common prefix. Returns (prefilled, seconds)."""
         start = time.perf_counter()
         keep = _common_prefix(self.cached, prompt[:-1])
-        kv.truncate(self.cache, keep)
+        self.runner.truncate(keep)
         self.cached = self.cached[:keep]
         todo = prompt[keep:-1]
         if todo:
-            device = self.model.device
-            ids = torch.tensor([todo], device=device)
-            positions = torch.arange(keep, keep + len(todo), device=device).unsqueeze(0)
-            with torch.inference_mode():
-                self.model(input_ids=ids, position_ids=positions, past_key_values=self.cache,
-                           use_cache=True, logits_to_keep=1)
+            self.runner.prefill(todo, keep)
             self.cached = list(prompt[:-1])
         seen = _common_prefix(self.context.tokens, prompt)
         self.context.truncate(seen)
@@ -191,9 +202,7 @@ def generate(session: Session, prompt: list[int], sampling: SamplingConfig, eos_
     if not prompt:
         raise ValueError("empty prompt")
     la = session.lookahead
-    model = session.model
-    device = model.device
-    dtype = model.dtype
+    device = session.model.device
     chooser = Chooser(sampling)
     stop = StopRule(eos_ids, sampling.max_new_tokens, sampling.stop, decode)
     start = time.perf_counter()
@@ -214,17 +223,7 @@ def generate(session: Session, prompt: list[int], sampling: SamplingConfig, eos_
             past = len(session.cached)
             layout = session._plan(t, prompt) if la.enabled else build_layout([[t]], [])
             rows = layout.logit_rows()
-            with torch.inference_mode():
-                if layout.size == 1:
-                    out = model(input_ids=torch.tensor([[t]], device=device),
-                                position_ids=torch.tensor([[past]], device=device),
-                                past_key_values=session.cache, use_cache=True, logits_to_keep=1)
-                else:
-                    ids, positions, mask = step_inputs(layout, past, dtype, device)
-                    out = model(input_ids=ids, position_ids=positions, attention_mask=mask,
-                                past_key_values=session.cache, use_cache=True,
-                                logits_to_keep=torch.tensor(rows, device=device))
-            logits = out.logits[0]
+            logits = session.runner.step(layout, past, rows)
             row_at = {row: i for i, row in enumerate(rows)}
             argmax = logits.argmax(-1).tolist()  # one host sync for the whole step
             history = session.context.tokens
@@ -240,7 +239,7 @@ def generate(session: Session, prompt: list[int], sampling: SamplingConfig, eos_
                 session._harvest_and_shift([argmax[row_at[r]] for r in layout.last_level])
             keep, why = stop.cut(generated, block)
             block = block[:keep]
-            kv.commit_kv(session.cache, past, [0] + matched[: keep - 1])
+            session.runner.commit(past, [0] + matched[: keep - 1])
             session.cached += [t] + block[:-1]
             session.context.extend(block)
             generated += block
@@ -261,12 +260,12 @@ def generate(session: Session, prompt: list[int], sampling: SamplingConfig, eos_
                 reason = why
                 break
     except KeyboardInterrupt:
-        kv.truncate(session.cache, len(session.cached))
+        session.runner.truncate(len(session.cached))
         reason = "interrupted"
     except (RuntimeError, MemoryError) as exc:
         if not _is_out_of_memory(exc):
             raise
-        kv.truncate(session.cache, len(session.cached))
+        session.runner.truncate(len(session.cached))
         if device.type == "cuda":
             torch.cuda.empty_cache()
         raise OutOfMemory(f"out of memory on {device} after {len(generated)} new tokens, with "

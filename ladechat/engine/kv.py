@@ -1,15 +1,40 @@
-"""The KV cache across steps: keep what was accepted, drop the rest, never recompute."""
+"""The KV cache across steps: keep what was accepted, drop the rest, never recompute.
+
+Two kinds of cache hold the same committed sequence:
+- DynamicCache: grows with every step; dropping rows means slicing the tensors shorter.
+- StaticCache: pre-allocated to a fixed length (for compiled / CUDA-graph steps); its tensors
+  never move, so dropping rows only moves the write position back, and kept rows are gathered
+  in place. Slots past the write position hold junk that the step's mask never shows.
+"""
 
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 
 def new_cache() -> DynamicCache:
     # Plain full-attention layers: lookahead passes its own 4D mask, so every layer sees the
     # same explicit mask and the cache must keep every position the mask can point at.
     return DynamicCache()
+
+
+def new_static_cache(config, length: int) -> StaticCache:
+    return StaticCache(config=config, max_cache_len=length)
+
+
+def grow_static(cache: StaticCache, config, length: int, committed: int) -> StaticCache:
+    """A longer static cache holding the same first `committed` positions (the old one is dropped)."""
+    bigger = new_static_cache(config, length)
+    with torch.inference_mode():
+        for old, new in zip(cache.layers, bigger.layers, strict=True):
+            if getattr(old, "keys", None) is None or not old.keys.numel():
+                continue
+            new.lazy_initialization(old.keys[..., :1, :], old.values[..., :1, :])
+            new.keys[..., :committed, :] = old.keys[..., :committed, :]
+            new.values[..., :committed, :] = old.values[..., :committed, :]
+            new.cumulative_length.fill_(committed)
+    return bigger
 
 
 def _layers(cache):
@@ -19,17 +44,28 @@ def _layers(cache):
     return [layer for layer in layers if getattr(layer, "keys", None) is not None and layer.keys.numel()]
 
 
+def _is_static(layer) -> bool:
+    return hasattr(layer, "cumulative_length") and hasattr(layer, "max_cache_len")
+
+
 def cache_length(cache) -> int:
     layers = _layers(cache)
-    return layers[0].keys.shape[-2] if layers else 0
+    if not layers:
+        return 0
+    if _is_static(layers[0]):
+        return int(layers[0].cumulative_length)
+    return layers[0].keys.shape[-2]
 
 
 def truncate(cache, length: int) -> None:
     """Keep the first `length` positions of every layer (layers a broken step left longer, too)."""
-    for layer in _layers(cache):
-        if layer.keys.shape[-2] > length:
-            layer.keys = layer.keys[..., :length, :]
-            layer.values = layer.values[..., :length, :]
+    with torch.inference_mode():  # a static cache's tensors were made in inference mode
+        for layer in _layers(cache):
+            if _is_static(layer):
+                layer.cumulative_length.fill_(length)
+            elif layer.keys.shape[-2] > length:
+                layer.keys = layer.keys[..., :length, :]
+                layer.values = layer.values[..., :length, :]
 
 
 def commit_kv(cache, past: int, keep_rows: list[int]) -> None:
@@ -39,13 +75,14 @@ def commit_kv(cache, past: int, keep_rows: list[int]) -> None:
     committed sequence. When the kept rows are already a prefix, this is a plain crop.
     """
     kept = len(keep_rows)
-    if keep_rows == list(range(kept)):
-        truncate(cache, past + kept)
-        return
-    with torch.inference_mode():  # the forward pass made these inference tensors
-        for layer in _layers(cache):
-            index = torch.tensor(keep_rows, device=layer.keys.device) + past
-            for name in ("keys", "values"):
-                states = getattr(layer, name)
-                states[..., past : past + kept, :] = states.index_select(-2, index)
-                setattr(layer, name, states[..., : past + kept, :])
+    if keep_rows != list(range(kept)):
+        indices: dict[torch.device, torch.Tensor] = {}  # one copy per device (layers may be spread)
+        with torch.inference_mode():  # the forward pass made these inference tensors
+            for layer in _layers(cache):
+                device = layer.keys.device
+                if device not in indices:
+                    indices[device] = torch.tensor([past + row for row in keep_rows], device=device)
+                index = indices[device]
+                for states in (layer.keys, layer.values):
+                    states[..., past : past + kept, :] = states.index_select(-2, index)
+    truncate(cache, past + kept)

@@ -123,3 +123,31 @@ def step_inputs(layout: StepLayout, past: int, dtype: torch.dtype, device: torch
     ids = torch.tensor([layout.tokens], dtype=torch.long)
     positions = (depth + past).unsqueeze(0)
     return ids.to(device), positions.to(device), mask.to(device)
+
+
+def fixed_step_inputs(layout: StepLayout, past: int, size: int, cache_len: int, dtype: torch.dtype,
+                      device: torch.device):
+    """The step padded to `size` rows, with a mask over a whole pre-allocated cache (1, 1, size, cache_len).
+
+    Every step then has the same shapes, so a compiled graph (or a CUDA graph) can be replayed:
+
+      key slot:   0 .. p-1 (committed) | p .. p+size-1 (this step)        | p+size .. (free)
+      tree row    x x x ... x          | ancestors-or-self, as above      | .
+      pad row     x x x ... x          | itself only                      | .
+
+    Padding rows (token 0 at position p) see at least themselves, so their outputs stay finite
+    (an all-masked row would give NaN), no real row sees them, and the cache slots they write lie
+    beyond what commit_kv keeps. The mask is built on the device: no host round trip.
+    """
+    sees, depth = tree_mask(layout.parents)
+    real = layout.size
+    block = torch.eye(size, dtype=torch.bool)
+    block[:real, :real] = sees
+    slots = torch.arange(cache_len, device=device)
+    visible = (slots < past).expand(size, cache_len).clone()
+    visible[:, past : past + size] = block.to(device, non_blocking=True)
+    mask = torch.zeros(1, 1, size, cache_len, dtype=dtype, device=device)
+    mask[0, 0].masked_fill_(~visible, torch.finfo(dtype).min)
+    ids = torch.tensor([layout.tokens + [0] * (size - real)], dtype=torch.long)
+    positions = torch.cat([depth + past, torch.full((size - real,), past)]).unsqueeze(0)
+    return ids.to(device), positions.to(device), mask

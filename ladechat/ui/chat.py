@@ -10,12 +10,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from ladechat.bot import Bot, Settings
+from ladechat.bot import Bot
 from ladechat.conversation import Conversation, ConversationError
 from ladechat.engine.config import ConfigError
 from ladechat.engine.decode import OutOfMemory
 from ladechat.engine.events import Done, Stats
-from ladechat.engine.loading import LoadedModel
 from ladechat.ui import commands
 from ladechat.ui.stream import StreamPrinter, debug_panel, footer
 
@@ -51,10 +50,10 @@ class Totals:
 
 
 class ChatApp:
-    def __init__(self, loaded: LoadedModel, settings: Settings, system: str | None, debug: bool,
-                 out: Console, err: Console, markdown: bool = True) -> None:
-        self.loaded = loaded
-        self.bot = Bot(loaded, settings)
+    def __init__(self, bot: Bot, system: str | None, debug: bool, out: Console, err: Console,
+                 markdown: bool = True) -> None:
+        self.loaded = bot.loaded
+        self.bot = bot
         self.conversation = Conversation(system=system)
         self.debug = debug
         self.markdown = markdown
@@ -130,10 +129,10 @@ class ChatApp:
         if cmd.name == "/help":
             self.info(commands.HELP)
         elif cmd.name == "/lookahead":
-            self.bot.configure(s.updated({"lookahead": commands.on_off(cmd.arg, "/lookahead")}))
+            self._configure(s.updated({"lookahead": commands.on_off(cmd.arg, "/lookahead")}))
             self.info(f"lookahead {'on' if self.bot.settings.lookahead.enabled else 'off'} from the next answer")
         elif cmd.name == "/set":
-            self.bot.configure(s.updated(commands.parse_set(cmd.arg)))
+            self._configure(s.updated(commands.parse_set(cmd.arg)))
             self.info(self._show())
         elif cmd.name == "/show":
             self.info(self._show())
@@ -158,6 +157,12 @@ class ChatApp:
         elif cmd.name == "/load":
             self._load(cmd.arg)
         return True
+
+    def _configure(self, settings) -> None:
+        self.bot.configure(settings)
+        if self.bot.compiled:
+            with self.err.status("compiling the decoding steps for these settings", spinner="dots"):
+                self.bot.warm_up()
 
     def _show(self) -> str:
         la, sm = self.bot.settings.lookahead, self.bot.settings.sampling
@@ -197,7 +202,7 @@ class ChatApp:
             new_settings = self.bot.settings.updated(settings)
         except (ConfigError, TypeError) as exc:
             raise ConversationError(f"{arg} has bad settings: {exc}") from None
-        self.bot.configure(new_settings)
+        self._configure(new_settings)
         self.conversation = conversation
         self.info(f"loaded {len(conversation.messages)} messages from {arg}")
 
@@ -239,10 +244,9 @@ def _read_message(read_line) -> str | None:
     return "\n".join(lines).strip("\n")
 
 
-def run_chat(loaded: LoadedModel, settings: Settings, system: str | None, debug: bool,
-             out: Console, err: Console, markdown: bool = True) -> None:
-    app = ChatApp(loaded, settings, system, debug, out, err, markdown=markdown)
-    la = settings.lookahead
+def run_chat(bot: Bot, system: str | None, debug: bool, out: Console, err: Console, markdown: bool = True) -> None:
+    app = ChatApp(bot, system, debug, out, err, markdown=markdown)
+    loaded, la = bot.loaded, bot.settings.lookahead
     err.print(f"[bold]ladechat[/] · {escape(loaded.name)} on {loaded.device} · lookahead "
               f"{'on' if la.enabled else 'off'} (W={la.window} N={la.ngram} G={la.candidates}) · "
               "/help for commands, Ctrl-D to quit", highlight=False)

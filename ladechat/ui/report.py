@@ -22,3 +22,21 @@ def bench_tables(results: dict) -> list[Table]:
                           f"{r['identical_items']}/{r['items']}" if not results.get("temperature") else "-")
         tables.append(table)
     return tables
+
+
+def step_cost_table(result: dict) -> Table:
+    """One row per step size: ms per step of each runner and its ratio to that runner's 1-token step."""
+    curves = result["curves"]
+    table = Table(title=f"step cost · {result['model']} · {result['dtype']} on {result['device']} · "
+                        f"{result['context']} tokens cached · median of {result['reps']} · HF generate "
+                        f"{result['hf_generate_per_token_s'] * 1000:.1f} ms/token")
+    table.add_column("tokens fed", justify="right")
+    for kind in curves:
+        table.add_column(f"{kind} ms", justify="right")
+        table.add_column(f"{kind} vs 1", justify="right")
+    for size in curves["dynamic"]:
+        cells = [size]
+        for curve in curves.values():
+            cells += [f"{curve[size] * 1000:.1f}", f"{curve[size] / curve['1']:.2f}x"]
+        table.add_row(*cells)
+    return table

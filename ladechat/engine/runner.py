@@ -1,0 +1,149 @@
+"""How a step's rows reach the model and its KV cache: exact-size steps, or fixed-size ones.
+
+DynamicRunner (default): the cache grows and shrinks and each step feeds exactly its rows. Right
+for a CPU, where every extra row costs and the planner sizes steps to the token.
+StaticRunner (--compile): a pre-allocated cache and steps padded to one fixed size, so a step has
+the same shapes every time and torch.compile (CUDA graphs on a GPU) can capture it once. Plain
+one-token decoding gets the same treatment (its own one-row graph), so comparisons of lookahead
+against plain decoding stay fair. Prefill runs eagerly (prompt lengths vary).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ladechat.engine import kv
+from ladechat.engine.config import ConfigError, LookaheadConfig
+from ladechat.engine.layout import StepLayout, build_layout, fixed_step_inputs, step_inputs
+
+MAX_FIXED_STEP = 512  # rows; the static cache keeps this much room past the context
+PREFILL_CHUNK = 512  # prompt tokens per eager forward into a static cache (bounds the mask's size)
+FIRST_LENGTH = 2048  # a static cache starts this long and doubles when a conversation outgrows it
+
+
+def max_step_size(la: LookaheadConfig) -> int:
+    """The most rows a full lookahead step can have: the window plus unmerged candidate tries."""
+    return la.window * (la.ngram - 1) + la.candidates * (la.ngram - 1) + la.context_candidates * la.context_len
+
+
+class DynamicRunner:
+    fixed = False
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.cache = kv.new_cache()
+
+    def reset(self) -> None:
+        self.cache = kv.new_cache()
+
+    def configure(self, lookahead: LookaheadConfig) -> None:
+        pass
+
+    def prefill(self, tokens: list[int], past: int) -> None:
+        device = self.model.device
+        ids = torch.tensor([tokens], device=device)
+        positions = torch.arange(past, past + len(tokens), device=device).unsqueeze(0)
+        with torch.inference_mode():
+            self.model(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True,
+                       logits_to_keep=1)
+
+    def step(self, layout: StepLayout, past: int, rows: list[int]) -> torch.Tensor:
+        """Logits (len(rows), vocab) of the given rows after feeding the step's tokens."""
+        device = self.model.device
+        with torch.inference_mode():
+            if layout.size == 1:  # no mask needed: the one row sees everything committed
+                out = self.model(input_ids=torch.tensor([layout.tokens], device=device),
+                                 position_ids=torch.tensor([[past]], device=device),
+                                 past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+            else:
+                ids, positions, mask = step_inputs(layout, past, self.model.dtype, device)
+                out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
+                                 past_key_values=self.cache, use_cache=True,
+                                 logits_to_keep=torch.tensor(rows, device=device))
+        return out.logits[0]
+
+    def commit(self, past: int, keep_rows: list[int]) -> None:
+        kv.commit_kv(self.cache, past, keep_rows)
+
+    def truncate(self, length: int) -> None:
+        kv.truncate(self.cache, length)
+
+
+class StaticRunner(DynamicRunner):
+    fixed = True
+
+    def __init__(self, model, lookahead: LookaheadConfig, context_length: int, compile: bool = False,
+                 first_length: int = FIRST_LENGTH) -> None:
+        self.model = model
+        # Every step attends over the whole static cache (masked slots included), so it starts
+        # short and doubles as the conversation grows, up to the model's context (each new
+        # length compiles new graphs once).
+        self.context_length = context_length
+        self.length = min(first_length, context_length) + MAX_FIXED_STEP
+        self.cache = kv.new_static_cache(model.config, self.length)
+        if any(getattr(layer, "is_sliding", False) for layer in self.cache.layers):
+            raise ConfigError("fixed-shape steps (--compile) do not support this model's sliding-window layers")
+        # dynamic=False: one graph per shape (the plain step and the lookahead step), no guards on
+        # sizes; on a GPU "reduce-overhead" also captures each graph as a CUDA graph.
+        mode = "reduce-overhead" if model.device.type == "cuda" else None
+        self.forward = torch.compile(model.forward, dynamic=False, mode=mode) if compile else model.forward
+        self.configure(lookahead)
+
+    def warm_up(self, committed: int) -> None:
+        """Run the plain and the full lookahead step once, so compiling happens now, not mid-answer.
+
+        Writes only past the `committed` positions, which are kept as they are."""
+        self.prefill([0], committed)
+        for size in sorted({1, self.step_size}):
+            self.step(build_layout([[0] * size], []), committed + 1, list(range(min(size, self.rows_size))))
+        self.truncate(committed)
+
+    def reset(self) -> None:
+        self.truncate(0)  # same tensors: compiled graphs stay valid
+
+    def configure(self, lookahead: LookaheadConfig) -> None:
+        size = max_step_size(lookahead)
+        if size > MAX_FIXED_STEP:
+            raise ConfigError(f"a full step of W={lookahead.window} N={lookahead.ngram} G={lookahead.candidates} "
+                              f"has {size} rows, more than the {MAX_FIXED_STEP} a fixed-shape step allows")
+        self.step_size = size
+        self.rows_size = 1 + lookahead.window + size - lookahead.window * (lookahead.ngram - 1)
+
+    def _make_room(self, end: int, committed: int) -> None:
+        """Grow the cache (keeping its `committed` positions) so that slots up to `end` exist."""
+        if end <= self.length:
+            return
+        length = min(self.length - MAX_FIXED_STEP, self.context_length)
+        while length + MAX_FIXED_STEP < end and length < self.context_length:
+            length = min(2 * length, self.context_length)
+        if length + MAX_FIXED_STEP < end:
+            raise ValueError(f"position {end} is past the model's context of {self.context_length} tokens")
+        self.cache = kv.grow_static(self.cache, self.model.config, length + MAX_FIXED_STEP, committed)
+        self.length = length + MAX_FIXED_STEP
+
+    def prefill(self, tokens: list[int], past: int) -> None:
+        self._make_room(past + len(tokens), past)
+        for start in range(0, len(tokens), PREFILL_CHUNK):
+            chunk = tokens[start : start + PREFILL_CHUNK]
+            ids, positions, mask = fixed_step_inputs(build_layout([chunk], []), past + start, len(chunk),
+                                                     self.length, self.model.dtype, self.model.device)
+            self.truncate(past + start)
+            with torch.inference_mode():
+                self.model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=self.cache,
+                           use_cache=True, logits_to_keep=1)
+
+    def step(self, layout: StepLayout, past: int, rows: list[int]) -> torch.Tensor:
+        size, keep = (1, 1) if layout.size == 1 else (self.step_size, self.rows_size)
+        self._make_room(past + size, past)
+        if layout.size > size or len(rows) > keep or past + size > self.length:
+            raise ValueError(f"step of {layout.size} rows at {past} does not fit the fixed shape ({size} rows, "
+                             f"cache of {self.length})")
+        device = self.model.device
+        ids, positions, mask = fixed_step_inputs(layout, past, size, self.length, self.model.dtype, device)
+        padded_rows = torch.tensor(rows + [0] * (keep - len(rows)), device=device)
+        self.truncate(past)  # the static cache writes at its own position counter
+        with torch.inference_mode():
+            out = self.forward(input_ids=ids, position_ids=positions, attention_mask=mask,
+                               past_key_values=self.cache, use_cache=True, logits_to_keep=padded_rows)
+        # A CUDA-graph replay reuses its output buffer: copy the rows out before the next step.
+        return out.logits[0, : len(rows)].clone()

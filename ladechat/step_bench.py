@@ -1,0 +1,133 @@
+"""`ladechat bench --step-cost`: what one decoding step costs as it feeds more tokens.
+
+Lookahead wins when a step of S tokens costs little more than a step of one. This measures that
+curve for a loaded model or a randomly initialised one of a known shape (no download needed,
+e.g. Llama-2-7B on a GPU), in three ways side by side:
+  dynamic   the default runner: a growing cache, each step exactly its size, eager
+  static    pre-allocated cache, fixed-shape step, eager
+  compiled  the static step through torch.compile (CUDA graphs on a GPU)   [--compile]
+and HF `generate` per token as the baseline. A step of size 1 is plain decoding; larger steps are
+lookahead windows of N=5 (S/4 columns), logits read from the rows a real step reads.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from ladechat.engine.config import LookaheadConfig
+from ladechat.engine.layout import build_layout
+from ladechat.engine.runner import DynamicRunner, StaticRunner
+
+SIZES = (1, 8, 16, 32, 64, 128, 256)
+LEVELS = 4  # N = 5
+SHAPES = {  # Llama-architecture shapes: hidden, intermediate, layers, heads, kv heads, vocab, context
+    "llama-2-7b": (4096, 11008, 32, 32, 32, 32000, 4096),
+    "llama-3-8b": (4096, 14336, 32, 32, 8, 128256, 8192),
+    "smollm2-135m": (576, 1536, 30, 9, 3, 49152, 8192),
+    "tiny": (64, 128, 2, 4, 2, 96, 1024),
+}
+
+
+class StepBenchError(ValueError):
+    pass
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(sorted({int(s) for s in text.split(",") if s.strip()}))
+    except ValueError:
+        raise StepBenchError(f"--sizes needs comma-separated whole numbers, got {text!r}") from None
+    bad = [s for s in sizes if s != 1 and (s < LEVELS or s % LEVELS)]
+    if not sizes or bad:
+        raise StepBenchError(f"step sizes must be 1 or multiples of {LEVELS} (N=5 windows), got {text!r}")
+    return sizes
+
+
+def random_model(shape: str, dtype: torch.dtype, device: torch.device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if shape not in SHAPES:
+        raise StepBenchError(f"unknown --shape {shape!r} (choose {', '.join(SHAPES)})")
+    hidden, inter, layers, heads, kv_heads, vocab, context = SHAPES[shape]
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+                         max_position_embeddings=context, attn_implementation="sdpa")
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _layout(size: int):
+    if size == 1:
+        return build_layout([[1]], [])
+    width = size // LEVELS
+    return build_layout([[1 + (level * width + col) % 50 for col in range(width)] for level in range(LEVELS)], [])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_steps(runner, sizes, context: int, reps: int, device) -> dict[int, float]:
+    vocab = runner.model.config.get_text_config().vocab_size
+    prompt = torch.randint(0, vocab, (context,), generator=torch.Generator().manual_seed(0)).tolist()
+    runner.prefill(prompt, 0)
+    out = {}
+    for size in sizes:
+        if runner.fixed:
+            runner.configure(LookaheadConfig(window=max(1, size // LEVELS), ngram=LEVELS + 1, candidates=0,
+                                             context_candidates=0))
+        layout = _layout(size)
+        rows = layout.logit_rows()
+        times = []
+        for rep in range(reps + 2):  # two warm-up calls (compilation, allocation)
+            _sync(device)
+            start = time.perf_counter()
+            runner.step(layout, context, rows).argmax(-1).tolist()
+            _sync(device)
+            if rep >= 2:
+                times.append(time.perf_counter() - start)
+            runner.truncate(context)
+        out[size] = statistics.median(times)
+    return out
+
+
+def _hf_per_token(model, context: int, tokens: int = 32) -> float:
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0)).to(model.device)
+    times = []
+    for _ in range(3):
+        _sync(model.device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens,
+                           do_sample=False, pad_token_id=0)
+        _sync(model.device)
+        times.append(time.perf_counter() - start)
+    # the prefill is part of generate: subtract one forward over the prompt
+    with torch.inference_mode():
+        _sync(model.device)
+        start = time.perf_counter()
+        model(input_ids=ids, logits_to_keep=1)
+        _sync(model.device)
+        prefill = time.perf_counter() - start
+    return max(statistics.median(times) - prefill, 0.0) / tokens
+
+
+def run(model, name: str, sizes=SIZES, context: int = 512, reps: int = 10, compile: bool = False) -> dict:
+    device = model.device
+    la = LookaheadConfig(window=max(sizes) // LEVELS or 1, ngram=LEVELS + 1, candidates=0, context_candidates=0)
+    context_length = context + max(sizes) + 8
+    curves = {"dynamic": _time_steps(DynamicRunner(model), sizes, context, reps, device),
+              "static": _time_steps(StaticRunner(model, la, context_length), sizes, context, reps, device)}
+    if compile:
+        curves["compiled"] = _time_steps(StaticRunner(model, la, context_length, compile=True), sizes, context,
+                                         reps, device)
+    return {"model": name, "device": str(device), "dtype": str(model.dtype).removeprefix("torch."),
+            "context": context, "reps": reps, "hf_generate_per_token_s": _hf_per_token(model, context),
+            "curves": {kind: {str(s): t for s, t in curve.items()} for kind, curve in curves.items()}}

@@ -1,0 +1,119 @@
+"""The fixed-shape path (static KV cache, padded steps, optionally compiled) is exact too."""
+
+import random
+
+import pytest
+import torch
+
+from ladechat.engine import kv
+from ladechat.engine.config import ConfigError, LookaheadConfig, SamplingConfig
+from ladechat.engine.decode import Session, generate
+from ladechat.engine.layout import build_layout, fixed_step_inputs, step_inputs
+from ladechat.engine.runner import StaticRunner, max_step_size
+from test_exactness import hf_greedy, model_for, repetitive_prompt
+from tiny_models import FAMILIES
+
+CONFIGS = [(1, 2, 0), (1, 2, 3), (3, 2, 2), (5, 4, 5), (2, 5, 7), (1, 4, 4)]
+
+
+def static_run(model, prompt, la, max_new, runner=None, eos=frozenset()):
+    session = Session(model, la, runner=runner or StaticRunner(model, la, context_length=256))
+    events = list(generate(session, prompt, SamplingConfig(max_new_tokens=max_new), eos))
+    return list(events[-1].text_tokens), events[:-1], session
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_static_greedy_identical_to_generate(family):
+    model = model_for(family)
+    rng = random.Random(f"static-{family}")
+    for w, n, g in CONFIGS:
+        prompt = repetitive_prompt(rng, model.config.vocab_size, rng.randint(5, 40))
+        max_new = rng.randint(20, 50)
+        la = LookaheadConfig(window=w, ngram=n, candidates=g)
+        ours, steps, session = static_run(model, prompt, la, max_new)
+        assert ours == hf_greedy(model, prompt, max_new), (family, w, n, g)
+        assert kv.cache_length(session.cache) == len(prompt) + max_new - 1 == len(session.cached)
+        # every lookahead step fed its full tree (no cost-based trimming on a fixed shape)
+        assert all(s.fed > 1 for s in steps) or w * (n - 1) == 1
+
+
+def test_static_seeded_random_grid_and_session_reuse():
+    rng = random.Random(4321)
+    for _ in range(12):
+        family = rng.choice(sorted(FAMILIES))
+        model = model_for(family)
+        la = LookaheadConfig(window=rng.randint(1, 6), ngram=rng.randint(2, 5), candidates=rng.randint(0, 6),
+                             context_candidates=rng.randint(0, 3), context_len=rng.randint(1, 8))
+        runner = StaticRunner(model, la, context_length=256)
+        first = repetitive_prompt(rng, model.config.vocab_size, rng.randint(2, 40))
+        answer, _, session = static_run(model, first, la, rng.randint(1, 40), runner=runner)
+        assert answer == hf_greedy(model, first, len(answer))
+        # the next turn extends the conversation: only new tokens are prefilled, W/N/G may change
+        second = first + answer + [3, 1, 4]
+        session.configure(LookaheadConfig(window=rng.randint(1, 6), ngram=rng.randint(2, 5), candidates=2))
+        events = list(generate(session, second, SamplingConfig(max_new_tokens=30), frozenset()))
+        assert events[-1].stats.prefill_tokens == 3
+        assert list(events[-1].text_tokens) == hf_greedy(model, second, 30)
+
+
+def test_static_eos_and_lookahead_off():
+    model = model_for("mistral")
+    prompt = repetitive_prompt(random.Random(12), model.config.vocab_size, 30)
+    full = hf_greedy(model, prompt, 40)
+    la = LookaheadConfig(window=4, ngram=4, candidates=4)
+    eos = full[25]
+    ours, _, _ = static_run(model, prompt, la, 40, eos=frozenset([eos]))
+    assert ours == full[: full.index(eos) + 1]
+    ours, steps, _ = static_run(model, prompt, LookaheadConfig(enabled=False), 40)
+    assert ours == full and all(s.fed == 1 for s in steps)
+
+
+def test_compiled_step_is_exact():
+    """torch.compile of the fixed-shape step (two graphs: plain and lookahead) on a tiny Llama."""
+    model = model_for("llama")
+    la = LookaheadConfig(window=3, ngram=3, candidates=3)
+    runner = StaticRunner(model, la, context_length=256, compile=True)
+    prompt = repetitive_prompt(random.Random(21), model.config.vocab_size, 30)
+    ours, steps, session = static_run(model, prompt, la, 40, runner=runner)
+    assert ours == hf_greedy(model, prompt, 40)
+    assert any(len(s.tokens) > 1 for s in steps)
+    session.reset()
+    session.configure(LookaheadConfig(window=3, ngram=3, candidates=3, enabled=False))
+    events = list(generate(session, prompt, SamplingConfig(max_new_tokens=20), frozenset()))
+    assert list(events[-1].text_tokens) == hf_greedy(model, prompt, 20)
+
+
+def test_fixed_step_inputs_pad_rows_and_mask_the_free_slots():
+    layout = build_layout([[10, 11, 12], [13, 14, 15]], [((20, 21), "pool"), ((20, 22), "pool")])
+    past, size, cache_len = 7, 12, 24
+    ids, positions, mask = fixed_step_inputs(layout, past, size, cache_len, torch.float32, torch.device("cpu"))
+    _, exact_positions, exact_mask = step_inputs(layout, past, torch.float32, torch.device("cpu"))
+    real = layout.size
+    assert ids.shape == (1, size) and ids[0, real:].tolist() == [0] * (size - real)
+    assert positions[0, :real].tolist() == exact_positions[0].tolist()
+    assert positions[0, real:].tolist() == [past] * (size - real)
+    assert mask.shape == (1, 1, size, cache_len)
+    visible = mask[0, 0] == 0
+    assert torch.equal(visible[:real, : past + real], exact_mask[0, 0] == 0)  # same tree as the exact step
+    assert not visible[:real, past + real :].any()  # real rows never see padding or free slots
+    for row in range(real, size):  # a pad row sees the committed prefix and itself only
+        assert visible[row].nonzero().flatten().tolist() == list(range(past)) + [past + row]
+
+
+def test_fixed_step_size_limit():
+    la = LookaheadConfig(window=64, ngram=16, candidates=64)
+    assert max_step_size(la) > 512
+    with pytest.raises(ConfigError, match="more than the 512 a fixed-shape step allows"):
+        StaticRunner(model_for("llama"), la, context_length=64)
+
+
+def test_static_cache_grows_and_keeps_the_conversation():
+    model = model_for("qwen3")
+    la = LookaheadConfig(window=3, ngram=4, candidates=3)
+    # 16 slots + MAX_FIXED_STEP (512) of room for a step: a 700+ token conversation needs several doublings
+    runner = StaticRunner(model, la, context_length=1024, first_length=16)
+    start = runner.length
+    prompt = (repetitive_prompt(random.Random(8), model.config.vocab_size, 40) * 40)[:700]
+    ours, _, session = static_run(model, prompt, la, 60, runner=runner)
+    assert runner.length > start and ours == hf_greedy(model, prompt, 60)
+    assert kv.cache_length(session.cache) == len(prompt) + 59
