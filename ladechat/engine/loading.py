@@ -31,6 +31,7 @@ class LoadSpec:
     load_in_4bit: bool = False
     load_in_8bit: bool = False
     device_map: str | None = None
+    max_memory: tuple[tuple[str, str], ...] = ()  # (device, size) pairs for device_map, e.g. ("cpu", "8GiB")
 
 
 @dataclass(frozen=True)
@@ -125,16 +126,30 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
     source, name = _source(spec.model, progress)
     kwargs: dict = {"dtype": dtype, "attn_implementation": attn}
     if spec.load_in_4bit or spec.load_in_8bit:
-        if importlib.util.find_spec("bitsandbytes") is None:
-            flag = "--load-in-4bit" if spec.load_in_4bit else "--load-in-8bit"
-            raise LoadError(f"{flag} needs bitsandbytes, which is not installed: pip install 'ladechat[quant]'")
+        flag = "--load-in-4bit" if spec.load_in_4bit else "--load-in-8bit"
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError as exc:
+            raise LoadError(f"{flag} needs bitsandbytes, which is not installed or does not import ({exc}): "
+                            "pip install 'ladechat[quant]'") from None
         from transformers import BitsAndBytesConfig
+
+        if spec.load_in_8bit:
+            notices.append("8-bit weights (LLM.int8) compute each row of a step in ways that depend on the other "
+                           "rows, so lookahead answers can differ from plain decoding after a near-tie; "
+                           "--load-in-4bit keeps them identical")
 
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=spec.load_in_4bit, load_in_8bit=spec.load_in_8bit,
             bnb_4bit_compute_dtype=dtype if spec.load_in_4bit else None)
+    if spec.max_memory and not spec.device_map:
+        raise LoadError("--max-memory needs --device-map (e.g. --device-map auto)")
     if spec.device_map:
         kwargs["device_map"] = spec.device_map
+    if spec.max_memory:
+        # Layers that fit nowhere are offloaded to disk, into a folder of ours.
+        kwargs["max_memory"] = {int(d) if d.isdigit() else d: size for d, size in spec.max_memory}
+        kwargs["offload_folder"] = str(gguf.cache_root() / "offload")
     try:
         config = AutoConfig.from_pretrained(source)
     except (OSError, ValueError) as exc:
@@ -163,6 +178,22 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, device=model.device, dtype=model.dtype,
                        eos_ids=eos_ids(model, tokenizer), context_length=context_length(model.config),
                        notices=tuple(notices))
+
+
+def parse_max_memory(text: str) -> tuple[tuple[str, str], ...]:
+    """'0=20GiB,cpu=64GiB' -> (('0', '20GiB'), ('cpu', '64GiB')); devices: N, cuda:N, cpu, disk."""
+    pairs = []
+    for item in (part.strip() for part in text.split(",") if part.strip()):
+        device, eq, size = item.partition("=")
+        device = device.strip().removeprefix("cuda:")
+        size = size.strip()
+        ok_size = size[:1].isdigit() and size.rstrip("BbIiKkMmGgTt").replace(".", "", 1).isdigit()
+        if not eq or not ok_size or not (device.isdigit() or device in ("cpu", "disk")):
+            raise LoadError(f"--max-memory wants DEVICE=SIZE pairs like '0=20GiB,cpu=64GiB', got {item!r}")
+        pairs.append((device, size))
+    if not pairs:
+        raise LoadError("--max-memory is empty")
+    return tuple(pairs)
 
 
 def _not_found(model: str, exc: Exception) -> str:

@@ -1,0 +1,53 @@
+"""bitsandbytes 4-bit / 8-bit weights and accelerate disk offload on the CPU: lookahead unchanged."""
+
+import pytest
+
+from ladechat.engine import gguf
+from ladechat.engine.config import LookaheadConfig, SamplingConfig
+from ladechat.engine.decode import Session, generate
+from ladechat.engine.loading import LoadSpec, load
+
+pytestmark = pytest.mark.slow
+PROMPTS = ["Write a Python function that checks if a number is prime.",
+           "List three facts about the Moon, one per line."]
+LOOKAHEAD = LookaheadConfig(window=4, ngram=4, candidates=4)
+
+
+@pytest.fixture(scope="module")
+def folder(embedded_fp32):
+    return str(gguf.ensure_converted(gguf.embedded_gguf(), None))  # the embedded model as safetensors
+
+
+def answer(lm, prompt, la, max_new=40):
+    ids = lm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                           return_dict=True)["input_ids"]
+    events = list(generate(Session(lm.model, la), list(ids), SamplingConfig(max_new_tokens=max_new), lm.eos_ids))
+    return list(events[-1].text_tokens), events[-1].stats
+
+
+def test_4bit_lookahead_identical_to_plain(folder):
+    lm = load(LoadSpec(model=folder, dtype="float32", device="cpu", load_in_4bit=True))
+    assert type(lm.model.model.layers[0].mlp.down_proj).__name__ == "Linear4bit"
+    for prompt in PROMPTS:
+        plain, _ = answer(lm, prompt, LookaheadConfig(enabled=False))
+        ours, stats = answer(lm, prompt, LOOKAHEAD)
+        assert ours == plain and len(ours) >= 20
+        assert stats.compression > 1
+
+
+def test_8bit_loads_and_answers_with_a_notice(folder):
+    lm = load(LoadSpec(model=folder, dtype="float32", device="cpu", load_in_8bit=True))
+    assert type(lm.model.model.layers[0].mlp.down_proj).__name__ == "Linear8bitLt"
+    assert any("8-bit weights (LLM.int8)" in n and "--load-in-4bit keeps them identical" in n for n in lm.notices)
+    ours, stats = answer(lm, PROMPTS[0], LOOKAHEAD, max_new=24)
+    assert "def" in lm.tokenizer.decode(ours) and stats.new_tokens == 24
+
+
+def test_disk_offload_through_device_map_is_exact(folder, embedded_fp32):
+    lm = load(LoadSpec(model=folder, dtype="float32", device="cpu", device_map="auto",
+                       max_memory=(("cpu", "250MiB"),)))
+    assert {"cpu", "disk"} <= set(lm.model.hf_device_map.values())  # some layers really live on disk
+    for prompt in PROMPTS:
+        plain, _ = answer(embedded_fp32, prompt, LookaheadConfig(enabled=False), max_new=32)
+        ours, _ = answer(lm, prompt, LOOKAHEAD, max_new=32)
+        assert ours == plain
