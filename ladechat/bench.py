@@ -19,7 +19,9 @@ from ladechat.engine.decode import Session, generate
 from ladechat.engine.events import Done
 from ladechat.engine.runner import StaticRunner
 
-METHODS = ("hf", "hf-lookup", "plain", "lookahead")
+# lookahead-full: every step carries the whole window and all candidates (no sizing from the
+# step-cost curve), as on a GPU; its compression is what a GPU run would see, on any machine.
+METHODS = ("hf", "hf-lookup", "plain", "lookahead", "lookahead-full")
 DATASETS = {"mtbench": "mtbench-dev.jsonl", "humaneval": "humaneval-dev.jsonl", "gsm8k": "gsm8k-dev.jsonl"}
 
 
@@ -87,8 +89,8 @@ def run_item(loaded, item: dict, method: str, la: LookaheadConfig, sampling: Sam
     answers: list[int] = []
     seconds = 0.0
     steps = 0
-    session = Session(loaded.model, LookaheadConfig(**{**la.__dict__, "enabled": method == "lookahead"}), step_cost,
-                      runner=runner)
+    session = Session(loaded.model, LookaheadConfig(**{**la.__dict__, "enabled": method.startswith("lookahead")}),
+                      None if method == "lookahead-full" else step_cost, runner=runner)
     for turn in item["turns"]:
         messages.append({"role": "user", "content": turn})
         ids = templates.encode(tok, messages, template)
@@ -127,7 +129,7 @@ def run(loaded, datasets: list[str], methods: list[str], la: LookaheadConfig, sa
     results["compiled"] = compile
     step_cost = loaded.step_cost()
     runners = {m: StaticRunner(loaded.model, la, loaded.context_length, compile=True) if compile else None
-               for m in methods if m in ("plain", "lookahead")}
+               for m in methods if m in ("plain", "lookahead", "lookahead-full")}
     # warm-up: first calls allocate and pick kernels (and compile)
     warm = {"turns": ["Hello"]}
     for m in methods:

@@ -60,15 +60,18 @@ def stderr_console() -> Console:
 
 
 def _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, min_p,
-              repetition_penalty, seed, template, device_type: str, default_temperature: float = 0.0,
+              repetition_penalty, seed, template, loaded=None, default_temperature: float = 0.0,
               stop: list[str] | None = None):
+    """Validated settings; W/N/G left unset take the device's defaults (on a GPU, from the loaded
+    model's measured step-cost curve). loaded=None: validate the flags before loading."""
     from ladechat.bot import Settings
     from ladechat.engine.defaults import default_lookahead
     from ladechat.templates import TemplateError, names
 
     if template is not None and template not in names():
         raise Fail(TemplateError(f"unknown template {template!r} (available: {', '.join(names())})"))
-    base = default_lookahead(device_type)
+    device_type = loaded.device.type if loaded is not None else "cpu"
+    base = default_lookahead(device_type, loaded.step_cost() if device_type == "cuda" else None)
     try:
         la = LookaheadConfig(
             window=base.window if window is None else window, ngram=base.ngram if ngram is None else ngram,
@@ -140,11 +143,11 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = True, w
     err = stderr_console()
     # Validate every flag before the (slow) model load.
     _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, min_p,
-              repetition_penalty, seed, template, "cpu", stop=stop)
+              repetition_penalty, seed, template, stop=stop)
     _quiet_libraries()
     loaded = _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, err, max_memory)
     settings = _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, min_p,
-                         repetition_penalty, seed, template, loaded.device.type,
+                         repetition_penalty, seed, template, loaded,
                          default_temperature=_model_temperature(loaded), stop=stop)
     bot = _bot(loaded, settings, compile, err)
     run_chat(bot, system=system, debug=debug, markdown=markdown, out=stdout_console(), err=err)
@@ -179,11 +182,11 @@ def ask(prompt: Annotated[Optional[str], typer.Argument(help="The question; '-' 
     text = _read_prompt(prompt)
     # Validate every flag before the (slow) model load.
     _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, min_p,
-              repetition_penalty, seed, template, "cpu")
+              repetition_penalty, seed, template)
     _quiet_libraries()
     loaded = _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, err, max_memory)
     settings = _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, min_p,
-                         repetition_penalty, seed, template, loaded.device.type, stop=stop)
+                         repetition_penalty, seed, template, loaded, stop=stop)
     bot = _bot(loaded, settings, compile, err)
     conversation = Conversation(system=system, messages=[{"role": "user", "content": text}])
     out = stdout_console()
@@ -248,7 +251,7 @@ def templates() -> None:
 
 @app.command()
 def bench(dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Prompt set: mtbench, humaneval, gsm8k (from ../shared/data) or a JSONL path; repeatable.")] = ["mtbench"],
-          methods: Annotated[str, typer.Option("--methods", help="Comma-separated: hf, hf-lookup, plain, lookahead.")] = "hf,hf-lookup,plain,lookahead",
+          methods: Annotated[str, typer.Option("--methods", help="Comma-separated: hf, hf-lookup, plain, lookahead, lookahead-full.")] = "hf,hf-lookup,plain,lookahead",
           limit: Annotated[Optional[int], typer.Option("--limit", help="Items per dataset (default: all).")] = None,
           model: Model = None, window: Window = None, ngram: Ngram = None, candidates: Cands = None,
           max_new_tokens: MaxNew = 256, temperature: Temperature = None, top_p: TopP = 1.0, top_k: TopK = 0,
@@ -277,7 +280,7 @@ def bench(dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Pr
         _quiet_libraries()
         loaded = _load(model, dtype, device, attn, False, False, None, err)
         settings = _settings(True, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, 0.0, 1.0,
-                             seed, template, loaded.device.type)
+                             seed, template, loaded)
         results = benchmark.run(loaded, dataset, method_list, settings.lookahead, settings.sampling, limit, template,
                                 compile=compile,
                                 progress=lambda name, i, n: err.print(f"[dim]{escape(name)}: {i}/{n}[/]", highlight=False))

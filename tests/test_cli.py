@@ -145,13 +145,25 @@ def test_step_cost_bench_on_a_random_model():
         assert set(curve) == {"1", "8", "16"} and all(t > 0 for t in curve.values())
 
 
-def test_ask_compiled_gives_the_same_tokens():
-    args = ["ask", "--dtype", "float32", "--max-new-tokens", "40", "--json", "Name three rivers in Europe."]
-    plain = ladechat(*args)
-    compiled = ladechat("ask", "--compile", *args[1:])
+def test_ask_compiled_gives_the_same_tokens(tmp_path, embedded_fp32):
+    """--compile (static cache, fixed-shape steps, torch.compile) answers token for token like the
+    default runner. A small random Llama with the embedded tokenizer keeps compiling short on a CPU."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = embedded_fp32.tokenizer
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         initializer_range=0.2)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    args = ["--model", str(tmp_path), "--dtype", "float32", "--max-new-tokens", "40", "-W", "3", "-N", "3", "-G", "3",
+            "--json", "Name three rivers in Europe, then three more."]
+    plain = ladechat("ask", *args)
+    compiled = ladechat("ask", "--compile", *args, timeout=600)
     assert plain.returncode == 0 and compiled.returncode == 0, compiled.stderr.decode()
     ours, ref = json.loads(compiled.stdout), json.loads(plain.stdout)
-    assert ours["token_ids"] == ref["token_ids"] and ours["stats"]["new_tokens"] == 40
+    assert ours["token_ids"] == ref["token_ids"] and ours["stats"]["new_tokens"] >= 10
+
 
 
 def test_missing_bitsandbytes_is_one_line(tmp_path):

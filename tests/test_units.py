@@ -125,3 +125,16 @@ def test_config_validation_messages():
         SamplingConfig(max_new_tokens=-5)
     with pytest.raises(ConfigError, match="temperature"):
         SamplingConfig(temperature=-1)
+
+
+def test_gpu_defaults_follow_the_step_cost_curve():
+    from ladechat.engine.defaults import default_lookahead
+
+    flat = {1: 1.0, 64: 1.02, 128: 1.05, 256: 1.2}  # an H100-like curve: a 256-row step costs 1.2x
+    knee = {1: 1.0, 16: 1.05, 32: 1.1, 48: 1.3, 64: 2.0, 256: 8.0}  # rises steeply after 48 rows
+    steep = {1: 1.0, 2: 1.8, 64: 10.0}  # a small CPU
+    assert (default_lookahead("cuda", flat).window, default_lookahead("cuda", flat).candidates) == (15, 15)
+    assert default_lookahead("cuda", knee).window == default_lookahead("cuda", knee).candidates == 6  # 48 // 8
+    assert default_lookahead("cuda", steep).window == 1
+    assert default_lookahead("cuda", None).window == 15 and default_lookahead("cuda", flat).ngram == 5
+    assert default_lookahead("cpu", flat) == default_lookahead("cpu")  # CPU defaults were measured separately

@@ -24,7 +24,7 @@ from ladechat.engine.layout import StepLayout, build_layout
 from ladechat.engine.ngram_pool import ContextIndex, NGramPool
 from ladechat.engine.runner import DynamicRunner
 from ladechat.engine.sampling import Chooser
-from ladechat.engine.step_cost import cost
+from ladechat.engine.step_cost import affordable_size, cost
 from ladechat.engine.stopping import StopRule
 
 STEP_BUDGET = 0.3  # a step may cost up to 1.3x a one-token step (see _plan)
@@ -59,7 +59,7 @@ class Session:
         if self.runner.fixed:
             step_cost = None  # every step is padded to full size anyway
         self.step_cost = step_cost  # measured seconds per step size; None: always the full step
-        self.budget = _budget(step_cost) if step_cost else 0  # largest step size within STEP_BUDGET
+        self.budget = affordable_size(step_cost, STEP_BUDGET) if step_cost else 0  # largest step size within STEP_BUDGET
         self.gain = 1.0  # running mean of the extra tokens a step with candidates accepted
         self.skipped = 0  # candidate steps skipped in a row because acceptance was poor
         self.cached: list[int] = []
@@ -300,11 +300,6 @@ def verify(layout: StepLayout, choose) -> tuple[list[int], list[int], str]:
         node = child
     source = layout.sources[matched[0] - layout.window_rows] if matched else "none"
     return accepted, matched, source
-
-
-def _budget(step_cost: dict[int, float]) -> int:
-    base = cost(step_cost, 1) * (1 + STEP_BUDGET)
-    return max([s for s in range(1, 257) if cost(step_cost, s) <= base], default=1)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

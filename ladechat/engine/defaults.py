@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 from ladechat.engine.config import LookaheadConfig
+from ladechat.engine.step_cost import affordable_size
+
+GPU_NGRAM = 5
+GPU_MAX_BRANCH = 15  # the paper's W = G = 15 for 7B-70B models: acceptance gains flatten beyond
+GPU_SLACK = 0.3  # "where cost starts rising steeply": the largest step within 1.3x a one-token step
 
 
-def default_lookahead(device_type: str) -> LookaheadConfig:
+def default_lookahead(device_type: str, step_cost: dict[int, float] | None = None) -> LookaheadConfig:
     if device_type == "cuda":
-        # A GPU step of ~100 tokens costs about the same as one (memory-bound), so the paper's
-        # 7B settings; the step planner trims nothing on a flat cost curve. Not yet measured here.
-        return LookaheadConfig(window=15, ngram=5, candidates=15, context_candidates=4, context_len=10)
+        return gpu_lookahead(step_cost)
     # CPU (2-core EPYC, SmolLM2-135M, bf16, 9 real prompts x 128 tokens, paired with plain decoding):
     # W=5 N=4 G=5 1.13x, W=3 N=4 G=2 1.17x, W=4 N=3 G=2 1.19x, W=2 N=3 G=1 1.25x (compression 1.64),
     # context candidates alone 1.30x (compression 1.54). Small windows win: every extra row costs.
     return LookaheadConfig(window=2, ngram=3, candidates=1, context_candidates=2, context_len=8)
+
+
+def gpu_lookahead(step_cost: dict[int, float] | None) -> LookaheadConfig:
+    """W = G from the loaded model's measured step-cost curve: the window and the candidates split
+    the largest step that costs at most 1.3x a one-token step (N = 5), capped at the paper's 15.
+    Without a curve, the paper's 7B setting."""
+    branch = GPU_MAX_BRANCH
+    if step_cost:
+        branch = min(GPU_MAX_BRANCH, max(1, affordable_size(step_cost, GPU_SLACK) // (2 * (GPU_NGRAM - 1))))
+    return LookaheadConfig(window=branch, ngram=GPU_NGRAM, candidates=branch, context_candidates=4, context_len=10)

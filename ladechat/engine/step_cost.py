@@ -20,6 +20,7 @@ from ladechat.engine.gguf import cache_root
 from ladechat.engine.layout import build_layout, step_inputs
 
 SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+GPU_SIZES = (1, 8, 16, 32, 64, 96, 128, 160, 192, 256)  # a GPU's curve stays flat much longer
 
 
 def measure(model, sizes=SIZES, context: int = 192, reps: int = 5) -> dict[int, float]:
@@ -50,14 +51,15 @@ def measure(model, sizes=SIZES, context: int = 192, reps: int = 5) -> dict[int, 
 
 
 def cached_curve(model, name: str) -> dict[int, float]:
+    sizes = GPU_SIZES if model.device.type == "cuda" else SIZES
     key = json.dumps([name, str(model.device), str(model.dtype), torch.__version__, torch.get_num_threads(),
-                      list(SIZES)])
+                      list(sizes)])
     path = cache_root() / "step-cost" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     try:
         return {int(k): float(v) for k, v in json.loads(path.read_text()).items()}
     except (OSError, ValueError):
         pass
-    curve = measure(model)
+    curve = measure(model, sizes)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(curve))
     return curve
@@ -72,3 +74,9 @@ def cost(curve: dict[int, float], size: int) -> float:
         if size <= hi:
             return curve[lo] + (curve[hi] - curve[lo]) * (size - lo) / (hi - lo)
     return curve[sizes[-1]] * size / sizes[-1]
+
+
+def affordable_size(curve: dict[int, float], slack: float) -> int:
+    """The largest step size that costs at most (1 + slack) times a one-token step."""
+    base = cost(curve, 1) * (1 + slack)
+    return max([s for s in range(1, 257) if cost(curve, s) <= base], default=1)
