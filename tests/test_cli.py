@@ -76,7 +76,8 @@ def test_help_lists_every_option():
     text = r.stdout.decode()
     for opt in ("--model", "--lookahead", "--window", "--ngram", "--candidates", "--max-new-tokens",
                 "--temperature", "--top-p", "--top-k", "--seed", "--dtype", "--device", "--load-in-4bit",
-                "--load-in-8bit", "--attn", "--template", "--system", "--debug", "--json"):
+                "--load-in-8bit", "--device-map", "--max-memory", "--attn", "--template", "--system", "--stop",
+                "--compile", "--markdown", "--debug", "--json"):
         assert opt in text, opt
     r = ladechat("templates")
     assert r.stdout.decode().split() == ["alpaca", "chatml", "llama-2", "vicuna", "zephyr"]

@@ -59,7 +59,7 @@ class Session:
         if self.runner.fixed:
             step_cost = None  # every step is padded to full size anyway
         self.step_cost = step_cost  # measured seconds per step size; None: always the full step
-        self.budget = affordable_size(step_cost, STEP_BUDGET) if step_cost else 0  # largest step size within STEP_BUDGET
+        self.budget = affordable_size(step_cost, STEP_BUDGET) if step_cost else 0  # largest affordable step
         self.gain = 1.0  # running mean of the extra tokens a step with candidates accepted
         self.skipped = 0  # candidate steps skipped in a row because acceptance was poor
         self.cached: list[int] = []
