@@ -49,7 +49,7 @@ def test_chat_session_end_to_end(tmp_path):
     say(child, "/set max_new_tokens=600", "max_new_tokens=600")
     child.sendline("Write a very long story about a dragon who learns to bake bread.")
     child.expect("bake bread")  # the echo of the question (prompt-toolkit may redraw it)
-    time.sleep(5)  # the answer (up to 600 tokens) is streaming by now
+    time.sleep(2)  # the answer is streaming by now (it may be short: interrupt early)
     child.sendcontrol("c")
     child.expect("interrupted")
     child.expect(PROMPT)
