@@ -48,10 +48,15 @@ def test_chat_session_end_to_end(tmp_path):
     # Ctrl-C during a long answer keeps the partial answer, marked as interrupted
     say(child, "/set max_new_tokens=600", "max_new_tokens=600")
     child.sendline("Write a very long story about a dragon who learns to bake bread.")
-    child.expect("bake bread")  # the echo of the question (prompt-toolkit may redraw it)
-    time.sleep(2)  # the answer is streaming by now (it may be short: interrupt early)
+    # Ctrl-C is a signal only once prompt-toolkit has given the terminal back (it turns bracketed
+    # paste off as it does); before that it would be a key press at the prompt. So: wait for that,
+    # then for the answer's first words on the screen.
+    child.expect_exact("\x1b[?2004l")
+    child.expect(r"\w+\W+\w+")
+    time.sleep(1)
     child.sendcontrol("c")
-    child.expect("interrupted")
+    child.expect(r"tokens/step, lookahead off \(interrupted\)")
+    child.expect("interrupted: the partial answer is kept")
     child.expect(PROMPT)
     say(child, f"/save {saved}", "saved 6 messages")
     last = json.loads(saved.read_text())["messages"][-1]

@@ -1,4 +1,4 @@
-"""Running out of memory mid-answer: the session stays consistent, the chat keeps going."""
+"""Running out of memory or Ctrl-C mid-answer: the session stays consistent, the chat keeps going."""
 
 import io
 from dataclasses import replace
@@ -20,9 +20,10 @@ CPU_OOM = RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator:
                        "to allocate 40000000000000 bytes")
 
 
-class RunsOutOfMemory:
+class FailsAfterForward:
     """A model that raises `error` right after its `fail_on_call`-th forward pass has written the KV cache,
-    the worst moment: the cache then holds rows of a step that will never be committed."""
+    the worst moment: the cache then holds rows of a step that will never be committed. (Ctrl-C raises
+    KeyboardInterrupt at the next bytecode after a forward pass, so this is also where it lands.)"""
 
     def __init__(self, model, fail_on_call: int, error: BaseException) -> None:
         self.model, self.fail_on_call, self.error, self.calls = model, fail_on_call, error, 0
@@ -44,7 +45,7 @@ def test_out_of_memory_leaves_the_session_consistent(error):
     model = tiny_model("llama")
     prompt = [5, 17, 23, 5, 17, 23, 5, 17, 9, 40, 41, 42]
     la = LookaheadConfig(window=3, ngram=3, candidates=3)
-    session = Session(RunsOutOfMemory(model, fail_on_call=6, error=error), la)
+    session = Session(FailsAfterForward(model, fail_on_call=6, error=error), la)
     partial = []
     with pytest.raises(OutOfMemory, match=r"out of memory on cpu after \d+ new tokens"):
         for event in generate(session, prompt, SamplingConfig(max_new_tokens=40), frozenset()):
@@ -58,13 +59,13 @@ def test_out_of_memory_leaves_the_session_consistent(error):
 
 
 def test_other_runtime_errors_are_not_taken_for_out_of_memory():
-    session = Session(RunsOutOfMemory(tiny_model("llama"), 2, RuntimeError("shape mismatch")), LookaheadConfig())
+    session = Session(FailsAfterForward(tiny_model("llama"), 2, RuntimeError("shape mismatch")), LookaheadConfig())
     with pytest.raises(RuntimeError, match="shape mismatch"):
         list(generate(session, [1, 2, 3, 4], SamplingConfig(max_new_tokens=8), frozenset()))
 
 
-def chat_app(loaded, fail_on_call):
-    wrapped = replace(loaded, model=RunsOutOfMemory(loaded.model, fail_on_call, torch.OutOfMemoryError("CUDA OOM")))
+def chat_app(loaded, fail_on_call, error=torch.OutOfMemoryError("CUDA OOM")):
+    wrapped = replace(loaded, model=FailsAfterForward(loaded.model, fail_on_call, error))
     settings = Settings(LookaheadConfig(window=2, ngram=3, candidates=1), SamplingConfig(max_new_tokens=24))
     err = io.StringIO()
     return ChatApp(Bot(wrapped, settings), None, False, Console(file=io.StringIO()), Console(file=err, width=300)), err
@@ -85,3 +86,65 @@ def test_chat_survives_out_of_memory(embedded_fp32):
     app.ask("And of Germany?")  # the same session goes on
     assert [m["role"] for m in app.conversation.messages] == ["user", "assistant"] * 2
     assert not app.conversation.messages[-1]["interrupted"] and app.conversation.messages[-1]["content"]
+
+
+@pytest.mark.parametrize("lookahead", [True, False])
+@pytest.mark.parametrize("fail_on_call", [1, 6])  # in the prefill, mid-answer
+def test_interrupt_leaves_the_session_consistent(lookahead, fail_on_call):
+    model = tiny_model("llama")
+    prompt = [5, 17, 23, 5, 17, 23, 5, 17, 9, 40, 41, 42]
+    la = LookaheadConfig(enabled=lookahead, window=3, ngram=3, candidates=3)
+    session = Session(FailsAfterForward(model, fail_on_call, KeyboardInterrupt()), la)
+    events = list(generate(session, prompt, SamplingConfig(max_new_tokens=40), frozenset()))
+    done = events[-1]
+    assert isinstance(done, Done) and done.stats.finish_reason == "interrupted"
+    partial = [t for e in events[:-1] for t in e.tokens]
+    assert list(done.text_tokens) == partial and (partial == []) == (fail_on_call == 1)
+    assert kv.cache_length(session.cache) == len(session.cached)
+    rest = [e for e in generate(session, prompt + partial, SamplingConfig(max_new_tokens=20), frozenset())]
+    assert partial + list(rest[-1].text_tokens) == hf_greedy(model, prompt, len(partial) + 20)
+
+
+class InterruptedConsole(io.StringIO):
+    """The chat's output, where Ctrl-C arrives while the `at`-th piece of an answer is printed."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at, self.writes = at, 0
+
+    def write(self, text: str) -> int:
+        self.writes += 1
+        if self.writes == self.at:
+            raise KeyboardInterrupt
+        return super().write(text)
+
+
+def plain_chat(loaded, out_file):
+    settings = Settings(LookaheadConfig(window=2, ngram=3, candidates=1), SamplingConfig(max_new_tokens=24))
+    err = io.StringIO()
+    return ChatApp(Bot(loaded, settings), None, False, Console(file=out_file), Console(file=err, width=300)), err
+
+
+def test_chat_interrupted_while_printing_keeps_a_consistent_conversation(embedded_fp32):
+    app, err = plain_chat(embedded_fp32, InterruptedConsole(at=4))
+    app.ask("What is the capital of France?")
+    question, answer = app.conversation.messages
+    assert answer["interrupted"] and answer["content"] and "the partial answer is kept" in err.getvalue()
+    app.ask("And of Germany?")  # the session goes on from the interrupted state...
+    fresh, _ = plain_chat(embedded_fp32, io.StringIO())
+    fresh.conversation.messages = [dict(m) for m in app.conversation.messages[:3]]
+    fresh.answer()  # ...and answers exactly as a new session given the same conversation
+    assert app.conversation.messages[-1] == fresh.conversation.messages[-1]
+    assert "Berlin" in fresh.conversation.messages[-1]["content"]
+
+
+def test_chat_interrupted_before_the_first_token_keeps_the_question(embedded_fp32):
+    app, err = chat_app(embedded_fp32, fail_on_call=1, error=KeyboardInterrupt())
+    app.ask("What is the capital of France?")
+    assert app.conversation.messages[-1] == {"role": "assistant", "content": "", "interrupted": True}
+    assert "interrupted before the answer began (/retry answers again)" in err.getvalue()
+    app.interrupted_outside_stream()  # e.g. Ctrl-C right after the question was added: nothing to mend
+    assert len(app.conversation.messages) == 2
+    app.conversation.messages.append({"role": "user", "content": "And of Germany?"})
+    app.interrupted_outside_stream()  # ...and here the question gets its (empty) interrupted answer
+    assert [m["role"] for m in app.conversation.messages] == ["user", "assistant"] * 2

@@ -95,6 +95,7 @@ class StaticRunner(DynamicRunner):
         Writes only past the `committed` positions, which are kept as they are."""
         self.prefill([0], committed)
         for size in sorted({1, self.step_size}):
+            self.truncate(committed + 1)
             self.step(build_layout([[0] * size], []), committed + 1, list(range(min(size, self.rows_size))))
         self.truncate(committed)
 
@@ -141,7 +142,9 @@ class StaticRunner(DynamicRunner):
         device = self.model.device
         ids, positions, mask = fixed_step_inputs(layout, past, size, self.length, self.model.dtype, device)
         padded_rows = torch.tensor(rows + [0] * (keep - len(rows)), device=device)
-        self.truncate(past)  # the static cache writes at its own position counter
+        # The static cache writes at its own position counter, which is at `past` here: prefill
+        # advances it, commit and truncate set it (resetting it every step would cost kernel
+        # launches per layer on the hot path).
         with torch.inference_mode():
             out = self.forward(input_ids=ids, position_ids=positions, attention_mask=mask,
                                past_key_values=self.cache, use_cache=True, logits_to_keep=padded_rows)

@@ -97,12 +97,25 @@ class ChatApp:
             self.err.print(f"[dim]{footer(stats)}[/]", highlight=False)
         if out_of_memory:
             self.error(f"{out_of_memory} (the partial answer is kept)")
-        elif interrupted:
+        elif interrupted and printer.text:
             self.err.print("[yellow]interrupted: the partial answer is kept[/]")
+        elif interrupted:
+            self.err.print("[yellow]interrupted before the answer began (/retry answers again)[/]")
 
     def ask(self, text: str) -> None:
         self.conversation.messages.append({"role": "user", "content": text})
         self.answer()
+
+    def interrupted_outside_stream(self) -> None:
+        """Ctrl-C landed in a command or just before/after an answer's stream. The conversation
+        and the settings are each replaced whole and /save writes a temp file first; what can be
+        left half-done is a question without its answer (it gets an empty interrupted one, as
+        /retry expects) and the decoder's settings lagging the bot's (set again)."""
+        msgs = self.conversation.messages
+        if msgs and msgs[-1]["role"] == "user":
+            msgs.append({"role": "assistant", "content": "", "interrupted": True})
+        self.bot.configure(self.bot.settings)
+        self.err.print("[yellow]interrupted[/]")
 
     # -- commands -----------------------------------------------------------------------------
     def error(self, message: str) -> None:
@@ -272,9 +285,12 @@ def run_chat(bot: Bot, system: str | None, debug: bool, out: Console, err: Conso
             break
         if not text.strip():
             continue
-        if text.lstrip().startswith("/"):
-            if not app.command(text):
-                break
-            continue
-        app.ask(text)
+        try:
+            if text.lstrip().startswith("/"):
+                if not app.command(text):
+                    break
+                continue
+            app.ask(text)
+        except KeyboardInterrupt:
+            app.interrupted_outside_stream()
     err.print("bye")
