@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import time
 
 import pexpect
@@ -11,11 +12,14 @@ from conftest import ladechat_bin
 PROMPT = ">>>"  # prompt-toolkit wraps the prompt in escape codes
 
 
-def spawn(tmp_path):
+def spawn(tmp_path, sigint_ignored=False):
+    """sigint_ignored: start the chat as a script's background job would (SIGINT inherited ignored)."""
     env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state"), "TERM": "xterm", "PROMPT_TOOLKIT_NO_CPR": "1",
            "NO_COLOR": "1"}
+    disposition = signal.SIG_IGN if sigint_ignored else signal.SIG_DFL
     child = pexpect.spawn(ladechat_bin(), ["--dtype", "float32", "--max-new-tokens", "48"], env=env,
-                          encoding="utf-8", timeout=120, dimensions=(40, 200))
+                          encoding="utf-8", timeout=120, dimensions=(40, 200),
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, disposition))
     child.expect(PROMPT)
     return child
 
@@ -29,7 +33,7 @@ def say(child, line, *expect):
 
 
 def test_chat_session_end_to_end(tmp_path):
-    child = spawn(tmp_path)
+    child = spawn(tmp_path, sigint_ignored=True)  # Ctrl-C must stop the answer all the same
     say(child, "What is the capital of France?", "Paris", r"tokens/step, lookahead W=")
     say(child, "/lookahead off", "lookahead off from the next answer")
     say(child, "And of Germany?", "Berlin", r"tokens/step, lookahead off")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -264,6 +265,10 @@ def run_chat(bot: Bot, system: str | None, debug: bool, out: Console, err: Conso
               f"{'on' if la.enabled else 'off'} (W={la.window} N={la.ngram} G={la.candidates}) · "
               "/help for commands, Ctrl-D to quit", highlight=False)
     if sys.stdin.isatty():
+        # Ctrl-C is how a user stops an answer. A process started from a script's background job
+        # (or a launcher that ignores SIGINT) inherits SIGINT ignored, and Python then never raises
+        # KeyboardInterrupt; someone typing at this chat is in the foreground, so take it back.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         session = _prompt_session()
 
         def read_line(prompt: str) -> str | None:
