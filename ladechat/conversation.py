@@ -38,7 +38,10 @@ class Conversation:
         prompt, never the last user message). Returns (ids, turns dropped)."""
         dropped = 0
         while True:
-            ids = templates.encode(tokenizer, self.chat_messages(), template)
+            try:
+                ids = templates.encode(tokenizer, self.chat_messages(), template)
+            except templates.TemplateError as exc:
+                raise ConversationError(str(exc)) from None
             if len(ids) <= budget:
                 return ids, dropped
             if len(self.messages) <= 1:

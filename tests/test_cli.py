@@ -83,19 +83,59 @@ def test_help_lists_every_option():
     assert r.stdout.decode().split() == ["alpaca", "chatml", "llama-2", "vicuna", "zephyr"]
 
 
-def test_local_folder_model(tmp_path, embedded_fp32):
-    """A model folder on disk (a tiny random Llama with the embedded tokenizer) loads and answers."""
+def tiny_model_folder(path, tokenizer, chat_template=""):
+    """A tiny random Llama saved with the embedded tokenizer; chat_template None removes it, a
+    string replaces it ("" keeps the tokenizer's own)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tok = embedded_fp32.tokenizer
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
-    LlamaForCausalLM(config).save_pretrained(tmp_path)
-    tok.save_pretrained(tmp_path)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    if chat_template != "":
+        settings_file = path / "tokenizer_config.json"
+        settings = json.loads(settings_file.read_text())
+        settings.pop("chat_template", None)
+        (path / "chat_template.jinja").unlink(missing_ok=True)
+        if chat_template is not None:
+            settings["chat_template"] = chat_template
+        settings_file.write_text(json.dumps(settings))
+    return path
+
+
+def test_local_folder_model(tmp_path, embedded_fp32):
+    """A model folder on disk (a tiny random Llama with the embedded tokenizer) loads and answers."""
+    tiny_model_folder(tmp_path, embedded_fp32.tokenizer)
     r = ladechat("ask", "--model", str(tmp_path), "--dtype", "float32", "--max-new-tokens", "6", "--json", "hi")
     assert r.returncode == 0, r.stderr
     record = json.loads(r.stdout)
     assert record["model"] == str(tmp_path) and 1 <= record["stats"]["new_tokens"] <= 6
+
+
+def test_model_without_a_chat_template(tmp_path, embedded_fp32):
+    folder = tiny_model_folder(tmp_path, embedded_fp32.tokenizer, chat_template=None)
+    for command in (["ask", "hi"], []):  # ask, and the chat (refused before it starts)
+        r = ladechat(*command, "--model", str(folder), stdin=b"hi\n")
+        err = r.stderr.decode()
+        assert r.returncode == 1 and "Traceback" not in err
+        assert err.strip().splitlines()[-1] == ("ladechat: error: this model has no chat template; pass --template "
+                                                "NAME (see: ladechat templates)")
+    r = ladechat("ask", "--model", str(folder), "--template", "chatml", "--max-new-tokens", "4", "--json", "hi")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["stats"]["new_tokens"] >= 1
+
+
+def test_chat_template_that_refuses_the_conversation(tmp_path, embedded_fp32):
+    """Some models' templates raise (e.g. Gemma's "System role not supported"): one line, no traceback."""
+    template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+                "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
+    folder = tiny_model_folder(tmp_path, embedded_fp32.tokenizer, chat_template=template)
+    r = ladechat("ask", "--model", str(folder), "--system", "Be brief.", "hi")
+    err = r.stderr.decode()
+    assert r.returncode == 1 and "Traceback" not in err
+    assert err.strip() == "ladechat: error: the chat template refused this conversation: System role not supported"
+    r = ladechat("ask", "--model", str(folder), "--max-new-tokens", "4", "hi")  # without a system prompt it works
+    assert r.returncode == 0, r.stderr
 
 
 def test_gguf_file_model():

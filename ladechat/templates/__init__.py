@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from importlib import resources
 
+import jinja2
+
 
 class TemplateError(ValueError):
     pass
@@ -19,13 +21,22 @@ def source(name: str) -> str:
     return resources.files(__name__).joinpath(f"{name}.jinja").read_text()
 
 
+def check(tokenizer, template: str | None) -> None:
+    """Raise TemplateError unless a prompt can be rendered: a known --template, or the model's own."""
+    if template is not None:
+        source(template)
+    elif not getattr(tokenizer, "chat_template", None):
+        raise TemplateError("this model has no chat template; pass --template NAME (see: ladechat templates)")
+
+
 def render(tokenizer, messages: list[dict], template: str | None = None) -> str:
     """The prompt text for `messages`, ending with the assistant's turn about to start."""
-    chat_template = source(template) if template else None
-    if chat_template is None and not getattr(tokenizer, "chat_template", None):
-        raise TemplateError("this model has no chat template; pass --template NAME (see: ladechat templates)")
-    return tokenizer.apply_chat_template(messages, chat_template=chat_template, add_generation_prompt=True,
-                                         tokenize=False)
+    check(tokenizer, template)
+    try:
+        return tokenizer.apply_chat_template(messages, chat_template=source(template) if template else None,
+                                             add_generation_prompt=True, tokenize=False)
+    except jinja2.TemplateError as exc:  # e.g. a model's template that raises "System role not supported"
+        raise TemplateError(f"the chat template refused this conversation: {exc}") from None
 
 
 def encode(tokenizer, messages: list[dict], template: str | None = None) -> list[int]:
