@@ -112,6 +112,11 @@ def test_system_multiline_undo_retry_and_markdown(tmp_path):
     child.sendline('Use a code block."""')
     child.expect("tokens/step")
     child.expect(PROMPT)
+    # Ctrl-C inside a """ block drops the unfinished block (else /stats would be one of its lines).
+    child.sendline('"""This block is never finished')
+    child.expect_exact("...")  # the continuation prompt
+    child.sendcontrol("c")
+    say(child, "/stats", r"lookahead: 2 answers")
     data = saved_messages(child, path, 4)
     assert data["system"] == "You are a terse assistant."
     questions = [m["content"] for m in data["messages"] if m["role"] == "user"]

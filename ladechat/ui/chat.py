@@ -272,20 +272,20 @@ def run_chat(bot: Bot, system: str | None, debug: bool, out: Console, err: Conso
         session = _prompt_session()
 
         def read_line(prompt: str) -> str | None:
-            while True:
-                try:
-                    return session.prompt(prompt)
-                except KeyboardInterrupt:
-                    continue  # Ctrl-C at the prompt clears the line
-                except EOFError:
-                    return None
+            try:
+                return session.prompt(prompt)
+            except EOFError:
+                return None
     else:
         def read_line(prompt: str) -> str | None:
             line = sys.stdin.readline()
             return line.rstrip("\n") if line else None
 
     while True:
-        text = _read_message(read_line)
+        try:
+            text = _read_message(read_line)
+        except KeyboardInterrupt:
+            continue  # Ctrl-C at the prompt clears the line, and drops an unfinished """ block
         if text is None:
             break
         if not text.strip():
