@@ -64,11 +64,14 @@ def test_other_runtime_errors_are_not_taken_for_out_of_memory():
         list(generate(session, [1, 2, 3, 4], SamplingConfig(max_new_tokens=8), frozenset()))
 
 
-def chat_app(loaded, fail_on_call, error=torch.OutOfMemoryError("CUDA OOM")):
-    wrapped = replace(loaded, model=FailsAfterForward(loaded.model, fail_on_call, error))
+def chat_app(loaded, fail_on_call=0, error=torch.OutOfMemoryError("CUDA OOM"), out_file=None):
+    """A chat on `loaded` whose model fails after its `fail_on_call`-th forward pass (0: never)."""
+    if fail_on_call:
+        loaded = replace(loaded, model=FailsAfterForward(loaded.model, fail_on_call, error))
     settings = Settings(LookaheadConfig(window=2, ngram=3, candidates=1), SamplingConfig(max_new_tokens=24))
     err = io.StringIO()
-    return ChatApp(Bot(wrapped, settings), None, False, Console(file=io.StringIO()), Console(file=err, width=300)), err
+    out = Console(file=out_file if out_file is not None else io.StringIO())
+    return ChatApp(Bot(loaded, settings), None, False, out, Console(file=err, width=300)), err
 
 
 def test_chat_survives_out_of_memory(embedded_fp32):
@@ -119,19 +122,13 @@ class InterruptedConsole(io.StringIO):
         return super().write(text)
 
 
-def plain_chat(loaded, out_file):
-    settings = Settings(LookaheadConfig(window=2, ngram=3, candidates=1), SamplingConfig(max_new_tokens=24))
-    err = io.StringIO()
-    return ChatApp(Bot(loaded, settings), None, False, Console(file=out_file), Console(file=err, width=300)), err
-
-
 def test_chat_interrupted_while_printing_keeps_a_consistent_conversation(embedded_fp32):
-    app, err = plain_chat(embedded_fp32, InterruptedConsole(at=4))
+    app, err = chat_app(embedded_fp32, out_file=InterruptedConsole(at=4))
     app.ask("What is the capital of France?")
     question, answer = app.conversation.messages
     assert answer["interrupted"] and answer["content"] and "the partial answer is kept" in err.getvalue()
     app.ask("And of Germany?")  # the session goes on from the interrupted state...
-    fresh, _ = plain_chat(embedded_fp32, io.StringIO())
+    fresh, _ = chat_app(embedded_fp32)
     fresh.conversation.messages = [dict(m) for m in app.conversation.messages[:3]]
     fresh.answer()  # ...and answers exactly as a new session given the same conversation
     assert app.conversation.messages[-1] == fresh.conversation.messages[-1]
