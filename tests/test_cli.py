@@ -136,6 +136,12 @@ def test_chat_template_that_refuses_the_conversation(tmp_path, embedded_fp32):
     assert err.strip() == "ladechat: error: the chat template refused this conversation: System role not supported"
     r = ladechat("ask", "--model", str(folder), "--max-new-tokens", "4", "hi")  # without a system prompt it works
     assert r.returncode == 0, r.stderr
+    # The chat says so, drops the question and goes on.
+    r = ladechat("--model", str(folder), "--system", "Be brief.", stdin=b"hi\n/save " + str(tmp_path / "c.json").encode())
+    err = r.stderr.decode()
+    assert r.returncode == 0 and "Traceback" not in err
+    assert "error: the chat template refused this conversation: System role not supported" in err
+    assert json.loads((tmp_path / "c.json").read_text())["messages"] == []
 
 
 def test_gguf_file_model():
