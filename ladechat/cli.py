@@ -66,15 +66,12 @@ def _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature,
     model's measured step-cost curve). loaded=None: validate the flags before loading."""
     from ladechat.bot import Settings
     from ladechat.engine.defaults import default_lookahead
-    from ladechat.templates import TemplateError, check, names
+    from ladechat.templates import TemplateError, resolve
 
-    if template is not None and template not in names():
-        raise Fail(TemplateError(f"unknown template {template!r} (available: {', '.join(names())})"))
-    if loaded is not None:
-        try:
-            check(loaded.tokenizer, template)
-        except TemplateError as exc:
-            raise Fail(str(exc)) from None
+    try:
+        resolve(loaded.tokenizer if loaded is not None else None, template)
+    except TemplateError as exc:
+        raise Fail(str(exc)) from None
     device_type = loaded.device.type if loaded is not None else "cpu"
     base = default_lookahead(device_type, loaded.step_cost() if device_type == "cuda" else None)
     try:

@@ -83,13 +83,13 @@ def test_help_lists_every_option():
     assert r.stdout.decode().split() == ["alpaca", "chatml", "llama-2", "vicuna", "zephyr"]
 
 
-def tiny_model_folder(path, tokenizer, chat_template=""):
+def tiny_model_folder(path, tokenizer, chat_template="", **shape):
     """A tiny random Llama saved with the embedded tokenizer; chat_template None removes it, a
-    string replaces it ("" keeps the tokenizer's own)."""
+    string replaces it ("" keeps the tokenizer's own); `shape` overrides config fields."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+    config = LlamaConfig(**{**dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512), **shape})
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     if chat_template != "":
@@ -195,14 +195,8 @@ def test_step_cost_bench_on_a_random_model():
 def test_ask_compiled_gives_the_same_tokens(tmp_path, embedded_fp32):
     """--compile (static cache, fixed-shape steps, torch.compile) answers token for token like the
     default runner. A small random Llama with the embedded tokenizer keeps compiling short on a CPU."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tok = embedded_fp32.tokenizer
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         initializer_range=0.2)
-    LlamaForCausalLM(config).save_pretrained(tmp_path)
-    tok.save_pretrained(tmp_path)
+    tiny_model_folder(tmp_path, embedded_fp32.tokenizer, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.2)
     args = ["--model", str(tmp_path), "--dtype", "float32", "--max-new-tokens", "40", "-W", "3", "-N", "3", "-G", "3",
             "--json", "Name three rivers in Europe, then three more."]
     plain = ladechat("ask", *args)

@@ -21,20 +21,22 @@ def source(name: str) -> str:
     return resources.files(__name__).joinpath(f"{name}.jinja").read_text()
 
 
-def check(tokenizer, template: str | None) -> None:
-    """Raise TemplateError unless a prompt can be rendered: a known --template, or the model's own."""
+def resolve(tokenizer, template: str | None) -> str | None:
+    """The template text to render with: shipped template `template`, or None for the model's own.
+    TemplateError when neither exists. tokenizer=None checks only the name (before loading)."""
     if template is not None:
-        source(template)
-    elif not getattr(tokenizer, "chat_template", None):
+        return source(template)
+    if tokenizer is not None and not getattr(tokenizer, "chat_template", None):
         raise TemplateError("this model has no chat template; pass --template NAME (see: ladechat templates)")
+    return None
 
 
 def render(tokenizer, messages: list[dict], template: str | None = None) -> str:
     """The prompt text for `messages`, ending with the assistant's turn about to start."""
-    check(tokenizer, template)
+    chat_template = resolve(tokenizer, template)
     try:
-        return tokenizer.apply_chat_template(messages, chat_template=source(template) if template else None,
-                                             add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(messages, chat_template=chat_template, add_generation_prompt=True,
+                                             tokenize=False)
     except jinja2.TemplateError as exc:  # e.g. a model's template that raises "System role not supported"
         raise TemplateError(f"the chat template refused this conversation: {exc}") from None
 
