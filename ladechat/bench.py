@@ -127,7 +127,7 @@ def run(loaded, datasets: list[str], methods: list[str], la: LookaheadConfig, sa
                      "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
                      "W": la.window, "N": la.ngram, "G": la.candidates, "datasets": {}}
     results["compiled"] = compile
-    step_cost = loaded.step_cost()
+    step_cost = loaded.cost_model()
     runners = {m: StaticRunner(loaded.model, la, loaded.context_length, compile=True) if compile else None
                for m in methods if m in ("plain", "lookahead", "lookahead-full")}
     # warm-up: first calls allocate and pick kernels (and compile)

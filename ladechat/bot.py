@@ -53,7 +53,7 @@ class Bot:
             runner = StaticRunner(loaded.model, settings.lookahead, loaded.context_length, compile=True)
             self.session = Session(loaded.model, settings.lookahead, runner=runner)
         else:
-            self.session = Session(loaded.model, settings.lookahead, step_cost=loaded.step_cost())
+            self.session = Session(loaded.model, settings.lookahead, step_cost=loaded.cost_model())
 
     def configure(self, settings: Settings) -> None:
         self.session.configure(settings.lookahead)  # first: it may refuse W/N/G

@@ -7,7 +7,7 @@ from transformers import DynamicCache
 from ladechat.engine import kv
 from ladechat.engine.config import ConfigError, LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import verify
-from ladechat.engine.layout import build_layout, step_inputs, tree_mask
+from ladechat.engine.layout import build_layout, step_inputs, tree_layout, tree_mask
 from ladechat.engine.ngram_pool import ContextIndex, NGramPool
 from ladechat.engine.stopping import StopRule
 
@@ -138,3 +138,69 @@ def test_gpu_defaults_follow_the_step_cost_curve():
     assert default_lookahead("cuda", steep).window == 1
     assert default_lookahead("cuda", None).window == 15 and default_lookahead("cuda", flat).ngram == 5
     assert default_lookahead("cpu", flat) == default_lookahead("cpu")  # CPU defaults were measured separately
+
+
+def test_successor_table_keeps_the_latest_top_k_per_token():
+    import numpy as np
+
+    from ladechat.engine.recycle import SuccessorTable
+
+    table = SuccessorTable(k=3)
+    assert table.successors(5) == [] and len(table) == 0
+    table.update([5, 9, 5], np.array([[1, 2, 3], [4, 5, 6], [7, 8, 0]]))
+    assert table.successors(5) == [7, 8, 0]  # the later row of token 5 wins
+    assert table.successors(9) == [4, 5, 6] and table.successors(123456) == []
+    table.update([70000], np.array([[1, 2, 3]]))  # grows to any token id
+    assert table.successors(70000) == [1, 2, 3] and len(table) == 3
+
+
+def test_acceptance_starts_at_the_prior_and_learns():
+    from ladechat.engine.draft import Acceptance
+
+    acc = Acceptance()
+    bucket = ("recycle", 0, 1)
+    prior = acc.q(bucket)
+    for _ in range(50):
+        acc.record(bucket, True)
+    assert acc.q(bucket) > 0.9 > prior
+    for _ in range(800):
+        acc.record(bucket, False)
+    assert acc.q(bucket) < 0.1  # old evidence fades
+    assert acc.observed["recycle"] == 50 and acc.predicted["recycle"] > 0
+
+
+def test_draft_tree_merges_sources_and_choose_weighs_cost():
+    from ladechat.engine.draft import Acceptance, DraftTree, choose
+
+    tree = DraftTree(Acceptance())
+    tree.add_chain((10, 11, 12), "context", 4)
+    successors = {7: [10, 20], 10: [11, 30], 11: [12], 20: [21]}
+    tree.add_recycled(7, lambda tok: successors.get(tok, []), limit=10)
+    first = [n for n in tree.nodes if n.parent == -1]
+    assert sorted(n.token for n in first) == [10, 20]  # 10 proposed twice, kept once
+    flat = choose(tree, lambda size: 1.0)
+    assert len(flat) == len(tree.nodes)  # free rows: every node is worth feeding
+    for i, node in enumerate(flat):
+        assert node.parent < i and node.p <= (1.0 if node.parent < 0 else flat[node.parent].p) + 1e-9
+    assert choose(tree, lambda size: 1.0 if size == 1 else 10.0) == []  # too dear: a plain step
+    assert len(choose(tree, None, limit=2)) == 2
+    layout = tree_layout([[7]], flat)
+    accepted, matched, source = verify(layout, lambda row, path: [10, 11, 12, 99][len(path)])
+    assert accepted == [10, 11, 12, 99] and source == "context"
+
+
+def test_context_matches_report_their_length():
+    ctx = ContextIndex(match_lens=(3, 2, 1))
+    ctx.extend([1, 2, 3, 4, 5, 9, 2, 3, 4])
+    assert ctx.matches(ctx.tokens, 2, 4) == [((5, 9), 3)]
+    ctx.extend([7, 1, 2])
+    assert ctx.matches(ctx.tokens, 2, 4) == [((3, 4), 2)]
+
+
+def test_cost_model_interpolates_in_cached_length():
+    from ladechat.engine.step_cost import CostModel
+
+    model = CostModel({100: {1: 1.0, 8: 2.0}, 1100: {1: 2.0, 8: 6.0}})
+    assert model.cost(1, 100) == 1.0 and model.cost(8, 1100) == 6.0
+    assert model.cost(8, 600) == pytest.approx(4.0) and model.cost(8, 2100) == pytest.approx(10.0)
+    assert model.cost(8, 0) == 2.0  # never below the shortest measured context

@@ -19,6 +19,7 @@ class LookaheadConfig:
     context_candidates: extra candidates found by matching the conversation's last tokens
                     against earlier text (prompt-lookup style); free to find, paid for per token.
     context_len:    how many tokens such a context candidate proposes.
+    recycle:        most nodes per step drafted from the model's own recycled top-k (0: none).
     seed_pool:      put the prompt's n-grams into the pool before decoding.
     enabled:        False runs plain one-token decoding through the same loop.
     """
@@ -28,6 +29,7 @@ class LookaheadConfig:
     candidates: int = 5
     context_candidates: int = 2
     context_len: int = 8
+    recycle: int = 16
     seed_pool: bool = True
     enabled: bool = True
 
@@ -37,6 +39,7 @@ class LookaheadConfig:
         _check(self.candidates >= 0, f"G (candidates) must be >= 0, got {self.candidates}")
         _check(self.context_candidates >= 0, f"context candidates must be >= 0, got {self.context_candidates}")
         _check(self.context_len >= 1, f"context length must be >= 1, got {self.context_len}")
+        _check(self.recycle >= 0, f"recycled nodes must be >= 0, got {self.recycle}")
         _check(self.ngram <= 16 and self.window <= 64 and self.candidates <= 64,
                "W, N, G are too large (limits: W <= 64, N <= 16, G <= 64)")
 

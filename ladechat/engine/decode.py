@@ -1,35 +1,53 @@
 """The decoding loop: one forward pass per step, lookahead on or off, as a stream of events.
 
-    step = forward(t + window + candidates)   one call, 4D mask from layout.py
-           verify   -> the longest candidate prefix that equals the model's own choices, + bonus
-           harvest  -> last window level's argmax: one new n-gram per column into the pool
-           shift    -> window levels move down by one, the new tokens become the last level
-           commit_kv-> keep t and the accepted candidate rows, drop the rest
+    Session.step(t):
+      plan      -> draft tree from context matches, pool n-grams and recycled top-k (draft.py),
+                   cut to the nodes worth their cost; window columns ride along when nearly free
+      forward   -> one call over t + window + draft, 4D mask from layout.py
+      verify    -> the longest draft path that equals the model's own choices, + bonus token
+      harvest   -> every row's top-k into the successor table; the last window level's argmax
+                   into the pool (one n-gram per column); acceptance statistics per draft bucket
+      commit_kv -> keep t and the accepted rows, drop the rest
+    generate(): stop rules, events and statistics around Session.step.
 
-With lookahead off (or nothing to feed but t) a step is a plain one-token forward pass, so the
-chat can toggle lookahead between turns without changing anything else.
+With lookahead off (or nothing worth feeding but t) a step is a plain one-token forward pass, so
+the chat can toggle lookahead between turns without changing anything else.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
+from ladechat.engine.draft import Acceptance, DraftTree, choose
 from ladechat.engine.events import Done, Stats, Step
-from ladechat.engine.layout import StepLayout, build_layout
+from ladechat.engine.layout import StepLayout, tree_layout
 from ladechat.engine.ngram_pool import ContextIndex, NGramPool
-from ladechat.engine.runner import DynamicRunner
+from ladechat.engine.recycle import TOP_K, SuccessorTable
+from ladechat.engine.runner import DynamicRunner, max_step_size
 from ladechat.engine.sampling import Chooser
-from ladechat.engine.step_cost import affordable_size, cost
+from ladechat.engine.step_cost import CostModel
 from ladechat.engine.stopping import StopRule
 
-STEP_BUDGET = 0.3  # a step may cost up to 1.3x a one-token step (see _plan)
-WINDOW_SLACK = 0.15  # or 15% more than its candidates alone, to carry window columns
-PROBE_EVERY = 8  # while acceptance is poor, still try candidates on every 8th step
+WINDOW_SLACK = 0.1  # window columns ride along while the step costs at most 10% more than its draft
+PROBE_EVERY = 8  # while no draft node looks worth its cost, still feed the likeliest every 8th step
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one Session.step committed."""
+
+    tokens: tuple[int, ...]  # accepted guesses then the model's own (bonus) token, cut by the stop rule
+    guessed: tuple[bool, ...]  # per token: a verified guess
+    source: str  # the source of the accepted guesses ("none" if no guess was accepted)
+    fed: int  # rows in the forward pass
+    predicted: float  # tokens the planner expected this step to commit
+    stop: str | None  # why generation ends here, None if it goes on
 
 
 class OutOfMemory(RuntimeError):
@@ -43,29 +61,32 @@ def _is_out_of_memory(exc: BaseException) -> bool:
 
 
 class Session:
-    """Decoding state that outlives one answer: KV cache, the tokens it holds, pool and window.
+    """Decoding state that outlives one answer: KV cache, the tokens it holds, the conversation's
+    index, pool, window, recycled successors and the learned acceptance rates.
 
-    A chat keeps one Session, so later turns reuse the cached prefix of the conversation and the
-    n-grams the window found earlier. The cache always holds exactly `cached` (every committed
+    A chat keeps one Session, so later turns reuse the cached prefix of the conversation and what
+    earlier turns taught the drafts. The cache always holds exactly `cached` (every committed
     token but the last, which is the next step's input). The runner owns the cache and the
     forward call (runner.py); with a fixed-shape runner every lookahead step is a full one.
     """
 
-    def __init__(self, model, lookahead: LookaheadConfig, step_cost: dict[int, float] | None = None,
+    def __init__(self, model, lookahead: LookaheadConfig, step_cost: CostModel | dict[int, float] | None = None,
                  runner=None) -> None:
         self.model = model
         self.runner = runner or DynamicRunner(model)
         self.runner.configure(lookahead)
         if self.runner.fixed:
             step_cost = None  # every step is padded to full size anyway
-        self.step_cost = step_cost  # measured seconds per step size; None: always the full step
-        self.budget = affordable_size(step_cost, STEP_BUDGET) if step_cost else 0  # largest affordable step
-        self.gain = 1.0  # running mean of the extra tokens a step with candidates accepted
-        self.skipped = 0  # candidate steps skipped in a row because acceptance was poor
+        if isinstance(step_cost, dict):
+            step_cost = CostModel({192: step_cost})
+        self.step_cost: CostModel | None = step_cost  # None: every lookahead step is a full one
+        self.skipped = 0  # steps in a row that fed no draft node
         self.cached: list[int] = []
         self.context = ContextIndex()
         self.lookahead = lookahead
         self.pool = NGramPool(lookahead.ngram, lookahead.candidates)
+        self.recycled = SuccessorTable()
+        self.acceptance = Acceptance()
         self.window: list[list[int]] | None = None
         self.window_age = 0  # steps since the window was filled; n-grams are harvested after N-2
         self.rng = torch.Generator().manual_seed(0)  # window fill: deterministic runs
@@ -83,7 +104,8 @@ class Session:
         self.lookahead = lookahead
 
     def reset(self) -> None:
-        """Forget the conversation (cache, context, pool, window) but keep the settings."""
+        """Forget the conversation (cache, context, pool, window, recycled successors) but keep the
+        settings."""
         self.runner.reset()
         self.__init__(self.model, self.lookahead, self.step_cost, self.runner)
 
@@ -97,7 +119,7 @@ class Session:
             self.runner.warm_up(len(self.cached))
 
     # -- prefix reuse -------------------------------------------------------------------------
-    def _sync_prompt(self, prompt: list[int]) -> tuple[int, float]:
+    def sync_prompt(self, prompt: list[int]) -> tuple[int, float]:
         """Make the cache hold prompt[:-1], reusing its common prefix. Returns (prefilled, seconds)."""
         start = time.perf_counter()
         keep = _common_prefix(self.cached, prompt[:-1])
@@ -105,8 +127,9 @@ class Session:
         self.cached = self.cached[:keep]
         todo = prompt[keep:-1]
         if todo:
-            self.runner.prefill(todo, keep)
+            top = self.runner.prefill(todo, keep)
             self.cached = list(prompt[:-1])
+            self.recycled.update(todo[len(todo) - len(top) :], top)  # the model's ranking after each
         seen = _common_prefix(self.context.tokens, prompt)
         self.context.truncate(seen)
         self.context.extend(prompt[seen:])
@@ -115,16 +138,23 @@ class Session:
         return len(todo), time.perf_counter() - start
 
     # -- the window ---------------------------------------------------------------------------
-    def _window_for(self, t: int, prompt: list[int]) -> list[list[int]]:
+    def _window_for(self, t: int) -> list[list[int]]:
         la = self.lookahead
         if self.window is None:
-            # All N-1 levels are filled at once from prompt tokens (not with N-2 warm-up steps):
-            # every step then has the same shape and cost, and the first steps already verify
-            # pool candidates. Their n-grams are junk until each level has been recomputed once,
-            # so harvesting waits N-2 steps (window_age).
-            source = torch.tensor(prompt, dtype=torch.long)
-            picks = torch.randint(len(prompt), (la.ngram - 1, la.window), generator=self.rng)
-            self.window = source[picks].tolist()
+            # All N-1 levels are filled at once (not with N-2 warm-up steps), so every step has
+            # the same shape and the first steps already verify drafts. Level l, column j guesses
+            # position p+l+j: the model's recycled top-1 chain from t where it has one (the
+            # window then starts near the model's own trajectory), else conversation tokens.
+            # Its n-grams are junk until each level has been recomputed once, so harvesting
+            # waits N-2 steps (window_age).
+            chain, tok = [], t
+            source = self.context.tokens or [t]
+            for _ in range(la.window + la.ngram - 2):
+                nxt = self.recycled.successors(tok)
+                tok = nxt[0] if nxt else source[int(torch.randint(len(source), (1,), generator=self.rng))]
+                chain.append(tok)
+            self.window = [[t] + chain[: la.window - 1]] + [chain[level - 1 : level - 1 + la.window]
+                                                            for level in range(1, la.ngram - 1)]
             self.window_age = 0
         self.window[0][0] = t
         return self.window
@@ -132,7 +162,7 @@ class Session:
     def _harvest_and_shift(self, new_tokens: list[int]) -> None:
         """Pool the n-gram of each computed column, then move those columns down one level.
 
-        A step may carry only the first k columns (see _plan); the others keep their guesses.
+        A step may carry only the first k columns (see plan); the others keep their guesses.
         """
         window, k = self.window, len(new_tokens)
         if self.window_age >= len(window) - 1:
@@ -144,51 +174,94 @@ class Session:
         window[-1][:k] = new_tokens
         self.window_age += 1
 
-    def _plan(self, t: int, prompt: list[int]) -> StepLayout:
-        """The step's layout, sized from the measured step-cost curve.
+    # -- planning -----------------------------------------------------------------------------
+    def draft(self, t: int) -> DraftTree:
+        """Every source's proposals for what follows t, merged into one priced trie."""
+        la = self.lookahead
+        tree = DraftTree(self.acceptance)
+        for cont, matched in self.context.matches(self.context.tokens, la.context_len, la.context_candidates):
+            tree.add_chain(cont, "context", matched)
+        for gram in self.pool.get(t)[: la.candidates]:
+            tree.add_chain(gram, "pool", 0)
+        if la.recycle:
+            tree.add_recycled(t, self.recycled.successors, la.recycle)
+        return tree
 
-        Candidates go in best first (context matches, longest first, then pool n-grams) while the
-        step stays within the budget: the largest size that costs at most 1 + STEP_BUDGET times a
-        one-token step. The first candidate always goes in (a context match is right often enough
-        to pay for itself even where two tokens cost 1.3x one, as in fp32 on a small CPU). Window
-        columns then ride along while the step stays within that budget, or within WINDOW_SLACK
-        of the candidates' own cost. On a GPU (flat curve) everything fits; on a small CPU it is
-        often a few columns or none. Columns are a prefix of the window, so the tree keeps its
-        shape.
+    def plan(self, t: int) -> StepLayout:
+        """The step's layout.
+
+        Full steps (no cost model: a GPU or fixed-shape runner): the whole window and the likeliest
+        draft nodes up to the step's size. Cost-sized steps (a CPU): the draft nodes that maximise
+        expected tokens per second under the measured step-cost curve at the current cache length,
+        and window columns only while they add at most WINDOW_SLACK to the step's cost. On a small
+        CPU that is often a handful of nodes, and a plain step when nothing is worth feeding.
         """
-        candidates = self._candidates(t)
-        window = self._window_for(t, prompt)
-        if self.step_cost is None:
-            return build_layout(window, candidates)
-        budget = self.budget
-        chosen = candidates[:1]
-        for cand in candidates[1:]:
-            if build_layout([[t]], chosen + [cand]).size > budget:
-                break
-            chosen.append(cand)
-        alone = build_layout([[t]], chosen)
-        # Speculation must not cost more than it saves: while recent steps accepted fewer extra
-        # tokens than the step's extra cost, decode plainly, re-checking every PROBE_EVERY steps.
-        if chosen and self.gain < cost(self.step_cost, alone.size) / cost(self.step_cost, 1) - 1:
-            self.skipped += 1
-            if self.skipped % PROBE_EVERY:
-                return build_layout([[t]], [])
-        limit = max(cost(self.step_cost, budget), cost(self.step_cost, alone.size) * (1 + WINDOW_SLACK))
+        la = self.lookahead
+        tree = self.draft(t)
+        window = self._window_for(t)
         levels = len(window)
+        if self.step_cost is None:
+            room = max_step_size(la) - la.window * levels
+            return tree_layout(window, choose(tree, None, limit=room))
+        cached = len(self.cached)
+        cost = lambda size: self.step_cost.cost(size, cached)  # noqa: E731
+        nodes = choose(tree, cost)
+        if nodes:
+            self.skipped = 0
+        else:
+            self.skipped += 1
+            if self.skipped % PROBE_EVERY == 0:  # keep the acceptance estimates honest
+                nodes = choose(tree, None, limit=1)
+        alone = 1 + len(nodes)
         for columns in range(len(window[0]), 0, -1):
             if columns == 1 and levels == 1:
                 break
-            if cost(self.step_cost, alone.size + columns * levels - 1) <= limit:
-                return build_layout([level[:columns] for level in window], chosen)
-        return alone
+            if cost(alone + columns * levels - 1) <= cost(alone) * (1 + WINDOW_SLACK):
+                return tree_layout([level[:columns] for level in window], nodes)
+        return tree_layout([[t]], nodes)
 
-    # -- candidates ---------------------------------------------------------------------------
-    def _candidates(self, t: int) -> list[tuple[tuple[int, ...], str]]:
+    # -- one step -----------------------------------------------------------------------------
+    def step(self, t: int, chooser: Chooser, cut: Callable[[list[int]], tuple[int, str | None]]) -> StepResult:
+        """Plan, run one forward pass, verify, harvest and commit. `cut(block)` says how many of
+        the block's tokens to keep and whether generation stops there (stop rules)."""
         la = self.lookahead
-        found = [(c, "context") for c in self.context.continuations(self.context.tokens, la.context_len,
-                                                                    la.context_candidates)]
-        found += [(c, "pool") for c in self.pool.get(t)[: la.candidates]]
-        return found
+        past = len(self.cached)
+        layout = self.plan(t) if la.enabled else tree_layout([[t]], [])
+        rows = list(range(layout.size))
+        logits = self.runner.step(layout, past, rows)
+        top = logits.topk(min(TOP_K, logits.shape[-1]), dim=-1).indices.cpu().numpy()  # one host sync
+        argmax = top[:, 0].tolist()
+        history = self.context.tokens
+        if chooser.plain_argmax:
+            pick = lambda row, path: argmax[row]  # noqa: E731
+        else:
+            pick = lambda row, path: chooser.pick(logits[row], history + path)  # noqa: E731
+        block, matched, source = verify(layout, pick)
+        if la.enabled:
+            self._learn(layout, matched, top)
+        keep, why = cut(block)
+        block = block[:keep]
+        self.runner.commit(past, [0] + matched[: keep - 1])
+        self.cached += [t] + block[:-1]
+        self.context.extend(block)
+        guessed = tuple(i < min(len(matched), keep - 1) for i in range(len(block)))
+        predicted = 1.0 + sum(node.p for node in layout.nodes)
+        return StepResult(tuple(block), guessed, source if any(guessed) else "none", layout.size, predicted, why)
+
+    def _learn(self, layout: StepLayout, matched: list[int], top) -> None:
+        """Harvest what the step computed: acceptance per draft bucket, every row's top-k into the
+        successor table (accepted rows last: their context is the real one), window n-grams."""
+        on_path = {0, *matched}
+        first = layout.window_rows
+        for i, node in enumerate(layout.nodes):
+            parent_row = 0 if node.parent < 0 else first + node.parent
+            if parent_row in on_path:  # its parent was accepted: a fair trial of its bucket
+                self.acceptance.record(node.bucket, first + i in on_path)
+        order = [row for row in range(layout.size) if row not in on_path] + [0, *matched]
+        self.recycled.update([layout.tokens[row] for row in order], top[order])
+        if layout.window_rows > 1:
+            # The window always advances by argmax, as in the paper, also when sampling.
+            self._harvest_and_shift([int(top[row, 0]) for row in layout.last_level])
 
 
 def generate(session: Session, prompt: list[int], sampling: SamplingConfig, eos_ids: frozenset[int],
@@ -208,56 +281,37 @@ def generate(session: Session, prompt: list[int], sampling: SamplingConfig, eos_
     start = time.perf_counter()
     generated: list[int] = []
     histogram: Counter[int] = Counter()
-    by_position = [0] * max(la.ngram - 1, la.context_len)
+    by_position: Counter[int] = Counter()
     sources: Counter[str] = Counter()
+    predicted_before = dict(session.acceptance.predicted)
+    observed_before = dict(session.acceptance.observed)
     fed_total = 0
     steps = 0
     ttft = 0.0
     reason = "length"
     prefill_tokens, prefill_s = 0, 0.0
     try:
-        prefill_tokens, prefill_s = session._sync_prompt(prompt)
+        prefill_tokens, prefill_s = session.sync_prompt(prompt)
         t = prompt[-1]
         while True:
             step_start = time.perf_counter()
-            past = len(session.cached)
-            layout = session._plan(t, prompt) if la.enabled else build_layout([[t]], [])
-            rows = layout.logit_rows()
-            logits = session.runner.step(layout, past, rows)
-            row_at = {row: i for i, row in enumerate(rows)}
-            argmax = logits.argmax(-1).tolist()  # one host sync for the whole step
-            history = session.context.tokens
-            if chooser.plain_argmax:
-                choose = lambda row, path: argmax[row_at[row]]  # noqa: E731
-            else:
-                choose = lambda row, path: chooser.pick(logits[row_at[row]], history + path)  # noqa: E731
-            block, matched, source = verify(layout, choose)
-            if layout.size > layout.window_rows:  # the step carried candidates
-                session.gain = 0.8 * session.gain + 0.2 * len(matched)
-            if layout.window_rows > 1:
-                # The window always advances by argmax, as in the paper, also when sampling.
-                session._harvest_and_shift([argmax[row_at[r]] for r in layout.last_level])
-            keep, why = stop.cut(generated, block)
-            block = block[:keep]
-            session.runner.commit(past, [0] + matched[: keep - 1])
-            session.cached += [t] + block[:-1]
-            session.context.extend(block)
-            generated += block
-            t = block[-1]
+            result = session.step(t, chooser, lambda block: stop.cut(generated, block))
+            generated += result.tokens
+            t = result.tokens[-1]
             steps += 1
-            fed_total += layout.size
-            histogram[len(block)] += 1
-            guessed = tuple(i < min(len(matched), keep - 1) for i in range(len(block)))
-            for depth in range(sum(guessed)):
+            fed_total += result.fed
+            histogram[len(result.tokens)] += 1
+            for depth in range(sum(result.guessed)):
                 by_position[depth] += 1
-            if sum(guessed):
-                sources[source] += 1
+            if any(result.guessed):
+                sources[result.source] += 1
             now = time.perf_counter()
             if steps == 1:
                 ttft = now - start
-            yield Step(tuple(block), guessed, source if la.enabled else "plain", layout.size, now - step_start)
-            if why is not None:
-                reason = why
+            yield Step(result.tokens, result.guessed, result.source if la.enabled else "plain", result.fed,
+                       now - step_start)
+            if result.stop is not None:
+                reason = result.stop
                 break
     except KeyboardInterrupt:
         session.runner.truncate(len(session.cached))
@@ -271,12 +325,18 @@ def generate(session: Session, prompt: list[int], sampling: SamplingConfig, eos_
         raise OutOfMemory(f"out of memory on {device} after {len(generated)} new tokens, with "
                           f"{len(session.cached)} tokens in the KV cache") from None
     total = time.perf_counter() - start
+    acc = session.acceptance
+    calibration = {src: (round(acc.predicted[src] - predicted_before.get(src, 0.0), 2),
+                         round(acc.observed[src] - observed_before.get(src, 0.0), 2))
+                   for src in acc.predicted if acc.predicted[src] != predicted_before.get(src, 0.0)}
     stats = Stats(
         new_tokens=len(generated), steps=steps, prompt_tokens=len(prompt), prefill_tokens=prefill_tokens,
         prefill_s=prefill_s, ttft_s=ttft, decode_s=total - prefill_s, total_s=total,
-        accepted_histogram=dict(histogram), accepted_by_position=tuple(by_position),
+        accepted_histogram=dict(histogram),
+        accepted_by_position=tuple(by_position[d] for d in range(max(by_position, default=-1) + 1)),
         source_counts=dict(sources), pool_size=len(session.pool), mean_fed=fed_total / steps if steps else 0.0,
         lookahead=la.enabled, window=la.window, ngram=la.ngram, candidates=la.candidates, finish_reason=reason,
+        calibration=calibration,
     )
     yield Done(tuple(generated), stats)
 

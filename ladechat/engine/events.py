@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,9 @@ class Stats:
     ngram: int
     candidates: int
     finish_reason: str  # "eos", "length", "stop", "interrupted"
+    # per draft source: (accepted nodes the planner expected, accepted nodes seen) over the nodes
+    # whose parent was accepted; close numbers mean the planner's estimates are calibrated
+    calibration: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def compression(self) -> float:
@@ -79,6 +82,7 @@ class Stats:
             "N": self.ngram,
             "G": self.candidates,
             "finish_reason": self.finish_reason,
+            "calibration": {src: {"predicted": p, "observed": o} for src, (p, o) in self.calibration.items()},
         }
 
 

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ladechat.engine.draft import Node
+
 
 @dataclass(frozen=True)
 class StepLayout:
@@ -47,11 +49,15 @@ class StepLayout:
     window_rows: int  # rows 0 .. window_rows-1 are the window ((N-1) * W)
     last_level: range  # rows whose argmax become the new window tokens
     children: list[dict[int, int]]  # candidate trie: row -> {token: child row}; row 0 is the root
-    sources: list[str]  # per candidate row: where its candidate came from
+    nodes: tuple[Node, ...] = ()  # per candidate row (row window_rows + i): its draft node
 
     @property
     def size(self) -> int:
         return len(self.tokens)
+
+    @property
+    def sources(self) -> list[str]:
+        return [node.source for node in self.nodes]
 
     def logit_rows(self) -> list[int]:
         rows = set(self.last_level)
@@ -68,27 +74,37 @@ def window_parents(window: int, levels: int) -> list[int]:
     return parents
 
 
-def build_layout(window_tokens: list[list[int]], candidates: list[tuple[tuple[int, ...], str]]) -> StepLayout:
-    """window_tokens: N-1 levels of W tokens (window_tokens[0][0] is t); candidates: (tokens, source)."""
+def tree_layout(window_tokens: list[list[int]], nodes: list[Node]) -> StepLayout:
+    """window_tokens: N-1 levels of W tokens (window_tokens[0][0] is t); nodes: a draft tree whose
+    parents point into `nodes` (-1: t), parents before children, no two siblings alike."""
     levels, width = len(window_tokens), len(window_tokens[0])
     tokens = [tok for level in window_tokens for tok in level]
     parents = window_parents(width, levels)
     children: list[dict[int, int]] = [dict() for _ in tokens]
-    sources: list[str] = []
-    for cand, source in candidates:
-        node = 0
-        for tok in cand:
-            nxt = children[node].get(tok)
-            if nxt is None:
-                nxt = len(tokens)
-                tokens.append(tok)
-                parents.append(node)
-                children[node][tok] = nxt
-                children.append({})
-                sources.append(source)
-            node = nxt
+    first = len(tokens)
+    for node in nodes:
+        parent_row = 0 if node.parent < 0 else first + node.parent
+        children[parent_row][node.token] = len(tokens)
+        tokens.append(node.token)
+        parents.append(parent_row)
+        children.append({})
     last = (levels - 1) * width
-    return StepLayout(tokens, parents, levels * width, range(last, last + width), children, sources)
+    return StepLayout(tokens, parents, levels * width, range(last, last + width), children, tuple(nodes))
+
+
+def build_layout(window_tokens: list[list[int]], candidates: list[tuple[tuple[int, ...], str]]) -> StepLayout:
+    """A layout from whole candidate sequences (tokens, source), merged into a trie."""
+    nodes: list[Node] = []
+    index: dict[tuple[int, int], int] = {}
+    for cand, source in candidates:
+        parent = -1
+        for depth, tok in enumerate(cand, start=1):
+            at = index.get((parent, tok))
+            if at is None:
+                at = index[(parent, tok)] = len(nodes)
+                nodes.append(Node(tok, parent, source, (source, 0, depth), 0.0))
+            parent = at
+    return tree_layout(window_tokens, nodes)
 
 
 def tree_mask(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -51,6 +51,13 @@ class LoadedModel:
 
         return cached_curve(self.model, self.name)
 
+    def cost_model(self):
+        """Step cost against tokens fed and cached (step_cost.CostModel), measured once per model,
+        device and dtype, then read from the cache."""
+        from ladechat.engine.step_cost import cached_cost_model
+
+        return cached_cost_model(self.model, self.name)
+
 
 def cpu_has_native_bf16() -> bool:
     try:

@@ -82,14 +82,27 @@ class ContextIndex:
     def continuations(self, tail: list[int], length: int, limit: int) -> list[tuple[int, ...]]:
         """Up to `limit` distinct continuations of up to `length` tokens that once followed `tail`,
         from the longest matches first and, within one match length, the most recent first."""
-        found: list[tuple[int, ...]] = []
+        return [cont for cont, _ in self.matches(tail, length, limit)]
+
+    def matches(self, tail: list[int], length: int, limit: int, longest: int = 8) -> list[tuple[tuple[int, ...], int]]:
+        """continuations() with how many tokens before each one equal the end of `tail` (up to
+        `longest`): the longer the match, the likelier the continuation."""
+        found: dict[tuple[int, ...], int] = {}
         for m in self.match_lens:
             if len(found) >= limit or len(tail) < m:
                 continue
             for end in reversed(self._ends.get(tuple(tail[-m:]), ())):
                 cont = tuple(self.tokens[end : end + length])
                 if cont and cont not in found:
-                    found.append(cont)
+                    found[cont] = _match_length(self.tokens, end, tail, longest)
                     if len(found) == limit:
                         break
-        return found
+        return list(found.items())
+
+
+def _match_length(tokens: list[int], end: int, tail: list[int], longest: int) -> int:
+    """How many tokens before position `end` of `tokens` equal the last tokens of `tail`."""
+    n = 0
+    while n < longest and n < end and n < len(tail) and tokens[end - 1 - n] == tail[-1 - n]:
+        n += 1
+    return n

@@ -10,20 +10,33 @@ against plain decoding stay fair. Prefill runs eagerly (prompt lengths vary).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ladechat.engine import kv
 from ladechat.engine.config import ConfigError, LookaheadConfig
 from ladechat.engine.layout import StepLayout, build_layout, fixed_step_inputs, step_inputs
+from ladechat.engine.recycle import TOP_K
 
 MAX_FIXED_STEP = 512  # rows; the static cache keeps this much room past the context
 PREFILL_CHUNK = 512  # prompt tokens per eager forward into a static cache (bounds the mask's size)
+PREFILL_TOP_K = 512  # prompt tokens (the latest) whose top-k next tokens a prefill keeps
 FIRST_LENGTH = 2048  # a static cache starts this long and doubles when a conversation outgrows it
 
 
 def max_step_size(la: LookaheadConfig) -> int:
     """The most rows a full lookahead step can have: the window plus unmerged candidate tries."""
-    return la.window * (la.ngram - 1) + la.candidates * (la.ngram - 1) + la.context_candidates * la.context_len
+    return (la.window * (la.ngram - 1) + la.candidates * (la.ngram - 1) + la.context_candidates * la.context_len
+            + la.recycle)
+
+
+def prefill_top_k(model, count: int, **inputs) -> np.ndarray:
+    """A forward pass over prompt tokens that returns the top-k next tokens of its last `count`
+    rows (for the successor table). Bounded so that a long prompt's logits never fill memory:
+    the latest tokens, the current question, are the ones an answer most likely continues from."""
+    with torch.inference_mode():
+        logits = model(**inputs, use_cache=True, logits_to_keep=count).logits[0]
+        return logits.topk(min(TOP_K, logits.shape[-1]), dim=-1).indices.cpu().numpy()
 
 
 class DynamicRunner:
@@ -39,13 +52,14 @@ class DynamicRunner:
     def configure(self, lookahead: LookaheadConfig) -> None:
         pass
 
-    def prefill(self, tokens: list[int], past: int) -> None:
+    def prefill(self, tokens: list[int], past: int) -> np.ndarray:
+        """Feed the prompt tokens; returns the top-k next tokens of the last
+        min(len(tokens), PREFILL_TOP_K) of them (for the successor table)."""
         device = self.model.device
         ids = torch.tensor([tokens], device=device)
         positions = torch.arange(past, past + len(tokens), device=device).unsqueeze(0)
-        with torch.inference_mode():
-            self.model(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True,
-                       logits_to_keep=1)
+        return prefill_top_k(self.model, min(len(tokens), PREFILL_TOP_K), input_ids=ids, position_ids=positions,
+                             past_key_values=self.cache)
 
     def step(self, layout: StepLayout, past: int, rows: list[int]) -> torch.Tensor:
         """Logits (len(rows), vocab) of the given rows after feeding the step's tokens."""
@@ -108,7 +122,7 @@ class StaticRunner(DynamicRunner):
             raise ConfigError(f"a full step of W={lookahead.window} N={lookahead.ngram} G={lookahead.candidates} "
                               f"has {size} rows, more than the {MAX_FIXED_STEP} a fixed-shape step allows")
         self.step_size = size
-        self.rows_size = 1 + lookahead.window + size - lookahead.window * (lookahead.ngram - 1)
+        self.rows_size = size  # every row's logits: their top-k feed the recycled successor table
 
     def _make_room(self, end: int, committed: int) -> None:
         """Grow the cache (keeping its `committed` positions) so that slots up to `end` exist."""
@@ -122,16 +136,17 @@ class StaticRunner(DynamicRunner):
         self.cache = kv.grow_static(self.cache, self.model.config, length + MAX_FIXED_STEP, committed)
         self.length = length + MAX_FIXED_STEP
 
-    def prefill(self, tokens: list[int], past: int) -> None:
+    def prefill(self, tokens: list[int], past: int) -> np.ndarray:
         self._make_room(past + len(tokens), past)
+        tops = []
         for start in range(0, len(tokens), PREFILL_CHUNK):
             chunk = tokens[start : start + PREFILL_CHUNK]
             ids, positions, mask = fixed_step_inputs(build_layout([chunk], []), past + start, len(chunk),
                                                      self.length, self.model.dtype, self.model.device)
             self.truncate(past + start)
-            with torch.inference_mode():
-                self.model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=self.cache,
-                           use_cache=True, logits_to_keep=1)
+            tops.append(prefill_top_k(self.model, len(chunk), input_ids=ids, position_ids=positions,
+                                      attention_mask=mask, past_key_values=self.cache))
+        return np.concatenate(tops)[-PREFILL_TOP_K:]
 
     def step(self, layout: StepLayout, past: int, rows: list[int]) -> torch.Tensor:
         size, keep = (1, 1) if layout.size == 1 else (self.step_size, self.rows_size)

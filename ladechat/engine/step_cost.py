@@ -12,6 +12,7 @@ import hashlib
 import json
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -20,6 +21,7 @@ from ladechat.engine.gguf import cache_root
 from ladechat.engine.layout import build_layout, step_inputs
 
 SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+CONTEXTS = (192, 1536)  # cached tokens: a fresh question, and a conversation a few turns in
 GPU_SIZES = (1, 8, 16, 32, 64, 96, 128, 160, 192, 256)  # a GPU's curve stays flat much longer
 
 
@@ -33,36 +35,64 @@ def measure(model, sizes=SIZES, context: int = 192, reps: int = 5) -> dict[int, 
         model(input_ids=prompt.to(device), past_key_values=cache, use_cache=True, logits_to_keep=1)
     curve: dict[int, float] = {}
     for size in sizes:
-        # a chain of `size` tokens: the mask and position work are those of a real step
+        # a chain of `size` tokens; the timing covers what a real step does around the forward
+        # pass: building its mask, the logits of every row and their top-k back on the host
         layout = build_layout([list(range(1, size + 1))], [])
-        ids, positions, mask = step_inputs(layout, context, dtype, device)
-        rows = torch.tensor(layout.logit_rows()[: max(1, size // 2)], device=device)
         times = []
         for _ in range(reps + 1):
             start = time.perf_counter()
+            ids, positions, mask = step_inputs(layout, context, dtype, device)
             with torch.inference_mode():
                 out = model(input_ids=ids, position_ids=positions, attention_mask=mask if size > 1 else None,
-                            past_key_values=cache, use_cache=True, logits_to_keep=rows)
-                out.logits.argmax(-1).tolist()
+                            past_key_values=cache, use_cache=True,
+                            logits_to_keep=torch.arange(size, device=device) if size > 1 else 1)
+                out.logits[0].topk(8, dim=-1).indices.cpu()
             times.append(time.perf_counter() - start)
             kv.truncate(cache, context)
         curve[size] = statistics.median(times[1:])
     return curve
 
 
-def cached_curve(model, name: str) -> dict[int, float]:
+def cached_curve(model, name: str, context: int = 192) -> dict[int, float]:
     sizes = GPU_SIZES if model.device.type == "cuda" else SIZES
-    key = json.dumps([name, str(model.device), str(model.dtype), torch.__version__, torch.get_num_threads(),
-                      list(sizes)])
+    key = json.dumps(["v2", name, str(model.device), str(model.dtype), torch.__version__, torch.get_num_threads(),
+                      list(sizes)] + ([context] if context != 192 else []))
     path = cache_root() / "step-cost" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     try:
         return {int(k): float(v) for k, v in json.loads(path.read_text()).items()}
     except (OSError, ValueError):
         pass
-    curve = measure(model, sizes)
+    curve = measure(model, sizes, context)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(curve))
     return curve
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Step cost as a function of tokens fed and tokens already cached: one measured curve per
+    cache length, interpolated linearly between them (and extrapolated past the longest). Each
+    extra row attends over the whole cache, so extra rows cost more in a long conversation."""
+
+    curves: dict[int, dict[int, float]]  # cached tokens -> {tokens fed: seconds}
+
+    def cost(self, size: int, cached: int) -> float:
+        contexts = sorted(self.curves)
+        if len(contexts) == 1:
+            return cost(self.curves[contexts[0]], size)
+        lo, hi = contexts[0], contexts[1]
+        for a, b in zip(contexts, contexts[1:]):
+            lo, hi = a, b
+            if cached <= b:
+                break
+        at_lo, at_hi = cost(self.curves[lo], size), cost(self.curves[hi], size)
+        share = max(0.0, (cached - lo) / (hi - lo))
+        return at_lo + (at_hi - at_lo) * share
+
+
+def cached_cost_model(model, name: str) -> CostModel:
+    """This model's cost model on this device: measured once per context length, then cached."""
+    return CostModel({context: cached_curve(model, name, context) for context in CONTEXTS})
 
 
 def cost(curve: dict[int, float], size: int) -> float:

@@ -1,0 +1,173 @@
+"""One draft tree per step, from every source, each node priced by how likely it is to be accepted.
+
+Sources propose continuations of the step's input token t:
+  context  - text that followed the conversation's last tokens earlier in the conversation
+  pool     - n-grams the lookahead window produced (Jacobi iterations)
+  recycle  - the model's own top-k after each token, from earlier forward passes (recycle.py)
+They are merged into one trie. Each node carries q = P(accepted | its parent accepted), learned
+online per bucket (source, match length or rank, depth), and p = the product of q along its path,
+the probability that verification reaches it. A step of nodes T then yields 1 + sum(p) tokens on
+average and costs cost(1 + |T|): `choose` keeps the most likely nodes while that ratio improves,
+and nothing at all (a plain step) when no node is worth its cost.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass
+
+# Prior P(accepted | parent accepted) per bucket, worth PRIOR_WEIGHT observations. Learned values
+# replace them within a few dozen steps; the priors only decide the first steps of a session.
+PRIOR_WEIGHT = 4.0
+HALF_LIFE = 400.0  # observations: older evidence fades, so a bucket follows the current text
+MIN_PATH_P = 0.02  # nodes less likely than this are not worth proposing at all
+MAX_DEPTH = 16
+
+
+@dataclass(frozen=True)
+class Node:
+    token: int
+    parent: int  # index of the parent node in the draft, -1 for the step's input token
+    source: str  # "context", "pool" or "recycle"
+    bucket: tuple  # statistics bucket of q
+    p: float  # probability that verification accepts this node (product of q along the path)
+
+
+def _prior(bucket: tuple) -> float:
+    source, first, depth = bucket
+    if source == "context":  # first: length of the textual match behind the candidate
+        return min(0.75, 0.15 * first) if depth == 1 else 0.7
+    if source == "recycle":  # first: the token's rank in the model's recycled top-k
+        return (0.35, 0.12, 0.06)[first] if first < 3 else 0.03
+    return 0.2 if depth == 1 else 0.5  # pool n-grams
+
+
+class Acceptance:
+    """Online P(accepted | parent accepted) per bucket: counts with a prior, fading with age."""
+
+    def __init__(self) -> None:
+        self._hits: dict[tuple, float] = {}
+        self._trials: dict[tuple, float] = {}
+        self.predicted: dict[str, float] = {}  # per source: sum of q over tried nodes (calibration)
+        self.observed: dict[str, float] = {}  # per source: how many of those were accepted
+
+    def q(self, bucket: tuple) -> float:
+        hits, trials = self._hits.get(bucket, 0.0), self._trials.get(bucket, 0.0)
+        return (hits + PRIOR_WEIGHT * _prior(bucket)) / (trials + PRIOR_WEIGHT)
+
+    def record(self, bucket: tuple, accepted: bool) -> None:
+        source = bucket[0]
+        self.predicted[source] = self.predicted.get(source, 0.0) + self.q(bucket)
+        self.observed[source] = self.observed.get(source, 0.0) + accepted
+        trials = self._trials.get(bucket, 0.0) + 1.0
+        hits = self._hits.get(bucket, 0.0) + accepted
+        if trials > HALF_LIFE:
+            trials, hits = trials / 2, hits / 2
+        self._trials[bucket], self._hits[bucket] = trials, hits
+
+
+class DraftTree:
+    """A trie of proposed nodes under the step's input token; the same token under the same
+    parent is one node, kept at the highest probability any source gave it."""
+
+    def __init__(self, acceptance: Acceptance) -> None:
+        self.acceptance = acceptance
+        self.nodes: list[Node] = []
+        self._index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+
+    def path_p(self, parent: int) -> float:
+        return 1.0 if parent < 0 else self.nodes[parent].p
+
+    def depth(self, node: int) -> int:
+        depth = 0
+        while node >= 0:
+            node, depth = self.nodes[node].parent, depth + 1
+        return depth
+
+    def add(self, parent: int, token: int, source: str, bucket: tuple) -> int:
+        p = self.path_p(parent) * self.acceptance.q(bucket)
+        at = self._index.get((parent, token))
+        if at is None:
+            self._index[(parent, token)] = len(self.nodes)
+            self.nodes.append(Node(token, parent, source, bucket, p))
+            return len(self.nodes) - 1
+        if p > self.nodes[at].p:
+            self.nodes[at] = Node(token, parent, source, bucket, p)
+        return at
+
+    def add_chain(self, tokens: tuple[int, ...], source: str, first: int) -> None:
+        """A textual candidate: each token hangs off the previous one."""
+        parent = -1
+        for depth, tok in enumerate(tokens[:MAX_DEPTH], start=1):
+            parent = self.add(parent, tok, source, (source, first, min(depth, 4)))
+            if self.nodes[parent].p < MIN_PATH_P:
+                break
+
+    def add_recycled(self, t: int, successors: Callable[[int], list[int]], limit: int) -> None:
+        """Best-first expansion of the model's recycled top-k below t, and below every node already
+        in the tree (a recycled guess can continue a textual one), up to `limit` nodes."""
+        heap: list[tuple[float, int, int, int, int]] = []  # (-p, order, parent, token, rank)
+        order = 0
+
+        def push_children(parent: int, token: int) -> None:
+            nonlocal order
+            depth = 1 if parent < 0 else self.depth(parent) + 1
+            if depth > MAX_DEPTH:
+                return
+            for rank, nxt in enumerate(successors(token)):
+                p = self.path_p(parent) * self.acceptance.q(("recycle", rank, min(depth, 3)))
+                if p < MIN_PATH_P:
+                    break
+                heapq.heappush(heap, (-p, order, parent, nxt, rank))
+                order += 1
+
+        push_children(-1, t)
+        for i, node in enumerate(list(self.nodes)):
+            push_children(i, node.token)
+        added = 0
+        while heap and added < limit:
+            _, _, parent, token, rank = heapq.heappop(heap)
+            depth = 1 if parent < 0 else self.depth(parent) + 1
+            known = (parent, token) in self._index
+            at = self.add(parent, token, "recycle", ("recycle", rank, min(depth, 3)))
+            if not known:
+                added += 1
+                push_children(at, token)
+
+    def by_probability(self) -> list[int]:
+        """Node indices, most likely first; a parent always comes before its children."""
+        order = sorted(range(len(self.nodes)), key=lambda i: (-self.nodes[i].p, self.depth(i), i))
+        placed: set[int] = set()
+        result: list[int] = []
+        for i in order:  # a merge can leave a child more likely than its parent: parents first
+            chain = []
+            node = i
+            while node >= 0 and node not in placed:
+                chain.append(node)
+                node = self.nodes[node].parent
+            for n in reversed(chain):
+                placed.add(n)
+                result.append(n)
+        return result
+
+
+def choose(tree: DraftTree, step_cost: Callable[[int], float] | None, limit: int | None = None) -> list[Node]:
+    """The nodes worth feeding, re-indexed so that parents point into the returned list (-1: the
+    input token). With a cost function: the likeliest prefix (parents first) that maximises the
+    expected tokens per second, (1 + sum of p) / step_cost(1 + nodes), which is empty when no node
+    pays for itself. Without one (full steps): the likeliest `limit` nodes."""
+    order = tree.by_probability()[:limit]
+    best_k = len(order)
+    if step_cost is not None:
+        best_k, best_rate = 0, 1.0 / step_cost(1)
+        expected = 1.0
+        for k, i in enumerate(order, start=1):
+            expected += tree.nodes[i].p
+            rate = expected / step_cost(1 + k)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+    kept = order[:best_k]
+    new_index = {old: new for new, old in enumerate(kept)}
+    return [Node(n.token, new_index[n.parent] if n.parent >= 0 else -1, n.source, n.bucket, n.p)
+            for n in (tree.nodes[i] for i in kept)]
