@@ -138,3 +138,30 @@ def test_gpu_defaults_follow_the_step_cost_curve():
     assert default_lookahead("cuda", steep).window == 1
     assert default_lookahead("cuda", None).window == 15 and default_lookahead("cuda", flat).ngram == 5
     assert default_lookahead("cpu", flat) == default_lookahead("cpu")  # CPU defaults were measured separately
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: LookaheadConfig(window=2.5), "W (window) must be a whole number, got 2.5"),
+    (lambda: LookaheadConfig(ngram=True), "N (n-gram size) must be a whole number, got True"),
+    (lambda: LookaheadConfig(candidates="3"), "G (candidates) must be a whole number, got '3'"),
+    (lambda: LookaheadConfig(enabled="yes"), "lookahead must be true or false, got 'yes'"),
+    (lambda: SamplingConfig(seed="x"), "seed must be a whole number, got 'x'"),
+    (lambda: SamplingConfig(seed=1.0), "seed must be a whole number, got 1.0"),
+    (lambda: SamplingConfig(max_new_tokens=10.0), "max_new_tokens must be a whole number, got 10.0"),
+    (lambda: SamplingConfig(top_k=False), "top_k must be a whole number, got False"),
+    (lambda: SamplingConfig(temperature="hot"), "temperature must be a number, got 'hot'"),
+    (lambda: SamplingConfig(top_p=None), "top_p must be a number, got None"),
+    (lambda: SamplingConfig(stop=["x"]), "stop must be a list of strings, got ['x']"),
+    (lambda: SamplingConfig(stop=("x", 3)), "stop must be a list of strings, got ('x', 3)"),
+])
+def test_config_checks_types(make, message):
+    """Settings read from a file can have any JSON type; a wrong one is refused with one line."""
+    with pytest.raises(ConfigError) as info:
+        make()
+    assert str(info.value) == message
+
+
+def test_config_accepts_ints_for_floats_and_no_seed():
+    s = SamplingConfig(temperature=1, top_p=1, min_p=0, repetition_penalty=2, seed=None, stop=("a",))
+    assert s.temperature == 1 and s.seed is None
+    assert SamplingConfig(seed=7).seed == 7
