@@ -6,7 +6,8 @@ File format (`/save`, `/load`), version 1:
      "messages": [{"role": "user"|"assistant", "content": "...", "interrupted": false}, ...],
      "settings": {"lookahead": true, "W": 5, "N": 4, "G": 5, "max_new_tokens": 512,
                   "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
-                  "repetition_penalty": 1.0, "seed": null}}
+                  "repetition_penalty": 1.0, "seed": null, "stop": [], "template": null}}
+(files without "stop" or "template" keep the current ones when loaded)
 """
 
 from __future__ import annotations

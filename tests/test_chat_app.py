@@ -4,7 +4,9 @@ import io
 import json
 from dataclasses import replace
 
+import pytest
 from rich.console import Console
+from tiny_models import tiny_loaded
 
 from ladechat.bot import Bot, Settings
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
@@ -54,3 +56,57 @@ def test_corrupt_or_foreign_load_keeps_the_current_conversation(embedded_fp32, t
     assert "malformed message list" in lines[2] and "bad settings" in lines[3] and "cannot read" in lines[4]
     assert app.conversation.messages == before
     assert app.bot.settings.lookahead.ngram == 3
+
+
+def tiny_chat(context_length=1024, max_new_tokens=8, **sampling):
+    """A chat on a tiny random Llama (fast: no embedded model)."""
+    loaded = tiny_loaded(context_length)
+    settings = Settings(LookaheadConfig(window=2, ngram=3, candidates=1),
+                        SamplingConfig(max_new_tokens=max_new_tokens, **sampling))
+    err = io.StringIO()
+    return ChatApp(Bot(loaded, settings), None, False, Console(file=io.StringIO()), Console(file=err, width=300)), err
+
+
+def error_lines(err) -> list[str]:
+    return [line for line in err.getvalue().splitlines() if line.startswith("error:")]
+
+
+def conversation_file(path, messages, settings):
+    path.write_text(json.dumps({"format": "ladechat-conversation", "version": 1, "model": "tiny", "system": None,
+                                "messages": messages, "settings": settings}))
+    return path
+
+
+@pytest.mark.parametrize("settings,message", [
+    ({"W": 2.5}, "W (window) must be a whole number, got 2.5"),
+    ({"seed": "x"}, "seed must be a whole number, got 'x'"),
+    ({"temperature": "hot"}, "temperature must be a number, got 'hot'"),
+    ({"lookahead": "yes"}, "lookahead must be true or false, got 'yes'"),
+    ({"stop": "x"}, "stop must be a list of strings, got 'x'"),
+    ({"template": "nope"}, "unknown template 'nope'"),
+])
+def test_load_refuses_settings_of_the_wrong_type(tmp_path, settings, message):
+    app, err = tiny_chat()
+    app.ask("hi")
+    before = [dict(m) for m in app.conversation.messages]
+    path = conversation_file(tmp_path / "c.json", [{"role": "user", "content": "other"}], settings)
+    assert app.command(f"/load {path}") is True
+    assert len(error_lines(err)) == 1 and message in error_lines(err)[0]
+    assert app.conversation.messages == before and app.bot.settings.lookahead.window == 2
+    app.ask("and now?")  # the chat goes on with its own settings
+    assert [m["role"] for m in app.conversation.messages] == ["user", "assistant"] * 2
+
+
+def test_save_and_load_keep_stop_and_template(tmp_path):
+    app, _ = tiny_chat(stop=("\n\n", "END"))
+    app.command("/set w=3 seed=5")
+    app.bot.settings = replace(app.bot.settings, template="chatml")
+    app.ask("hi")
+    app.command(f"/save {tmp_path / 'c.json'}")
+    saved = json.loads((tmp_path / "c.json").read_text())["settings"]
+    assert saved["stop"] == ["\n\n", "END"] and saved["template"] == "chatml"
+    fresh, fresh_err = tiny_chat()
+    fresh.command(f"/load {tmp_path / 'c.json'}")
+    assert error_lines(fresh_err) == []
+    assert fresh.bot.settings == app.bot.settings
+    assert fresh.conversation.chat_messages() == app.conversation.chat_messages()

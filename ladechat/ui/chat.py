@@ -11,6 +11,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
+from ladechat import templates
 from ladechat.bot import Bot
 from ladechat.conversation import Conversation, ConversationError
 from ladechat.engine.config import ConfigError
@@ -214,7 +215,8 @@ class ChatApp:
         conversation, settings = Conversation.from_file(Path(arg).expanduser())
         try:
             new_settings = self.bot.settings.updated(settings)
-        except (ConfigError, TypeError) as exc:
+            templates.resolve(self.loaded.tokenizer, new_settings.template)  # refuse it now, not at the next answer
+        except (ConfigError, templates.TemplateError) as exc:
             raise ConversationError(f"{arg} has bad settings: {exc}") from None
         self._configure(new_settings)
         self.conversation = conversation
