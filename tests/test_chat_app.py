@@ -110,3 +110,31 @@ def test_save_and_load_keep_stop_and_template(tmp_path):
     assert error_lines(fresh_err) == []
     assert fresh.bot.settings == app.bot.settings
     assert fresh.conversation.chat_messages() == app.conversation.chat_messages()
+
+
+@pytest.mark.parametrize("messages,undone,info", [
+    ([{"role": "assistant", "content": "Hello!"}], [], "dropped the last answer"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "assistant", "content": "c"}],
+     [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], "dropped the last answer"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], [],
+     "dropped the last question and its answer"),
+    ([{"role": "user", "content": "a"}], [], "dropped the last question"),
+])
+def test_undo_and_retry_after_loading_an_unusual_conversation(tmp_path, messages, undone, info):
+    """A loaded file need not alternate user/assistant; /undo and /retry must not crash on it."""
+    app, err = tiny_chat()
+    path = conversation_file(tmp_path / "c.json", messages, {})
+    app.command(f"/load {path}")
+    assert app.command("/undo") is True
+    assert error_lines(err) == [] and err.getvalue().splitlines()[-1] == info
+    assert app.conversation.chat_messages() == undone
+
+
+def test_retry_without_a_question_is_refused(tmp_path):
+    app, err = tiny_chat()
+    app.command(f"/load {conversation_file(tmp_path / 'c.json', [{'role': 'assistant', 'content': 'Hi!'}], {})}")
+    assert app.command("/retry") is True
+    assert error_lines(err) == ["error: nothing to retry: there is no question to answer again"]
+    assert app.conversation.chat_messages() == [{"role": "assistant", "content": "Hi!"}]
+    app.command("/undo")
+    assert app.command("/undo") is True and error_lines(err)[-1] == "error: nothing to undo"

@@ -188,15 +188,22 @@ class ChatApp:
                 f"system prompt: {self.conversation.system!r}")
 
     def _undo_or_retry(self, name: str) -> None:
+        # A loaded file need not alternate user/assistant (e.g. only an assistant message), so look
+        # before dropping anything.
         msgs = self.conversation.messages
-        if not msgs:
-            raise commands.CommandError(f"nothing to {name[1:]}")
-        if msgs[-1]["role"] == "assistant":
-            msgs.pop()
+        answer = int(bool(msgs) and msgs[-1]["role"] == "assistant")
+        question = int(len(msgs) > answer and msgs[-1 - answer]["role"] == "user")
         if name == "/undo":
-            msgs.pop()
-            self.info("dropped the last question and its answer")
+            if not msgs:
+                raise commands.CommandError("nothing to undo")
+            del msgs[len(msgs) - answer - question:]
+            self.info({(1, 1): "dropped the last question and its answer", (0, 1): "dropped the last answer",
+                       (1, 0): "dropped the last question"}[question, answer])
         else:
+            if not question:
+                raise commands.CommandError("nothing to retry: there is no question to answer again")
+            if answer:
+                msgs.pop()
             self.answer()
 
     def _save(self, arg: str) -> None:
