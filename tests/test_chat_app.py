@@ -9,6 +9,7 @@ from rich.console import Console
 from tiny_models import tiny_loaded
 
 from ladechat.bot import Bot, Settings
+from ladechat.conversation import Conversation, ConversationError
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.ui.chat import ChatApp
 
@@ -138,3 +139,28 @@ def test_retry_without_a_question_is_refused(tmp_path):
     assert app.conversation.chat_messages() == [{"role": "assistant", "content": "Hi!"}]
     app.command("/undo")
     assert app.command("/undo") is True and error_lines(err)[-1] == "error: nothing to undo"
+
+
+def test_question_longer_than_the_context_keeps_the_earlier_conversation():
+    app, err = tiny_chat(context_length=200)  # one token per character: room for 192 prompt tokens
+    app.ask("hi")
+    app.ask("and?")
+    before = [dict(m) for m in app.conversation.messages]
+    app.ask("x" * 300)
+    message = "the prompt is 317 tokens, more than the 192 that fit in the model's context (after room for the answer)"
+    assert error_lines(err) == [f"error: {message}"]
+    assert app.conversation.messages == before  # only the too-long question is gone
+    app.ask("ok")  # and the chat goes on with the earlier turns
+    assert app.conversation.messages[:4] == before and len(app.conversation.messages) == 6
+
+
+def test_encode_changes_nothing_when_the_last_message_alone_does_not_fit():
+    loaded = tiny_loaded()
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                {"role": "user", "content": "c" * 100}]
+    conversation = Conversation(system="s", messages=[dict(m) for m in messages])
+    with pytest.raises(ConversationError, match="more than the 50 that fit"):
+        conversation.encode(loaded.tokenizer, None, 50)
+    assert conversation.messages == messages
+    ids, dropped = conversation.encode(loaded.tokenizer, None, 130)  # fits once the first exchange is gone
+    assert dropped == 2 and conversation.messages == messages[2:] and len(ids) <= 130
