@@ -216,3 +216,47 @@ def test_missing_bitsandbytes_is_one_line(tmp_path):
         err = r.stderr.decode().strip()
         assert r.returncode == 1 and "\n" not in err and "Traceback" not in err
         assert f"ladechat: error: {flag} needs bitsandbytes" in err and "pip install 'ladechat[quant]'" in err
+
+
+def broken_model(kind, path):
+    """A model the user points --model at that cannot load, of each kind we have met."""
+    from tiny_models import tiny_tokenizer
+
+    if kind == "config field of the wrong type":
+        tiny_model_folder(path, tiny_tokenizer())
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, "hidden_size": "x"}))
+    elif kind == "not a gguf":
+        path = path / "model.gguf"
+        path.write_bytes(b"PK\x03\x04 this is a zip file, not a GGUF one" * 4)
+    elif kind == "truncated gguf":
+        path = path / "model.gguf"
+        path.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + (5).to_bytes(7, "little"))  # 15 bytes
+    elif kind == "weights of the wrong shape":
+        tiny_model_folder(path, tiny_tokenizer())
+        tiny_model_folder(path / "wider", tiny_tokenizer(), hidden_size=64)
+        (path / "wider" / "model.safetensors").replace(path / "model.safetensors")
+    elif kind == "no tokenizer":
+        tiny_model_folder(path, tiny_tokenizer())
+        for file in path.iterdir():
+            if file.name.startswith(("tokenizer", "chat_template")):
+                file.unlink()
+    return path
+
+
+@pytest.mark.parametrize("kind,message", [
+    ("config field of the wrong type",
+     "bad config.json: Validation error for field 'hidden_size': TypeError: Field 'hidden_size' expected int, got str"),
+    ("not a gguf", "is not a GGUF file (it does not start with the GGUF magic bytes)"),
+    ("truncated gguf", "is truncated: 15 bytes, shorter than a GGUF header"),
+    ("weights of the wrong shape", "its weights do not have the shapes its config.json gives"),
+    ("no tokenizer", "has no tokenizer in it (none of tokenizer.json, tokenizer.model"),
+])
+def test_broken_model_is_one_line_error(tmp_path, kind, message):
+    model = broken_model(kind, tmp_path)
+    r = ladechat("ask", "--model", str(model), "--max-new-tokens", "4", "hi",
+                 env_extra={"HF_HUB_OFFLINE": "1", "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    err = r.stderr.decode().strip()
+    assert r.returncode == 1
+    assert err.startswith((f"ladechat: error: {model}", f"ladechat: error: cannot load model {model}"))
+    assert message in err and "\n" not in err and "Traceback" not in err

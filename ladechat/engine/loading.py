@@ -16,6 +16,9 @@ from ladechat.engine.gguf import ModelNotFound
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 ATTENTION = ("sdpa", "eager", "flash")
+# A local model folder needs one of these for AutoTokenizer (without it transformers' error reads
+# like a failed download).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
 
 
 class LoadError(Exception):
@@ -95,7 +98,10 @@ def _source(model: str | None, progress) -> tuple[str, str]:
     if model.endswith(".gguf"):
         if not path.is_file():
             raise ModelNotFound(f"GGUF file not found: {model}")
-        return str(gguf.ensure_converted(path, progress)), path.name
+        try:
+            return str(gguf.ensure_converted(path, progress)), path.name
+        except gguf.BadGGUF as exc:
+            raise LoadError(str(exc)) from None
     if path.exists():
         if not path.is_dir() or not (path / "config.json").is_file():
             raise ModelNotFound(f"{model} is not a model folder (no config.json in it)")
@@ -106,6 +112,7 @@ def _source(model: str | None, progress) -> tuple[str, str]:
 
 
 def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | None = None) -> LoadedModel:
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if spec.attn not in ATTENTION:
@@ -150,19 +157,39 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
         # Layers that fit nowhere are offloaded to disk, into a folder of ours.
         kwargs["max_memory"] = {int(d) if d.isdigit() else d: size for d, size in spec.max_memory}
         kwargs["offload_folder"] = str(gguf.cache_root() / "offload")
+    local = Path(source).is_dir()
     try:
         config = AutoConfig.from_pretrained(source)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, TypeError, StrictDataclassError) as exc:
+        # a local folder's config.json that is not valid JSON or has a field of the wrong type
+        if local:
+            raise LoadError(f"cannot load model {name}: bad config.json: {_one_line(exc)}") from None
         raise ModelNotFound(_not_found(spec.model or source, exc)) from None
     if getattr(config, "is_encoder_decoder", False):
         raise LoadError(f"{name} is an encoder-decoder model; ladechat needs a decoder-only causal LM")
+    if local and not any((Path(source) / f).is_file() for f in TOKENIZER_FILES):
+        raise LoadError(f"{name} has no tokenizer in it (none of {', '.join(TOKENIZER_FILES)})")
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError, TypeError) as exc:
+        raise LoadError(f"cannot load the tokenizer of {name}: {_one_line(exc)}" if local
+                        else _not_found(spec.model or source, exc)) from None
+    try:
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        if not (spec.load_in_4bit or spec.load_in_8bit or spec.device_map):
+            model = model.to(device)
     except (OSError, ValueError) as exc:
-        raise LoadError(_not_found(spec.model or source, exc)) from None
-    if not (spec.load_in_4bit or spec.load_in_8bit or spec.device_map):
-        model = model.to(device)
+        raise LoadError(_not_found(spec.model or source, exc) if not local
+                        else f"cannot load model {name}: {_one_line(exc)}") from None
+    except (torch.OutOfMemoryError, MemoryError) as exc:
+        raise LoadError(_out_of_memory(name, device, exc)) from None
+    except RuntimeError as exc:
+        if "can't allocate memory" in str(exc):  # the CPU allocator's out-of-memory is a plain RuntimeError
+            raise LoadError(_out_of_memory(name, device, exc)) from None
+        if "mismatch" in str(exc):  # transformers' report of the tensors is logged, which we silence
+            raise LoadError(f"cannot load model {name}: its weights do not have the shapes its config.json "
+                            "gives (a mismatched or corrupt checkpoint)") from None
+        raise
     model.eval()
     if not mask_probe(model):
         if attn != "eager":
@@ -194,6 +221,17 @@ def parse_max_memory(text: str) -> tuple[tuple[str, str], ...]:
     if not pairs:
         raise LoadError("--max-memory is empty")
     return tuple(pairs)
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception's message on one line (transformers' and huggingface_hub's span several)."""
+    return " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+
+
+def _out_of_memory(name: str, device: torch.device, exc: BaseException) -> str:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return (f"out of memory loading {name} on {device} ({first}); try --load-in-4bit, --dtype float16, "
+            "or --device-map auto to spread it over devices")
 
 
 def _not_found(model: str, exc: Exception) -> str:
