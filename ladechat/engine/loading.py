@@ -64,14 +64,19 @@ def cpu_has_native_bf16() -> bool:
 
 
 def resolve_device(name: str) -> torch.device:
+    """The device --device names; a GPU always with its index (a device map needs one)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda"):
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if name == "cuda" or name.startswith("cuda:"):
         if not torch.cuda.is_available():
             build = "a CPU-only torch build" if torch.version.cuda is None else "no visible CUDA device"
             raise LoadError(f"--device {name} asked for a GPU, but CUDA is not available here ({build}); "
                             "use --device cpu")
-        return torch.device(name)
+        index = name.removeprefix("cuda").removeprefix(":")
+        count = torch.cuda.device_count()
+        if index and not (index.isdigit() and int(index) < count):
+            raise LoadError(f"--device {name}: no such GPU ({count} visible: cuda:0 to cuda:{count - 1})")
+        return torch.device("cuda", int(index) if index else torch.cuda.current_device())
     if name == "cpu":
         return torch.device("cpu")
     if name == "mps" and torch.backends.mps.is_available():
@@ -80,13 +85,45 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    return choose_dtype(name, device.type, name == "auto" and has_native_bf16(device))
+
+
+def choose_dtype(name: str, device_type: str, native_bf16: bool) -> torch.dtype:
+    """--dtype NAME on a device of this type, which computes bf16 natively or not. auto: bf16 where
+    native; else fp16 on a GPU (T4 and V100 only emulate bf16, several times slower) and fp32 elsewhere."""
     if name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if device.type == "cpu" and cpu_has_native_bf16() else torch.float32
+        if native_bf16 and device_type in ("cuda", "cpu"):
+            return torch.bfloat16
+        return torch.float16 if device_type == "cuda" else torch.float32
     if name not in DTYPES:
         raise LoadError(f"unknown --dtype {name!r} (choose auto, float32, bfloat16, float16)")
     return DTYPES[name]
+
+
+def has_native_bf16(device: torch.device) -> bool:
+    if device.type == "cuda":
+        if torch.version.hip:  # ROCm GPUs compute bf16; their CUDA compute capability means nothing
+            return torch.cuda.is_bf16_supported(including_emulation=False)
+        # is_bf16_supported() asks about the current device, which need not be the chosen cuda:N;
+        # bf16 units came with Ampere (compute capability 8.0).
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    return device.type == "cpu" and cpu_has_native_bf16()
+
+
+def placement(spec: LoadSpec, device: torch.device) -> dict:
+    """from_pretrained's device_map (and max_memory) arguments. Quantized weights cannot be moved with
+    .to() after loading, so they are placed on --device while they load; without a device map
+    transformers would put them on the current GPU whatever --device says."""
+    if spec.device_map:
+        kwargs: dict = {"device_map": spec.device_map}
+        if spec.max_memory:
+            # Layers that fit nowhere are offloaded to disk, into a folder of ours.
+            kwargs["max_memory"] = {int(d) if d.isdigit() else d: size for d, size in spec.max_memory}
+            kwargs["offload_folder"] = str(gguf.cache_root() / "offload")
+        return kwargs
+    if spec.load_in_4bit or spec.load_in_8bit:
+        return {"device_map": {"": str(device)}}
+    return {}
 
 
 def _source(model: str | None, progress) -> tuple[str, str]:
@@ -151,12 +188,7 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
             bnb_4bit_compute_dtype=dtype if spec.load_in_4bit else None)
     if spec.max_memory and not spec.device_map:
         raise LoadError("--max-memory needs --device-map (e.g. --device-map auto)")
-    if spec.device_map:
-        kwargs["device_map"] = spec.device_map
-    if spec.max_memory:
-        # Layers that fit nowhere are offloaded to disk, into a folder of ours.
-        kwargs["max_memory"] = {int(d) if d.isdigit() else d: size for d, size in spec.max_memory}
-        kwargs["offload_folder"] = str(gguf.cache_root() / "offload")
+    kwargs.update(placement(spec, device))
     local = Path(source).is_dir()
     try:
         config = AutoConfig.from_pretrained(source)
