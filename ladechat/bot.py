@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from ladechat.conversation import Conversation
-from ladechat.engine.config import LookaheadConfig, SamplingConfig
+from ladechat.engine.config import ConfigError, LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.events import Done, Step
 from ladechat.engine.loading import LoadedModel
@@ -26,19 +26,28 @@ class Settings:
     sampling: SamplingConfig
     template: str | None = None
 
+    def __post_init__(self) -> None:
+        if not (self.template is None or isinstance(self.template, str)):
+            raise ConfigError(f"template must be a template name or null, got {self.template!r}")
+
     def as_dict(self) -> dict:
         la, s = self.lookahead, self.sampling
         return {"lookahead": la.enabled, "W": la.window, "N": la.ngram, "G": la.candidates,
                 "max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
-                "top_k": s.top_k, "min_p": s.min_p, "repetition_penalty": s.repetition_penalty, "seed": s.seed}
+                "top_k": s.top_k, "min_p": s.min_p, "repetition_penalty": s.repetition_penalty, "seed": s.seed,
+                "stop": list(s.stop), "template": self.template}
 
     def updated(self, values: dict) -> Settings:
-        """New settings from a dict of the keys as_dict uses (unknown keys are ignored)."""
+        """New settings from a dict of the keys as_dict uses (unknown keys are ignored; ConfigError
+        for a value of the wrong type or out of range)."""
         la_keys = {"lookahead": "enabled", "W": "window", "N": "ngram", "G": "candidates"}
         la = {la_keys[k]: v for k, v in values.items() if k in la_keys}
-        s_keys = set(SamplingConfig.__dataclass_fields__) - {"stop"}
-        s = {k: v for k, v in values.items() if k in s_keys}
-        return replace(self, lookahead=replace(self.lookahead, **la), sampling=replace(self.sampling, **s))
+        s = {k: v for k, v in values.items() if k in SamplingConfig.__dataclass_fields__}
+        if isinstance(s.get("stop"), list):  # JSON has lists only; the config keeps a tuple
+            s["stop"] = tuple(s["stop"])
+        template = values.get("template", self.template)
+        return replace(self, lookahead=replace(self.lookahead, **la), sampling=replace(self.sampling, **s),
+                       template=template)
 
 
 class Bot:

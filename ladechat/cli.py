@@ -104,7 +104,8 @@ def _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, er
     except (LoadError, ModelNotFound) as exc:
         raise Fail(str(exc)) from None
     for notice in loaded.notices:
-        err.print(f"[yellow]notice:[/] {escape(notice)}", highlight=False)
+        # soft_wrap: a notice stays one line in a pipe or a log (the terminal wraps it on screen)
+        err.print(f"[yellow]notice:[/] {escape(notice)}", highlight=False, soft_wrap=True)
     return loaded
 
 

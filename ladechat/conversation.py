@@ -6,7 +6,8 @@ File format (`/save`, `/load`), version 1:
      "messages": [{"role": "user"|"assistant", "content": "...", "interrupted": false}, ...],
      "settings": {"lookahead": true, "W": 5, "N": 4, "G": 5, "max_new_tokens": 512,
                   "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
-                  "repetition_penalty": 1.0, "seed": null}}
+                  "repetition_penalty": 1.0, "seed": null, "stop": [], "template": null}}
+(files without "stop" or "template" keep the current ones when loaded)
 """
 
 from __future__ import annotations
@@ -30,27 +31,33 @@ class Conversation:
     messages: list[dict] = field(default_factory=list)
 
     def chat_messages(self) -> list[dict]:
+        return self._chat_messages(0)
+
+    def _chat_messages(self, start: int) -> list[dict]:
+        """The system prompt and the messages from `start` on, as a chat template takes them."""
         head = [{"role": "system", "content": self.system}] if self.system else []
-        return head + [{"role": m["role"], "content": m["content"]} for m in self.messages]
+        return head + [{"role": m["role"], "content": m["content"]} for m in self.messages[start:]]
 
     def encode(self, tokenizer, template: str | None, budget: int) -> tuple[list[int], int]:
         """Prompt ids that fit in `budget` tokens, dropping the oldest turns (never the system
-        prompt, never the last user message). Returns (ids, turns dropped)."""
-        dropped = 0
+        prompt, never the last user message). Returns (ids, turns dropped). The turns are dropped
+        only once the rest fits: when even the last message alone does not, ConversationError
+        leaves the conversation as it was."""
+        start = 0
         while True:
             try:
-                ids = templates.encode(tokenizer, self.chat_messages(), template)
+                ids = templates.encode(tokenizer, self._chat_messages(start), template)
             except templates.TemplateError as exc:
                 raise ConversationError(str(exc)) from None
             if len(ids) <= budget:
-                return ids, dropped
-            if len(self.messages) <= 1:
+                del self.messages[:start]
+                return ids, start
+            if len(self.messages) - start <= 1:
                 raise ConversationError(f"the prompt is {len(ids)} tokens, more than the {budget} that fit in the "
                                         "model's context (after room for the answer)")
             # drop the oldest exchange: a user message and the answer that followed it
-            cut = 2 if len(self.messages) > 2 and self.messages[1]["role"] == "assistant" else 1
-            del self.messages[:cut]
-            dropped += cut
+            rest = self.messages[start:]
+            start += 2 if len(rest) > 2 and rest[1]["role"] == "assistant" else 1
 
     def to_json(self, model: str, settings: dict) -> str:
         return json.dumps({"format": FORMAT, "version": 1, "model": model, "system": self.system,

@@ -4,9 +4,12 @@ import io
 import json
 from dataclasses import replace
 
+import pytest
 from rich.console import Console
+from tiny_models import tiny_loaded
 
 from ladechat.bot import Bot, Settings
+from ladechat.conversation import Conversation, ConversationError
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.ui.chat import ChatApp
 
@@ -54,3 +57,110 @@ def test_corrupt_or_foreign_load_keeps_the_current_conversation(embedded_fp32, t
     assert "malformed message list" in lines[2] and "bad settings" in lines[3] and "cannot read" in lines[4]
     assert app.conversation.messages == before
     assert app.bot.settings.lookahead.ngram == 3
+
+
+def tiny_chat(context_length=1024, max_new_tokens=8, **sampling):
+    """A chat on a tiny random Llama (fast: no embedded model)."""
+    loaded = tiny_loaded(context_length)
+    settings = Settings(LookaheadConfig(window=2, ngram=3, candidates=1),
+                        SamplingConfig(max_new_tokens=max_new_tokens, **sampling))
+    err = io.StringIO()
+    return ChatApp(Bot(loaded, settings), None, False, Console(file=io.StringIO()), Console(file=err, width=300)), err
+
+
+def error_lines(err) -> list[str]:
+    return [line for line in err.getvalue().splitlines() if line.startswith("error:")]
+
+
+def conversation_file(path, messages, settings):
+    path.write_text(json.dumps({"format": "ladechat-conversation", "version": 1, "model": "tiny", "system": None,
+                                "messages": messages, "settings": settings}))
+    return path
+
+
+@pytest.mark.parametrize("settings,message", [
+    ({"W": 2.5}, "W (window) must be a whole number, got 2.5"),
+    ({"seed": "x"}, "seed must be a whole number, got 'x'"),
+    ({"temperature": "hot"}, "temperature must be a number, got 'hot'"),
+    ({"lookahead": "yes"}, "lookahead must be true or false, got 'yes'"),
+    ({"stop": "x"}, "stop must be a list of strings, got 'x'"),
+    ({"template": "nope"}, "unknown template 'nope'"),
+])
+def test_load_refuses_settings_of_the_wrong_type(tmp_path, settings, message):
+    app, err = tiny_chat()
+    app.ask("hi")
+    before = [dict(m) for m in app.conversation.messages]
+    path = conversation_file(tmp_path / "c.json", [{"role": "user", "content": "other"}], settings)
+    assert app.command(f"/load {path}") is True
+    assert len(error_lines(err)) == 1 and message in error_lines(err)[0]
+    assert app.conversation.messages == before and app.bot.settings.lookahead.window == 2
+    app.ask("and now?")  # the chat goes on with its own settings
+    assert [m["role"] for m in app.conversation.messages] == ["user", "assistant"] * 2
+
+
+def test_save_and_load_keep_stop_and_template(tmp_path):
+    app, _ = tiny_chat(stop=("\n\n", "END"))
+    app.command("/set w=3 seed=5")
+    app.bot.settings = replace(app.bot.settings, template="chatml")
+    app.ask("hi")
+    app.command(f"/save {tmp_path / 'c.json'}")
+    saved = json.loads((tmp_path / "c.json").read_text())["settings"]
+    assert saved["stop"] == ["\n\n", "END"] and saved["template"] == "chatml"
+    fresh, fresh_err = tiny_chat()
+    fresh.command(f"/load {tmp_path / 'c.json'}")
+    assert error_lines(fresh_err) == []
+    assert fresh.bot.settings == app.bot.settings
+    assert fresh.conversation.chat_messages() == app.conversation.chat_messages()
+
+
+@pytest.mark.parametrize("messages,undone,info", [
+    ([{"role": "assistant", "content": "Hello!"}], [], "dropped the last answer"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "assistant", "content": "c"}],
+     [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], "dropped the last answer"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], [],
+     "dropped the last question and its answer"),
+    ([{"role": "user", "content": "a"}], [], "dropped the last question"),
+])
+def test_undo_and_retry_after_loading_an_unusual_conversation(tmp_path, messages, undone, info):
+    """A loaded file need not alternate user/assistant; /undo and /retry must not crash on it."""
+    app, err = tiny_chat()
+    path = conversation_file(tmp_path / "c.json", messages, {})
+    app.command(f"/load {path}")
+    assert app.command("/undo") is True
+    assert error_lines(err) == [] and err.getvalue().splitlines()[-1] == info
+    assert app.conversation.chat_messages() == undone
+
+
+def test_retry_without_a_question_is_refused(tmp_path):
+    app, err = tiny_chat()
+    app.command(f"/load {conversation_file(tmp_path / 'c.json', [{'role': 'assistant', 'content': 'Hi!'}], {})}")
+    assert app.command("/retry") is True
+    assert error_lines(err) == ["error: nothing to retry: there is no question to answer again"]
+    assert app.conversation.chat_messages() == [{"role": "assistant", "content": "Hi!"}]
+    app.command("/undo")
+    assert app.command("/undo") is True and error_lines(err)[-1] == "error: nothing to undo"
+
+
+def test_question_longer_than_the_context_keeps_the_earlier_conversation():
+    app, err = tiny_chat(context_length=200)  # one token per character: room for 192 prompt tokens
+    app.ask("hi")
+    app.ask("and?")
+    before = [dict(m) for m in app.conversation.messages]
+    app.ask("x" * 300)
+    message = "the prompt is 317 tokens, more than the 192 that fit in the model's context (after room for the answer)"
+    assert error_lines(err) == [f"error: {message}"]
+    assert app.conversation.messages == before  # only the too-long question is gone
+    app.ask("ok")  # and the chat goes on with the earlier turns
+    assert app.conversation.messages[:4] == before and len(app.conversation.messages) == 6
+
+
+def test_encode_changes_nothing_when_the_last_message_alone_does_not_fit():
+    loaded = tiny_loaded()
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                {"role": "user", "content": "c" * 100}]
+    conversation = Conversation(system="s", messages=[dict(m) for m in messages])
+    with pytest.raises(ConversationError, match="more than the 50 that fit"):
+        conversation.encode(loaded.tokenizer, None, 50)
+    assert conversation.messages == messages
+    ids, dropped = conversation.encode(loaded.tokenizer, None, 130)  # fits once the first exchange is gone
+    assert dropped == 2 and conversation.messages == messages[2:] and len(ids) <= 130

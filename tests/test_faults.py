@@ -145,3 +145,23 @@ def test_chat_interrupted_before_the_first_token_keeps_the_question(embedded_fp3
     app.conversation.messages.append({"role": "user", "content": "And of Germany?"})
     app.interrupted_outside_stream()  # ...and here the question gets its (empty) interrupted answer
     assert [m["role"] for m in app.conversation.messages] == ["user", "assistant"] * 2
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"), CPU_OOM])
+def test_out_of_memory_while_loading_is_a_load_error(tmp_path, monkeypatch, error):
+    from test_cli import tiny_model_folder
+    from tiny_models import tiny_tokenizer
+
+    from ladechat.engine.loading import LoadError, LoadSpec, load
+
+    folder = tiny_model_folder(tmp_path, tiny_tokenizer())
+
+    def to(self, *args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(torch.nn.Module, "to", to)  # as moving the weights to the device would
+    with pytest.raises(LoadError) as info:
+        load(LoadSpec(model=str(folder), dtype="float32", device="cpu"))
+    message = str(info.value)
+    assert message.startswith(f"out of memory loading {folder} on cpu (") and "\n" not in message
+    assert message.endswith("try --load-in-4bit, --dtype float16, or --device-map auto to spread it over devices")

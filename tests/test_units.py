@@ -8,6 +8,7 @@ from ladechat.engine import kv
 from ladechat.engine.config import ConfigError, LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import verify
 from ladechat.engine.layout import build_layout, step_inputs, tree_layout, tree_mask
+from ladechat.engine.loading import LoadSpec, choose_dtype, placement, resolve_dtype
 from ladechat.engine.ngram_pool import ContextIndex, NGramPool
 from ladechat.engine.stopping import StopRule
 
@@ -204,3 +205,63 @@ def test_cost_model_interpolates_in_cached_length():
     assert model.cost(1, 100) == 1.0 and model.cost(8, 1100) == 6.0
     assert model.cost(8, 600) == pytest.approx(4.0) and model.cost(8, 2100) == pytest.approx(10.0)
     assert model.cost(8, 0) == 2.0  # never below the shortest measured context
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: LookaheadConfig(window=2.5), "W (window) must be a whole number, got 2.5"),
+    (lambda: LookaheadConfig(ngram=True), "N (n-gram size) must be a whole number, got True"),
+    (lambda: LookaheadConfig(candidates="3"), "G (candidates) must be a whole number, got '3'"),
+    (lambda: LookaheadConfig(enabled="yes"), "lookahead must be true or false, got 'yes'"),
+    (lambda: SamplingConfig(seed="x"), "seed must be a whole number, got 'x'"),
+    (lambda: SamplingConfig(seed=1.0), "seed must be a whole number, got 1.0"),
+    (lambda: SamplingConfig(max_new_tokens=10.0), "max_new_tokens must be a whole number, got 10.0"),
+    (lambda: SamplingConfig(top_k=False), "top_k must be a whole number, got False"),
+    (lambda: SamplingConfig(temperature="hot"), "temperature must be a number, got 'hot'"),
+    (lambda: SamplingConfig(top_p=None), "top_p must be a number, got None"),
+    (lambda: SamplingConfig(stop=["x"]), "stop must be a list of strings, got ['x']"),
+    (lambda: SamplingConfig(stop=("x", 3)), "stop must be a list of strings, got ('x', 3)"),
+])
+def test_config_checks_types(make, message):
+    """Settings read from a file can have any JSON type; a wrong one is refused with one line."""
+    with pytest.raises(ConfigError) as info:
+        make()
+    assert str(info.value) == message
+
+
+def test_config_accepts_ints_for_floats_and_no_seed():
+    s = SamplingConfig(temperature=1, top_p=1, min_p=0, repetition_penalty=2, seed=None, stop=("a",))
+    assert s.temperature == 1 and s.seed is None
+    assert SamplingConfig(seed=7).seed == 7
+
+
+@pytest.mark.parametrize("name,device_type,native,expected", [
+    ("auto", "cuda", True, torch.bfloat16), ("auto", "cuda", False, torch.float16),
+    ("auto", "cpu", True, torch.bfloat16), ("auto", "cpu", False, torch.float32), ("auto", "mps", True, torch.float32),
+    ("float32", "cuda", True, torch.float32), ("bf16", "cuda", False, torch.bfloat16),
+])
+def test_choose_dtype(name, device_type, native, expected):
+    assert choose_dtype(name, device_type, native) == expected
+
+
+@pytest.mark.parametrize("capability,expected", [((7, 5), torch.float16), ((7, 0), torch.float16),
+                                                 ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16)])
+def test_auto_dtype_asks_the_chosen_gpu(monkeypatch, capability, expected):
+    """T4 (7.5) and V100 (7.0) only emulate bf16: fp16 there. The capability asked is cuda:1's."""
+    asked = []
+
+    def get_device_capability(device=None):
+        asked.append(device)
+        return capability
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", get_device_capability)
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert resolve_dtype("auto", torch.device("cuda", 1)) == expected
+    assert asked == [torch.device("cuda", 1)]
+
+
+def test_quantized_weights_load_on_the_chosen_device():
+    gpu1 = torch.device("cuda", 1)
+    assert placement(LoadSpec(load_in_4bit=True), gpu1) == {"device_map": {"": "cuda:1"}}
+    assert placement(LoadSpec(load_in_8bit=True), torch.device("cpu")) == {"device_map": {"": "cpu"}}
+    assert placement(LoadSpec(), gpu1) == {}  # moved with .to() after loading
+    assert placement(LoadSpec(load_in_4bit=True, device_map="auto"), gpu1) == {"device_map": "auto"}

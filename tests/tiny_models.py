@@ -26,3 +26,31 @@ def tiny_model(family: str, seed: int = 0):
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
+
+
+def tiny_tokenizer(chat_template: str | None = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                                               "{% endfor %}assistant:"):
+    """One token per printable ASCII character plus <unk>, <s>, </s>: built in memory, no download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>"] + [chr(c) for c in range(32, 127)])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def tiny_loaded(context_length: int = 1024):
+    """A LoadedModel of a tiny random Llama with tiny_tokenizer(), for the chat's tests."""
+    from ladechat.engine.loading import LoadedModel
+
+    tokenizer = tiny_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**COMMON, "vocab_size": len(tokenizer)})
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    return LoadedModel(model=model, tokenizer=tokenizer, name="tiny", device=model.device, dtype=model.dtype,
+                       eos_ids=frozenset(), context_length=context_length)

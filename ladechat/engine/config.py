@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 
 class ConfigError(ValueError):
-    """A setting a user gave is out of range; the message is one line meant for them."""
+    """A setting a user gave is of the wrong type or out of range; the message is one line meant for them."""
 
 
 @dataclass(frozen=True)
@@ -34,14 +34,22 @@ class LookaheadConfig:
     enabled: bool = True
 
     def __post_init__(self) -> None:
+        _whole("W (window)", self.window)
+        _whole("N (n-gram size)", self.ngram)
+        _whole("G (candidates)", self.candidates)
+        _whole("context candidates", self.context_candidates)
+        _whole("context length", self.context_len)
+        _whole("recycled nodes", self.recycle)
+        _flag("seed_pool", self.seed_pool)
+        _flag("lookahead", self.enabled)
         _check(self.ngram >= 2, f"N (n-gram size) must be >= 2, got {self.ngram}")
         _check(self.window >= 1, f"W (window) must be >= 1, got {self.window}")
         _check(self.candidates >= 0, f"G (candidates) must be >= 0, got {self.candidates}")
         _check(self.context_candidates >= 0, f"context candidates must be >= 0, got {self.context_candidates}")
         _check(self.context_len >= 1, f"context length must be >= 1, got {self.context_len}")
         _check(self.recycle >= 0, f"recycled nodes must be >= 0, got {self.recycle}")
-        _check(self.ngram <= 16 and self.window <= 64 and self.candidates <= 64,
-               "W, N, G are too large (limits: W <= 64, N <= 16, G <= 64)")
+        _check(self.ngram <= 16 and self.window <= 64 and self.candidates <= 64 and self.recycle <= 256,
+               "W, N, G are too large (limits: W <= 64, N <= 16, G <= 64, recycled nodes <= 256)")
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,14 @@ class SamplingConfig:
     stop: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
+        _whole("max_new_tokens", self.max_new_tokens)
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            _number(name, getattr(self, name))
+        _whole("top_k", self.top_k)
+        if self.seed is not None:
+            _whole("seed", self.seed)
+        _check(isinstance(self.stop, tuple) and all(isinstance(s, str) for s in self.stop),
+               f"stop must be a list of strings, got {self.stop!r}")
         _check(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
@@ -73,3 +89,17 @@ class SamplingConfig:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+# Settings also come from files (/load), where a value of the wrong type would pass the range checks
+# (2.5 >= 1, True >= 1) and only fail deep inside decoding, or compare with a str and raise TypeError.
+def _whole(name: str, value) -> None:
+    _check(isinstance(value, int) and not isinstance(value, bool), f"{name} must be a whole number, got {value!r}")
+
+
+def _number(name: str, value) -> None:
+    _check(isinstance(value, (int, float)) and not isinstance(value, bool), f"{name} must be a number, got {value!r}")
+
+
+def _flag(name: str, value) -> None:
+    _check(isinstance(value, bool), f"{name} must be true or false, got {value!r}")

