@@ -7,6 +7,8 @@ run as conversations, each method answering with its own previous answers in the
 from __future__ import annotations
 
 import json
+import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +23,9 @@ from ladechat.engine.runner import StaticRunner
 
 # lookahead-full: every step carries the whole window and all candidates (no sizing from the
 # step-cost curve), as on a GPU; its compression is what a GPU run would see, on any machine.
-METHODS = ("hf", "hf-lookup", "plain", "lookahead", "lookahead-full")
+# hf-lookup-K: HF prompt lookup proposing K tokens after a match (hf-lookup: K = 10, HF's usual)
+LOOKUP = {"hf-lookup-3": 3, "hf-lookup-5": 5, "hf-lookup": 10}
+METHODS = ("hf", *LOOKUP, "plain", "lookahead", "lookahead-full")
 DATASETS = {"mtbench": "mtbench-dev.jsonl", "humaneval": "humaneval-dev.jsonl", "gsm8k": "gsm8k-dev.jsonl"}
 
 
@@ -42,11 +46,24 @@ def find_dataset(name: str) -> Path:
 
 
 def load_items(name: str, limit: int | None) -> list[dict]:
+    """The items of a JSONL prompt set; BenchError (one line) names the first bad line."""
+    path = find_dataset(name)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BenchError(f"cannot read {path}: {exc}") from None
     items = []
-    with open(find_dataset(name), encoding="utf-8") as fh:
-        for line in fh:
-            if line.strip():
-                items.append(json.loads(line))
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise BenchError(f"{path}, line {number}: not valid JSON ({exc.msg})") from None
+        turns = item.get("turns") if isinstance(item, dict) else None
+        if not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):
+            raise BenchError(f'{path}, line {number}: an item needs "turns", a non-empty list of strings')
+        items.append(item)
     return items[:limit] if limit else items
 
 
@@ -63,9 +80,9 @@ class Tally:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-def _hf_answer(model, ids: list[int], sampling: SamplingConfig, eos: list[int], lookup: bool
+def _hf_answer(model, ids: list[int], sampling: SamplingConfig, eos: list[int], lookup: int
                ) -> tuple[list[int], float]:
-    extra: dict = {"prompt_lookup_num_tokens": 10} if lookup else {}
+    extra: dict = {"prompt_lookup_num_tokens": lookup} if lookup else {}
     if not sampling.greedy:
         extra.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                      min_p=sampling.min_p or None, repetition_penalty=sampling.repetition_penalty)
@@ -94,10 +111,10 @@ def run_item(loaded, item: dict, method: str, la: LookaheadConfig, sampling: Sam
     for turn in item["turns"]:
         messages.append({"role": "user", "content": turn})
         ids = templates.encode(tok, messages, template)
-        if method in ("hf", "hf-lookup"):
+        if method == "hf" or method in LOOKUP:
             if sampling.seed is not None:
                 torch.manual_seed(sampling.seed)
-            answer, took = _hf_answer(loaded.model, ids, sampling, eos, method == "hf-lookup")
+            answer, took = _hf_answer(loaded.model, ids, sampling, eos, LOOKUP.get(method, 0))
             steps = None  # HF does not report its forward passes
         else:
             start = time.perf_counter()
@@ -115,17 +132,23 @@ def run_item(loaded, item: dict, method: str, la: LookaheadConfig, sampling: Sam
 
 
 def run(loaded, datasets: list[str], methods: list[str], la: LookaheadConfig, sampling: SamplingConfig,
-        limit: int | None, template: str | None = None, progress=None, compile: bool = False) -> dict:
-    """Greedy runs also report whether each method's answers equal HF greedy's, token for token;
-    sampled runs (temperature > 0) cannot, and report speed and compression only. compile: ladechat's
-    methods run fixed-shape compiled steps (one runner per method, compiled once)."""
+        limit: int | None, template: str | None = None, progress=None, compile: bool = False,
+        single_turn: bool = False) -> dict:
+    """Greedy runs also report whether each method's answers equal HF greedy's, token for token
+    (hf always runs, first, as the reference); sampled runs (temperature > 0) cannot, and report
+    speed and compression only. Per method: the ratio of summed tokens/s to hf's, and per item the
+    geometric mean and 10th percentile of its speed over hf's on the same item and the share of
+    items slower than hf. compile: ladechat's methods run fixed-shape compiled steps (one runner
+    per method, compiled once). single_turn: only each item's first turn."""
     for m in methods:
         if m not in METHODS:
             raise BenchError(f"unknown method {m!r} (choose from {', '.join(METHODS)})")
+    methods = ["hf"] + [m for m in dict.fromkeys(methods) if m != "hf"]
     results: dict = {"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."),
                      "device": str(loaded.device), "max_new_tokens": sampling.max_new_tokens,
                      "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
-                     "W": la.window, "N": la.ngram, "G": la.candidates, "datasets": {}}
+                     "W": la.window, "N": la.ngram, "G": la.candidates, "single_turn": single_turn,
+                     "datasets": {}}
     results["compiled"] = compile
     step_cost = loaded.cost_model()
     runners = {m: StaticRunner(loaded.model, la, loaded.context_length, compile=True) if compile else None
@@ -136,6 +159,8 @@ def run(loaded, datasets: list[str], methods: list[str], la: LookaheadConfig, sa
         run_item(loaded, warm, m, la, SamplingConfig(max_new_tokens=8), template, step_cost, runners.get(m))
     for name in datasets:
         items = load_items(name, limit)
+        if single_turn:
+            items = [{**item, "turns": item["turns"][:1]} for item in items]
         tallies = {m: Tally() for m in methods}
         for i, item in enumerate(items):
             reference = None
@@ -152,7 +177,7 @@ def run(loaded, datasets: list[str], methods: list[str], la: LookaheadConfig, sa
                 t.per_item.append((len(answer), seconds))
             if progress:
                 progress(name, i + 1, len(items))
-        results["datasets"][name] = {m: _summary(t, tallies.get("hf")) for m, t in tallies.items()}
+        results["datasets"][name] = {m: _summary(t, tallies["hf"]) for m, t in tallies.items()}
     total = {m: Tally() for m in methods}
     for name in datasets:
         for m in methods:
@@ -162,14 +187,29 @@ def run(loaded, datasets: list[str], methods: list[str], la: LookaheadConfig, sa
             total[m].steps += d["steps"]
             total[m].items += d["items"]
             total[m].identical += d["identical_items"]
-    results["overall"] = {m: _summary(t, total.get("hf")) for m, t in total.items()}
+            total[m].per_item += d["per_item"]
+    results["overall"] = {m: _summary(t, total["hf"]) for m, t in total.items()}
     return results
 
 
-def _summary(t: Tally, hf: Tally | None) -> dict:
-    base = hf.tokens_per_s() if hf else 0.0
+def _summary(t: Tally, hf: Tally) -> dict:
+    base = hf.tokens_per_s()
+    ratios = [(tok / sec) / (hf_tok / hf_sec) for (tok, sec), (hf_tok, hf_sec) in zip(t.per_item, hf.per_item)
+              if tok and sec and hf_tok and hf_sec]
     return {"tokens": t.tokens, "seconds": round(t.seconds, 3), "steps": t.steps, "items": t.items,
             "tokens_per_s": round(t.tokens_per_s(), 2),
             "speedup_vs_hf": round(t.tokens_per_s() / base, 3) if base else None,
+            "item_geomean_vs_hf": round(math.exp(statistics.fmean(map(math.log, ratios))), 3) if ratios else None,
+            "item_p10_vs_hf": round(_percentile(ratios, 0.1), 3) if ratios else None,
+            "items_slower_than_hf": sum(r < 1.0 for r in ratios),
             "compression": round(t.tokens / t.steps, 3) if t.steps else None,
-            "identical_items": t.identical}
+            "identical_items": t.identical, "per_item": t.per_item}
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """The q-quantile by linear interpolation between the sorted values."""
+    ordered = sorted(values)
+    at = q * (len(ordered) - 1)
+    lo = int(at)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (at - lo)

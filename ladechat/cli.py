@@ -254,7 +254,8 @@ def templates() -> None:
 
 @app.command()
 def bench(dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Prompt set: mtbench, humaneval, gsm8k (from ../shared/data) or a JSONL path; repeatable.")] = ["mtbench"],
-          methods: Annotated[str, typer.Option("--methods", help="Comma-separated: hf, hf-lookup, plain, lookahead, lookahead-full.")] = "hf,hf-lookup,plain,lookahead",
+          methods: Annotated[str, typer.Option("--methods", help="Comma-separated: hf (always run, the reference), hf-lookup-3, hf-lookup-5, hf-lookup (10 tokens), plain, lookahead, lookahead-full.")] = "hf,hf-lookup-3,hf-lookup-5,hf-lookup,plain,lookahead",
+          single_turn: Annotated[bool, typer.Option("--single-turn", help="Only the first turn of each item.")] = False,
           limit: Annotated[Optional[int], typer.Option("--limit", help="Items per dataset (default: all).")] = None,
           model: Model = None, window: Window = None, ngram: Ngram = None, candidates: Cands = None,
           max_new_tokens: MaxNew = 256, temperature: Temperature = None, top_p: TopP = 1.0, top_k: TopK = 0,
@@ -277,7 +278,7 @@ def bench(dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Pr
     method_list = [m.strip() for m in methods.split(",") if m.strip()]
     try:
         for name in dataset:
-            benchmark.find_dataset(name)
+            benchmark.load_items(name, limit)  # a bad file fails now, not after loading the model
         if limit is not None and limit < 1:
             raise Fail(f"--limit must be >= 1, got {limit}")
         _quiet_libraries()
@@ -285,7 +286,7 @@ def bench(dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Pr
         settings = _settings(True, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, 0.0, 1.0,
                              seed, template, loaded)
         results = benchmark.run(loaded, dataset, method_list, settings.lookahead, settings.sampling, limit, template,
-                                compile=compile,
+                                compile=compile, single_turn=single_turn,
                                 progress=lambda name, i, n: err.print(f"[dim]{escape(name)}: {i}/{n}[/]", highlight=False))
     except benchmark.BenchError as exc:
         raise Fail(str(exc)) from None

@@ -274,3 +274,48 @@ def test_broken_model_is_one_line_error(tmp_path, kind, message):
     assert r.returncode == 1
     assert err.startswith((f"ladechat: error: {model}", f"ladechat: error: cannot load model {model}"))
     assert message in err and "\n" not in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("line,message", [
+    ('{"turns": ["Hi"]', "line 2: not valid JSON (Expecting ',' delimiter)"),
+    ('{"prompt": "Hi"}', 'line 2: an item needs "turns", a non-empty list of strings'),
+    ('{"turns": "Hi"}', 'line 2: an item needs "turns", a non-empty list of strings'),
+    ('["Hi"]', 'line 2: an item needs "turns", a non-empty list of strings'),
+])
+def test_bench_bad_dataset_is_one_line_error(tmp_path, line, message):
+    from tiny_models import tiny_tokenizer
+
+    folder = tiny_model_folder(tmp_path / "model", tiny_tokenizer())
+    data = tmp_path / "set.jsonl"
+    data.write_text('{"turns": ["Hello"]}\n' + line + "\n")
+    r = ladechat("bench", "--dataset", str(data), "--methods", "plain", "--model", str(folder), "--dtype", "float32",
+                 "--max-new-tokens", "4")
+    err = r.stderr.decode().strip()
+    assert r.returncode == 1 and "Traceback" not in err and "\n" not in err
+    assert err == f"ladechat: error: {data}, {message}"
+
+
+def test_bench_runs_every_method_against_hf(tmp_path):
+    """A real bench run on a tiny model folder: hf joins as the reference even when listed last or
+    not at all, fp32 answers of every method are identical to it, the per-item distribution is
+    reported, and --single-turn answers only first turns."""
+    from tiny_models import tiny_tokenizer
+
+    folder = tiny_model_folder(tmp_path / "model", tiny_tokenizer())
+    data = tmp_path / "set.jsonl"
+    data.write_text('{"turns": ["Hello there, how are you?", "And then?"]}\n{"turns": ["def f(x): return x"]}\n')
+    common = ("--dataset", str(data), "--model", str(folder), "--dtype", "float32", "--max-new-tokens", "12",
+              "--json")
+    r = ladechat("bench", "--methods", "lookahead,plain,hf-lookup-3", *common)
+    assert r.returncode == 0, r.stderr
+    results = json.loads(r.stdout)
+    overall = results["overall"]
+    assert list(overall) == ["hf", "lookahead", "plain", "hf-lookup-3"]
+    for method, row in overall.items():
+        assert row["items"] == 2 and row["tokens"] == overall["hf"]["tokens"]
+        assert row["identical_items"] == 2, method
+        assert row["item_geomean_vs_hf"] > 0 and row["item_p10_vs_hf"] <= row["item_geomean_vs_hf"] * 1.0001
+        assert 0 <= row["items_slower_than_hf"] <= 2
+    assert overall["hf"]["item_geomean_vs_hf"] == 1.0
+    single = json.loads(ladechat("bench", "--methods", "plain", "--single-turn", *common).stdout)
+    assert single["single_turn"] and 2 <= single["overall"]["plain"]["tokens"] < overall["plain"]["tokens"]

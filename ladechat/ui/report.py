@@ -12,13 +12,18 @@ def bench_tables(results: dict) -> list[Table]:
         table = Table(title=f"{name} · {results['model']} · {results['dtype']} on {results['device']} · "
                             f"{results['max_new_tokens']} new tokens · W={results['W']} N={results['N']} "
                             f"G={results['G']}"
-                            + (f" · T={results['temperature']}" if results.get("temperature") else ""))
-        for col in ("method", "items", "tokens", "tok/s", "vs hf", "tokens/step", "identical to hf"):
+                            + (f" · T={results['temperature']}" if results.get("temperature") else "")
+                            + (" · first turns only" if results.get("single_turn") else ""))
+        for col in ("method", "items", "tokens", "tok/s", "vs hf", "per item: geomean", "p10", "slower",
+                    "tokens/step", "identical to hf"):
             table.add_column(col, justify="left" if col == "method" else "right")
         for method, r in rows.items():
             speed = f"{r['speedup_vs_hf']:.2f}x" if r["speedup_vs_hf"] else "-"
             comp = f"{r['compression']:.2f}" if r["compression"] else "-"
-            table.add_row(method, str(r["items"]), str(r["tokens"]), f"{r['tokens_per_s']:.1f}", speed, comp,
+            geomean = f"{r['item_geomean_vs_hf']:.2f}x" if r.get("item_geomean_vs_hf") else "-"
+            p10 = f"{r['item_p10_vs_hf']:.2f}x" if r.get("item_p10_vs_hf") else "-"
+            table.add_row(method, str(r["items"]), str(r["tokens"]), f"{r['tokens_per_s']:.1f}", speed, geomean, p10,
+                          f"{r.get('items_slower_than_hf', 0)}/{r['items']}", comp,
                           f"{r['identical_items']}/{r['items']}" if not results.get("temperature") else "-")
         tables.append(table)
     return tables
