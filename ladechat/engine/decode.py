@@ -127,9 +127,11 @@ class Session:
         self.cached = self.cached[:keep]
         todo = prompt[keep:-1]
         if todo:
-            top = self.runner.prefill(todo, keep)
+            ranked = self.lookahead.enabled and self.lookahead.recycle > 0
+            top = self.runner.prefill(todo, keep, ranked=ranked)
             self.cached = list(prompt[:-1])
-            self.recycled.update(todo[len(todo) - len(top) :], top)  # the model's ranking after each
+            if ranked:  # the model's own ranking of what follows each prompt token
+                self.recycled.update(todo[len(todo) - len(top) :], top)
         seen = _common_prefix(self.context.tokens, prompt)
         self.context.truncate(seen)
         self.context.extend(prompt[seen:])

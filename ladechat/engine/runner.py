@@ -52,13 +52,15 @@ class DynamicRunner:
     def configure(self, lookahead: LookaheadConfig) -> None:
         pass
 
-    def prefill(self, tokens: list[int], past: int) -> np.ndarray:
+    def prefill(self, tokens: list[int], past: int, ranked: bool = True) -> np.ndarray:
         """Feed the prompt tokens; returns the top-k next tokens of the last
-        min(len(tokens), PREFILL_TOP_K) of them (for the successor table)."""
+        min(len(tokens), PREFILL_TOP_K) of them (for the successor table), or of the last token
+        only when not `ranked` (plain decoding has no use for them and should not pay for them)."""
         device = self.model.device
         ids = torch.tensor([tokens], device=device)
         positions = torch.arange(past, past + len(tokens), device=device).unsqueeze(0)
-        return prefill_top_k(self.model, min(len(tokens), PREFILL_TOP_K), input_ids=ids, position_ids=positions,
+        count = min(len(tokens), PREFILL_TOP_K) if ranked else 1
+        return prefill_top_k(self.model, count, input_ids=ids, position_ids=positions,
                              past_key_values=self.cache)
 
     def step(self, layout: StepLayout, past: int, rows: list[int]) -> torch.Tensor:
@@ -136,7 +138,7 @@ class StaticRunner(DynamicRunner):
         self.cache = kv.grow_static(self.cache, self.model.config, length + MAX_FIXED_STEP, committed)
         self.length = length + MAX_FIXED_STEP
 
-    def prefill(self, tokens: list[int], past: int) -> np.ndarray:
+    def prefill(self, tokens: list[int], past: int, ranked: bool = True) -> np.ndarray:
         self._make_room(past + len(tokens), past)
         tops = []
         for start in range(0, len(tokens), PREFILL_CHUNK):
@@ -144,7 +146,7 @@ class StaticRunner(DynamicRunner):
             ids, positions, mask = fixed_step_inputs(build_layout([chunk], []), past + start, len(chunk),
                                                      self.length, self.model.dtype, self.model.device)
             self.truncate(past + start)
-            tops.append(prefill_top_k(self.model, len(chunk), input_ids=ids, position_ids=positions,
+            tops.append(prefill_top_k(self.model, len(chunk) if ranked else 1, input_ids=ids, position_ids=positions,
                                       attention_mask=mask, past_key_values=self.cache))
         return np.concatenate(tops)[-PREFILL_TOP_K:]
 

@@ -107,6 +107,8 @@ def debug_panel(stats: Stats) -> Panel:
         ("tokens per step", hist or "-"),
         ("accepted by depth", positions),
         ("winning source", ", ".join(f"{k}:{v}" for k, v in sorted(stats.source_counts.items())) or "-"),
+        ("calibration", "  ".join(f"{src}: expected {p:.1f} / accepted {o:.0f}"
+                                  for src, (p, o) in sorted(stats.calibration.items())) or "-"),
         ("pool size", str(stats.pool_size)),
         ("tokens fed/step", f"{stats.mean_fed:.1f}"),
         ("step time", f"{stats.decode_s / max(stats.steps, 1) * 1000:.1f} ms mean"),
