@@ -67,6 +67,7 @@ def test_other_runtime_errors_are_not_taken_for_out_of_memory():
 def chat_app(loaded, fail_on_call=0, error=torch.OutOfMemoryError("CUDA OOM"), out_file=None):
     """A chat on `loaded` whose model fails after its `fail_on_call`-th forward pass (0: never)."""
     if fail_on_call:
+        loaded.cost_model()  # measured (and cached) on the real model: the fault belongs to the chat
         loaded = replace(loaded, model=FailsAfterForward(loaded.model, fail_on_call, error))
     settings = Settings(LookaheadConfig(window=2, ngram=3, candidates=1), SamplingConfig(max_new_tokens=24))
     err = io.StringIO()

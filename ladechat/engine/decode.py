@@ -46,7 +46,6 @@ class StepResult:
     guessed: tuple[bool, ...]  # per token: a verified guess
     source: str  # the source of the accepted guesses ("none" if no guess was accepted)
     fed: int  # rows in the forward pass
-    predicted: float  # tokens the planner expected this step to commit
     stop: str | None  # why generation ends here, None if it goes on
 
 
@@ -247,8 +246,7 @@ class Session:
         self.cached += [t] + block[:-1]
         self.context.extend(block)
         guessed = tuple(i < min(len(matched), keep - 1) for i in range(len(block)))
-        predicted = 1.0 + sum(node.p for node in layout.nodes)
-        return StepResult(tuple(block), guessed, source if any(guessed) else "none", layout.size, predicted, why)
+        return StepResult(tuple(block), guessed, source if any(guessed) else "none", layout.size, why)
 
     def _learn(self, layout: StepLayout, matched: list[int], top) -> None:
         """Harvest what the step computed: acceptance per draft bucket, every row's top-k into the

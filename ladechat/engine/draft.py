@@ -74,16 +74,14 @@ class DraftTree:
     def __init__(self, acceptance: Acceptance) -> None:
         self.acceptance = acceptance
         self.nodes: list[Node] = []
+        self._depths: list[int] = []  # per node: its depth below t (1 for t's children)
         self._index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
 
     def path_p(self, parent: int) -> float:
         return 1.0 if parent < 0 else self.nodes[parent].p
 
     def depth(self, node: int) -> int:
-        depth = 0
-        while node >= 0:
-            node, depth = self.nodes[node].parent, depth + 1
-        return depth
+        return 0 if node < 0 else self._depths[node]
 
     def add(self, parent: int, token: int, source: str, bucket: tuple) -> int:
         p = self.path_p(parent) * self.acceptance.q(bucket)
@@ -91,6 +89,7 @@ class DraftTree:
         if at is None:
             self._index[(parent, token)] = len(self.nodes)
             self.nodes.append(Node(token, parent, source, bucket, p))
+            self._depths.append(self.depth(parent) + 1)
             return len(self.nodes) - 1
         if p > self.nodes[at].p:
             self.nodes[at] = Node(token, parent, source, bucket, p)
@@ -112,7 +111,7 @@ class DraftTree:
 
         def push_children(parent: int, token: int) -> None:
             nonlocal order
-            depth = 1 if parent < 0 else self.depth(parent) + 1
+            depth = self.depth(parent) + 1
             if depth > MAX_DEPTH:
                 return
             for rank, nxt in enumerate(successors(token)):
@@ -128,7 +127,7 @@ class DraftTree:
         added = 0
         while heap and added < limit:
             _, _, parent, token, rank = heapq.heappop(heap)
-            depth = 1 if parent < 0 else self.depth(parent) + 1
+            depth = self.depth(parent) + 1
             known = (parent, token) in self._index
             at = self.add(parent, token, "recycle", ("recycle", rank, min(depth, 3)))
             if not known:
@@ -136,20 +135,9 @@ class DraftTree:
                 push_children(at, token)
 
     def by_probability(self) -> list[int]:
-        """Node indices, most likely first; a parent always comes before its children."""
-        order = sorted(range(len(self.nodes)), key=lambda i: (-self.nodes[i].p, self.depth(i), i))
-        placed: set[int] = set()
-        result: list[int] = []
-        for i in order:  # a merge can leave a child more likely than its parent: parents first
-            chain = []
-            node = i
-            while node >= 0 and node not in placed:
-                chain.append(node)
-                node = self.nodes[node].parent
-            for n in reversed(chain):
-                placed.add(n)
-                result.append(n)
-        return result
+        """Node indices, most likely first. A parent always comes first: every q is below 1 and a
+        merge only ever raises a node's p, so a child stays less likely than its parent."""
+        return sorted(range(len(self.nodes)), key=lambda i: (-self.nodes[i].p, i))
 
 
 def choose(tree: DraftTree, step_cost: Callable[[int], float] | None, limit: int | None = None) -> list[Node]:

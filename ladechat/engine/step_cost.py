@@ -19,6 +19,7 @@ import torch
 from ladechat.engine import kv
 from ladechat.engine.gguf import cache_root
 from ladechat.engine.layout import build_layout, step_inputs
+from ladechat.engine.recycle import TOP_K
 
 SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 CONTEXTS = (192, 1536)  # cached tokens: a fresh question, and a conversation a few turns in
@@ -46,7 +47,7 @@ def measure(model, sizes=SIZES, context: int = 192, reps: int = 5) -> dict[int, 
                 out = model(input_ids=ids, position_ids=positions, attention_mask=mask if size > 1 else None,
                             past_key_values=cache, use_cache=True,
                             logits_to_keep=torch.arange(size, device=device) if size > 1 else 1)
-                out.logits[0].topk(8, dim=-1).indices.cpu()
+                out.logits[0].topk(min(TOP_K, out.logits.shape[-1]), dim=-1).indices.cpu()
             times.append(time.perf_counter() - start)
             kv.truncate(cache, context)
         curve[size] = statistics.median(times[1:])
@@ -56,7 +57,7 @@ def measure(model, sizes=SIZES, context: int = 192, reps: int = 5) -> dict[int, 
 def cached_curve(model, name: str, context: int = 192) -> dict[int, float]:
     sizes = GPU_SIZES if model.device.type == "cuda" else SIZES
     key = json.dumps(["v2", name, str(model.device), str(model.dtype), torch.__version__, torch.get_num_threads(),
-                      list(sizes)] + ([context] if context != 192 else []))
+                      list(sizes), context])
     path = cache_root() / "step-cost" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     try:
         return {int(k): float(v) for k, v in json.loads(path.read_text()).items()}
