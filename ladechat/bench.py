@@ -20,12 +20,22 @@ from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.events import Done
 from ladechat.engine.runner import StaticRunner
+from ladechat.engine.store import AnswerStore
 
 # lookahead-full: every step carries the whole window and all candidates (no sizing from the
 # step-cost curve), as on a GPU; its compression is what a GPU run would see, on any machine.
 # hf-lookup-K: HF prompt lookup proposing K tokens after a match (hf-lookup: K = 10, HF's usual)
 LOOKUP = {"hf-lookup-3": 3, "hf-lookup-5": 5, "hf-lookup": 10}
-METHODS = ("hf", *LOOKUP, "plain", "lookahead", "lookahead-full")
+# only-X: lookahead with one draft source alone (the ablation): the conversation's suffix matches,
+# the store of past answers, the Jacobi window and its n-gram pool, the recycled top-k.
+ONLY = {
+    "only-context": {"window": 1, "ngram": 2, "candidates": 0, "recycle": 0, "store": False},
+    "only-store": {"window": 1, "ngram": 2, "candidates": 0, "context_candidates": 0, "recycle": 0, "store": True},
+    "only-window": {"context_candidates": 0, "recycle": 0, "store": False},
+    "only-recycle": {"window": 1, "ngram": 2, "candidates": 0, "context_candidates": 0, "store": False},
+}
+METHODS = ("hf", *LOOKUP, "plain", "lookahead", "lookahead-full", *ONLY)
+STORE_MODES = ("cold", "warm", "off")
 DATASETS = {"mtbench": "mtbench-dev.jsonl", "humaneval": "humaneval-dev.jsonl", "gsm8k": "gsm8k-dev.jsonl"}
 
 
@@ -75,6 +85,7 @@ class Tally:
     identical: int = 0
     items: int = 0
     per_item: list = field(default_factory=list)  # (tokens, seconds) per item
+    by_depth: list = field(default_factory=list)  # steps that accepted a guess at depth 1, 2, ...
 
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
@@ -96,18 +107,26 @@ def _hf_answer(model, ids: list[int], sampling: SamplingConfig, eos: list[int], 
     return out[0, len(ids):].tolist(), time.perf_counter() - start
 
 
+def method_config(method: str, la: LookaheadConfig) -> LookaheadConfig:
+    """The lookahead settings a ladechat method runs with."""
+    return LookaheadConfig(**{**la.__dict__, "enabled": method != "plain", **ONLY.get(method, {})})
+
+
 def run_item(loaded, item: dict, method: str, la: LookaheadConfig, sampling: SamplingConfig,
-             template: str | None, step_cost: dict[int, float] | None = None, runner=None):
-    """Answer every turn of `item` with `method`. Returns (all answer ids, seconds, steps).
-    runner: a fixed-shape runner to reuse (its compiled graphs) instead of the default one."""
+             template: str | None, step_cost: dict[int, float] | None = None, runner=None,
+             store: AnswerStore | None = None):
+    """Answer every turn of `item` with `method`. Returns (all answer ids, seconds, steps, guesses
+    accepted per depth). runner: a fixed-shape runner to reuse (its compiled graphs) instead of the
+    default one. store: the method's store of past answers (None: no store)."""
     tok = loaded.tokenizer
     eos = sorted(loaded.eos_ids)
     messages: list[dict] = []
     answers: list[int] = []
     seconds = 0.0
     steps = 0
-    session = Session(loaded.model, LookaheadConfig(**{**la.__dict__, "enabled": method.startswith("lookahead")}),
-                      None if method == "lookahead-full" else step_cost, runner=runner)
+    by_depth: list[int] = []
+    session = Session(loaded.model, method_config(method, la), None if method == "lookahead-full" else step_cost,
+                      runner=runner, store=store)
     for turn in item["turns"]:
         messages.append({"role": "user", "content": turn})
         ids = templates.encode(tok, messages, template)
@@ -125,47 +144,93 @@ def run_item(loaded, item: dict, method: str, la: LookaheadConfig, sampling: Sam
             took = time.perf_counter() - start
             answer = list(done.text_tokens)
             steps += done.stats.steps
+            by_depth = _add(by_depth, done.stats.accepted_by_position)
         seconds += took
         answers += answer
         messages.append({"role": "assistant", "content": tok.decode(answer, skip_special_tokens=True)})
-    return answers, seconds, steps
+    return answers, seconds, steps, by_depth
+
+
+def _add(a: list[int], b) -> list[int]:
+    """Element-wise sum of two count lists of any lengths."""
+    a, b = list(a), list(b)
+    return [x + y for x, y in zip(a + [0] * (len(b) - len(a)), b + [0] * (len(a) - len(b)))]
+
+
+def _warm_stores(loaded, stores: dict, warm_items: list[dict], measured: list[dict], la: LookaheadConfig,
+                 template: str | None, step_cost) -> int:
+    """Fill every method's store with the model's greedy answers to `warm_items`, which must share
+    no prompt with the measured items (a warm store is never built from what is measured)."""
+    measured_turns = {turn for item in measured for turn in item["turns"]}
+    if any(turn in measured_turns for item in warm_items for turn in item["turns"]):
+        raise BenchError("--warm-from shares prompts with the measured items; warm the store on a different set")
+    answers = []
+    for item in warm_items:
+        builder = AnswerStore()  # one per item, to read its answers back
+        run_item(loaded, item, "lookahead", la, SamplingConfig(max_new_tokens=256), template, step_cost, store=builder)
+        text = builder.index.tokens()
+        ends = [i for i, tok in enumerate(text) if tok < 0]
+        answers += [text[start + 1 if start >= 0 else 0 : end] for start, end in zip([-1] + ends, ends)]
+    for store in stores.values():
+        for answer in answers:
+            store.add(answer)
+    return len(answers)
 
 
 def run(loaded, datasets: list[str], methods: list[str], la: LookaheadConfig, sampling: SamplingConfig,
         limit: int | None, template: str | None = None, progress=None, compile: bool = False,
-        single_turn: bool = False) -> dict:
+        single_turn: bool = False, store: str = "cold", warm_from: list[str] | None = None,
+        warm_limit: int | None = None) -> dict:
     """Greedy runs also report whether each method's answers equal HF greedy's, token for token
     (hf always runs, first, as the reference); sampled runs (temperature > 0) cannot, and report
     speed and compression only. Per method: the ratio of summed tokens/s to hf's, and per item the
     geometric mean and 10th percentile of its speed over hf's on the same item and the share of
     items slower than hf. compile: ladechat's methods run fixed-shape compiled steps (one runner
-    per method, compiled once). single_turn: only each item's first turn."""
+    per method, compiled once). single_turn: only each item's first turn. store: each ladechat
+    method gets its own store of past answers, empty at the start of the run and filled with that
+    method's answers as it goes ("cold", what a new user has), filled first with the answers to
+    the items of `warm_from` ("warm"), or none ("off")."""
     for m in methods:
         if m not in METHODS:
             raise BenchError(f"unknown method {m!r} (choose from {', '.join(METHODS)})")
     methods = ["hf"] + [m for m in dict.fromkeys(methods) if m != "hf"]
+    if store not in STORE_MODES:
+        raise BenchError(f"unknown store mode {store!r} (choose from {', '.join(STORE_MODES)})")
+    if (store == "warm") != bool(warm_from):
+        raise BenchError("--store warm needs --warm-from (a prompt set to build it from), and only it")
+    ours = [m for m in methods if m != "hf" and m not in LOOKUP]
+    stores = {m: AnswerStore() for m in ours} if store != "off" else {}
+    if store == "off":
+        la = LookaheadConfig(**{**la.__dict__, "store": False})
     results: dict = {"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."),
                      "device": str(loaded.device), "max_new_tokens": sampling.max_new_tokens,
                      "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
                      "W": la.window, "N": la.ngram, "G": la.candidates, "single_turn": single_turn,
-                     "datasets": {}}
+                     "store": store, "datasets": {}}
     results["compiled"] = compile
     step_cost = loaded.cost_model()
-    runners = {m: StaticRunner(loaded.model, la, loaded.context_length, compile=True) if compile else None
-               for m in methods if m in ("plain", "lookahead", "lookahead-full")}
+    runners = {m: StaticRunner(loaded.model, method_config(m, la), loaded.context_length, compile=True)
+               if compile else None for m in ours}
     # warm-up: first calls allocate and pick kernels (and compile)
     warm = {"turns": ["Hello"]}
     for m in methods:
         run_item(loaded, warm, m, la, SamplingConfig(max_new_tokens=8), template, step_cost, runners.get(m))
+    measured = {name: load_items(name, limit) for name in datasets}
+    if single_turn:
+        measured = {name: [{**item, "turns": item["turns"][:1]} for item in items] for name, items in measured.items()}
+    if store == "warm":
+        warm_items = [item for name in warm_from for item in load_items(name, warm_limit)]
+        results["warm_answers"] = _warm_stores(loaded, stores, warm_items,
+                                               [i for items in measured.values() for i in items], la, template,
+                                               step_cost)
     for name in datasets:
-        items = load_items(name, limit)
-        if single_turn:
-            items = [{**item, "turns": item["turns"][:1]} for item in items]
+        items = measured[name]
         tallies = {m: Tally() for m in methods}
         for i, item in enumerate(items):
             reference = None
             for m in methods:
-                answer, seconds, steps = run_item(loaded, item, m, la, sampling, template, step_cost, runners.get(m))
+                answer, seconds, steps, by_depth = run_item(loaded, item, m, la, sampling, template, step_cost,
+                                                            runners.get(m), stores.get(m))
                 if m == "hf":
                     reference = answer
                 t = tallies[m]
@@ -175,6 +240,7 @@ def run(loaded, datasets: list[str], methods: list[str], la: LookaheadConfig, sa
                 t.items += 1
                 t.identical += int(sampling.greedy and reference is not None and answer == reference)
                 t.per_item.append((len(answer), seconds))
+                t.by_depth = _add(t.by_depth, by_depth)
             if progress:
                 progress(name, i + 1, len(items))
         results["datasets"][name] = {m: _summary(t, tallies["hf"]) for m, t in tallies.items()}
@@ -188,6 +254,7 @@ def run(loaded, datasets: list[str], methods: list[str], la: LookaheadConfig, sa
             total[m].items += d["items"]
             total[m].identical += d["identical_items"]
             total[m].per_item += d["per_item"]
+            total[m].by_depth = _add(total[m].by_depth, d["accepted_by_depth"])
     results["overall"] = {m: _summary(t, total["hf"]) for m, t in total.items()}
     return results
 
@@ -203,6 +270,8 @@ def _summary(t: Tally, hf: Tally) -> dict:
             "item_p10_vs_hf": round(_percentile(ratios, 0.1), 3) if ratios else None,
             "items_slower_than_hf": sum(r < 1.0 for r in ratios),
             "compression": round(t.tokens / t.steps, 3) if t.steps else None,
+            "ms_per_step": round(1000 * t.seconds / t.steps, 2) if t.steps else None,
+            "accepted_by_depth": t.by_depth,
             "identical_items": t.identical, "per_item": t.per_item}
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from ladechat.conversation import Conversation
 from ladechat.engine.config import ConfigError, LookaheadConfig, SamplingConfig
@@ -11,6 +12,7 @@ from ladechat.engine.decode import Session, generate
 from ladechat.engine.events import Done, Step
 from ladechat.engine.loading import LoadedModel
 from ladechat.engine.runner import StaticRunner
+from ladechat.engine.store import AnswerStore, StoreError, clear_stores, store_path
 
 
 @dataclass(frozen=True)
@@ -32,7 +34,7 @@ class Settings:
 
     def as_dict(self) -> dict:
         la, s = self.lookahead, self.sampling
-        return {"lookahead": la.enabled, "W": la.window, "N": la.ngram, "G": la.candidates,
+        return {"lookahead": la.enabled, "store": la.store, "W": la.window, "N": la.ngram, "G": la.candidates,
                 "max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
                 "top_k": s.top_k, "min_p": s.min_p, "repetition_penalty": s.repetition_penalty, "seed": s.seed,
                 "stop": list(s.stop), "template": self.template}
@@ -40,7 +42,7 @@ class Settings:
     def updated(self, values: dict) -> Settings:
         """New settings from a dict of the keys as_dict uses (unknown keys are ignored; ConfigError
         for a value of the wrong type or out of range)."""
-        la_keys = {"lookahead": "enabled", "W": "window", "N": "ngram", "G": "candidates"}
+        la_keys = {"lookahead": "enabled", "store": "store", "W": "window", "N": "ngram", "G": "candidates"}
         la = {la_keys[k]: v for k, v in values.items() if k in la_keys}
         s = {k: v for k, v in values.items() if k in SamplingConfig.__dataclass_fields__}
         if isinstance(s.get("stop"), list):  # JSON has lists only; the config keeps a tuple
@@ -54,19 +56,48 @@ class Bot:
     """compile: fixed-shape steps on a pre-allocated cache, compiled (see engine/runner.py); every
     lookahead step is then a full one, so it suits a GPU, where a full step costs about one token's."""
 
-    def __init__(self, loaded: LoadedModel, settings: Settings, compile: bool = False) -> None:
+    def __init__(self, loaded: LoadedModel, settings: Settings, compile: bool = False,
+                 store_root: Path | None = None) -> None:
+        """store_root: the folder of the persistent answer stores (the cache folder); None keeps
+        this bot's store in memory only."""
         self.loaded = loaded
         self.settings = settings
         self.compiled = compile
+        self.store_root = store_root
+        self.notices: list[str] = []  # shown before the next answer
+        store = self._open_store() if settings.lookahead.store else None
         if compile:
             runner = StaticRunner(loaded.model, settings.lookahead, loaded.context_length, compile=True)
-            self.session = Session(loaded.model, settings.lookahead, runner=runner)
+            self.session = Session(loaded.model, settings.lookahead, runner=runner, store=store)
         else:
-            self.session = Session(loaded.model, settings.lookahead, step_cost=loaded.cost_model())
+            self.session = Session(loaded.model, settings.lookahead, step_cost=loaded.cost_model(), store=store)
+
+    def _open_store(self) -> AnswerStore:
+        vocab = self.loaded.model.config.get_text_config().vocab_size
+        if self.store_root is None:
+            return AnswerStore(vocab_size=vocab)
+        path = store_path(self.store_root, self.loaded.name)
+        try:
+            return AnswerStore.open(path, self.loaded.name, vocab)
+        except StoreError as exc:
+            self.notices.append(f"{exc}; answers are remembered for this session only")
+            return AnswerStore(vocab_size=vocab)
 
     def configure(self, settings: Settings) -> None:
         self.session.configure(settings.lookahead)  # first: it may refuse W/N/G
+        if settings.lookahead.store and self.session.store is None:
+            self.session.store = self._open_store()
         self.settings = settings
+
+    def clear_store(self) -> int:
+        """Forget every answer this model's store holds (on disk too). Returns how many."""
+        store = self.session.store
+        forgotten = store.answers if store is not None else 0
+        if self.store_root is not None:
+            forgotten = max(forgotten, sum(i.answers for i in clear_stores(self.store_root, self.loaded.name)))
+        if store is not None:
+            self.session.store = self._open_store()
+        return forgotten
 
     def warm_up(self) -> None:
         """With compile: build the step graphs for the current W/N/G now rather than mid-answer."""
@@ -81,6 +112,8 @@ class Bot:
         """Answer the conversation's last user message. Oldest turns are dropped (with a Notice)
         when the conversation no longer fits the context."""
         ids, dropped = self.prompt_ids(conversation)
+        while self.notices:
+            yield Notice(self.notices.pop(0))
         if dropped:
             yield Notice(f"the conversation no longer fits the model's context: dropped the oldest "
                          f"{dropped} message{'s' if dropped > 1 else ''}")

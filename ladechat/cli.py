@@ -47,6 +47,7 @@ Template = Annotated[Optional[str], typer.Option("--template", help="Chat templa
 System = Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.")]
 Stop = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop the answer after this text (repeatable).")]
 Compile = Annotated[bool, typer.Option("--compile", help="Fixed-shape steps on a pre-allocated KV cache, compiled with torch.compile (CUDA graphs on a GPU); every lookahead step is a full one. Compiles at start.")]
+Store = Annotated[bool, typer.Option("--store/--no-store", help="Draft from (and add each answer to) this model's store of past answers, kept under the cache folder (see: ladechat store).")]
 Markdown = Annotated[bool, typer.Option("--markdown/--no-markdown", help="On a terminal, redraw a finished answer that has code blocks, lists or headings as rendered Markdown.")]
 Debug = Annotated[bool, typer.Option("--debug", help="Show per-step acceptance and a per-turn statistics panel on stderr.")]
 
@@ -61,7 +62,7 @@ def stderr_console() -> Console:
 
 def _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, min_p,
               repetition_penalty, seed, template, loaded=None, default_temperature: float = 0.0,
-              stop: list[str] | None = None):
+              stop: list[str] | None = None, store: bool = True):
     """Validated settings; W/N/G left unset take the device's defaults (on a GPU, from the loaded
     model's measured step-cost curve). loaded=None: validate the flags before loading."""
     from ladechat.bot import Settings
@@ -78,7 +79,7 @@ def _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature,
         la = LookaheadConfig(
             window=base.window if window is None else window, ngram=base.ngram if ngram is None else ngram,
             candidates=base.candidates if candidates is None else candidates,
-            context_candidates=base.context_candidates, context_len=base.context_len, enabled=lookahead)
+            context_candidates=base.context_candidates, context_len=base.context_len, enabled=lookahead, store=store)
         sampling = SamplingConfig(
             max_new_tokens=max_new_tokens, temperature=default_temperature if temperature is None else temperature,
             top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
@@ -111,9 +112,10 @@ def _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, er
 
 def _bot(loaded, settings, compile: bool, err: Console):
     from ladechat.bot import Bot
+    from ladechat.engine.gguf import cache_root
 
     try:
-        bot = Bot(loaded, settings, compile=compile)
+        bot = Bot(loaded, settings, compile=compile, store_root=cache_root())
         if compile:
             with err.status("compiling the decoding steps (once per W/N/G)", spinner="dots"):
                 bot.warm_up()
@@ -137,7 +139,7 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = True, w
          repetition_penalty: RepPenalty = 1.0, seed: Seed = None, dtype: Dtype = "auto", device: Device = "auto",
          load_in_4bit: FourBit = False, load_in_8bit: EightBit = False, device_map: DeviceMap = None,
          max_memory: MaxMemory = None, attn: Attn = "sdpa", template: Template = None, system: System = None, stop: Stop = None,
-         compile: Compile = False, markdown: Markdown = True, debug: Debug = False) -> None:
+         compile: Compile = False, store: Store = True, markdown: Markdown = True, debug: Debug = False) -> None:
     """Interactive multi-turn chat (the default command). Type /help inside for commands."""
     if ctx.invoked_subcommand is not None:
         return
@@ -151,7 +153,7 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = True, w
     loaded = _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, err, max_memory)
     settings = _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, min_p,
                          repetition_penalty, seed, template, loaded,
-                         default_temperature=_model_temperature(loaded), stop=stop)
+                         default_temperature=_model_temperature(loaded), stop=stop, store=store)
     bot = _bot(loaded, settings, compile, err)
     run_chat(bot, system=system, debug=debug, markdown=markdown, out=stdout_console(), err=err)
 
@@ -173,7 +175,7 @@ def ask(prompt: Annotated[Optional[str], typer.Argument(help="The question; '-' 
         load_in_8bit: EightBit = False, device_map: DeviceMap = None, max_memory: MaxMemory = None,
         attn: Attn = "sdpa",
         template: Template = None, system: System = None, stop: Stop = None, compile: Compile = False,
-        markdown: Markdown = True, debug: Debug = False, as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, token_ids, stats) instead of streaming.")] = False) -> None:
+        store: Store = True, markdown: Markdown = True, debug: Debug = False, as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, token_ids, stats) instead of streaming.")] = False) -> None:
     """One-shot answer to PROMPT, streamed to stdout (greedy unless --temperature is given)."""
     from ladechat.bot import Notice
     from ladechat.conversation import Conversation, ConversationError
@@ -189,7 +191,7 @@ def ask(prompt: Annotated[Optional[str], typer.Argument(help="The question; '-' 
     _quiet_libraries()
     loaded = _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, err, max_memory)
     settings = _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, min_p,
-                         repetition_penalty, seed, template, loaded, stop=stop)
+                         repetition_penalty, seed, template, loaded, stop=stop, store=store)
     bot = _bot(loaded, settings, compile, err)
     conversation = Conversation(system=system, messages=[{"role": "user", "content": text}])
     out = stdout_console()
@@ -256,6 +258,10 @@ def templates() -> None:
 def bench(dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Prompt set: mtbench, humaneval, gsm8k (from ../shared/data) or a JSONL path; repeatable.")] = ["mtbench"],
           methods: Annotated[str, typer.Option("--methods", help="Comma-separated: hf (always run, the reference), hf-lookup-3, hf-lookup-5, hf-lookup (10 tokens), plain, lookahead, lookahead-full.")] = "hf,hf-lookup-3,hf-lookup-5,hf-lookup,plain,lookahead",
           single_turn: Annotated[bool, typer.Option("--single-turn", help="Only the first turn of each item.")] = False,
+          store: Annotated[str, typer.Option("--store", help="Each ladechat method's store of past answers: cold (empty at the start, filled as the run goes), warm (first filled with the answers to --warm-from) or off. Never the store of your chats.")] = "cold",
+          warm_from: Annotated[Optional[list[str]], typer.Option("--warm-from", help="With --store warm: prompt set(s) whose answers fill the store first; must not share prompts with --dataset.")] = None,
+          warm_limit: Annotated[Optional[int], typer.Option("--warm-limit", help="Items of each --warm-from set (default: all).")] = None,
+          ablation: Annotated[bool, typer.Option("--ablation", help="Also run lookahead with each draft source alone (only-context, only-store, only-window, only-recycle) and print the ablation table.")] = False,
           limit: Annotated[Optional[int], typer.Option("--limit", help="Items per dataset (default: all).")] = None,
           model: Model = None, window: Window = None, ngram: Ngram = None, candidates: Cands = None,
           max_new_tokens: MaxNew = 256, temperature: Temperature = None, top_p: TopP = 1.0, top_k: TopK = 0,
@@ -275,10 +281,14 @@ def bench(dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Pr
     if step_cost:
         _step_cost(model, shape, sizes, context, reps, compile, dtype, device, attn, as_json, err)
         return
-    method_list = [m.strip() for m in methods.split(",") if m.strip()]
+    method_list = [m.strip() for m in methods.split(",") if m.strip()] + (list(benchmark.ONLY) if ablation else [])
     try:
-        for name in dataset:
+        for name in [*dataset, *(warm_from or [])]:
             benchmark.load_items(name, limit)  # a bad file fails now, not after loading the model
+        if store not in benchmark.STORE_MODES:
+            raise Fail(f"--store must be one of {', '.join(benchmark.STORE_MODES)}, got {store!r}")
+        if (store == "warm") != bool(warm_from):
+            raise Fail("--store warm needs --warm-from (a prompt set to build the store from), and only it")
         if limit is not None and limit < 1:
             raise Fail(f"--limit must be >= 1, got {limit}")
         _quiet_libraries()
@@ -286,7 +296,8 @@ def bench(dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Pr
         settings = _settings(True, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, 0.0, 1.0,
                              seed, template, loaded)
         results = benchmark.run(loaded, dataset, method_list, settings.lookahead, settings.sampling, limit, template,
-                                compile=compile, single_turn=single_turn,
+                                compile=compile, single_turn=single_turn, store=store, warm_from=warm_from,
+                                warm_limit=warm_limit,
                                 progress=lambda name, i, n: err.print(f"[dim]{escape(name)}: {i}/{n}[/]", highlight=False))
     except benchmark.BenchError as exc:
         raise Fail(str(exc)) from None
@@ -324,6 +335,37 @@ def _step_cost(model, shape, sizes, context, reps, compile, dtype, device, attn,
         print(json.dumps(result, indent=2))
     else:
         stdout_console().print(step_cost_table(result))
+
+
+store_app = typer.Typer(help="The stores of past answers that lookahead drafts from (one per model).",
+                        no_args_is_help=True, rich_markup_mode=None)
+app.add_typer(store_app, name="store")
+
+
+@store_app.command("list")
+def store_list() -> None:
+    """Each model's store: answers, tokens, size on disk, file."""
+    from ladechat.engine.gguf import cache_root
+    from ladechat.engine.store import list_stores
+
+    infos = list_stores(cache_root())
+    if not infos:
+        stderr_console().print("no stores yet (answers are stored as the chat, ask and serve give them)")
+    for info in infos:
+        print(f"{info.model}\t{info.answers} answers\t{info.tokens} tokens\t{info.bytes / 1e6:.2f} MB\t{info.path}")
+
+
+@store_app.command("clear")
+def store_clear(model: Annotated[Optional[str], typer.Option("--model", "-m", help="Only this model's store (its name as 'ladechat store list' shows it).")] = None) -> None:
+    """Delete the stores of past answers (every model's, or one)."""
+    from ladechat.engine.gguf import cache_root
+    from ladechat.engine.store import clear_stores, list_stores
+
+    if model is not None and model not in {info.model for info in list_stores(cache_root())}:
+        raise Fail(f"no store for model {model!r} (see: ladechat store list)")
+    gone = clear_stores(cache_root(), model)
+    stderr_console().print(f"deleted {len(gone)} store{'s' if len(gone) != 1 else ''} "
+                           f"({sum(i.answers for i in gone)} answers)")
 
 
 def main() -> None:

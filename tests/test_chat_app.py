@@ -164,3 +164,32 @@ def test_encode_changes_nothing_when_the_last_message_alone_does_not_fit():
     assert conversation.messages == messages
     ids, dropped = conversation.encode(loaded.tokenizer, None, 130)  # fits once the first exchange is gone
     assert dropped == 2 and conversation.messages == messages[2:] and len(ids) <= 130
+
+
+def test_store_command_toggles_and_clears_the_store(tmp_path):
+    """/store off: answers are neither drafted from nor added to the store; /store on adds them
+    (to the file under the store folder); /store clear forgets them, on disk too."""
+    from ladechat.engine.store import list_stores
+
+    loaded = tiny_loaded()
+    settings = Settings(LookaheadConfig(window=2, ngram=3, candidates=1), SamplingConfig(max_new_tokens=8))
+    err = io.StringIO()
+    app = ChatApp(Bot(loaded, settings, store_root=tmp_path), None, False, Console(file=io.StringIO()),
+                  Console(file=err, width=300))
+    app.command("/store off")
+    app.ask("hello")
+    assert list_stores(tmp_path) == [] and not app.bot.settings.lookahead.store
+    app.command("/store on")
+    app.ask("hello again")
+    app.ask("and again")
+    assert list_stores(tmp_path)[0].answers == 2
+    app.command("/show")
+    app.command("/store clear")
+    assert list_stores(tmp_path) == []
+    app.command("/store maybe")
+    screen = err.getvalue()
+    assert "store of past answers off from the next answer" in screen
+    assert "store of past answers on" in screen and "store cleared: 2 past answers forgotten" in screen
+    assert "error: usage: /store on|off|clear" in screen
+    app.ask("after clearing")  # the store is usable again after clear
+    assert list_stores(tmp_path)[0].answers == 1

@@ -319,3 +319,59 @@ def test_bench_runs_every_method_against_hf(tmp_path):
     assert overall["hf"]["item_geomean_vs_hf"] == 1.0
     single = json.loads(ladechat("bench", "--methods", "plain", "--single-turn", *common).stdout)
     assert single["single_turn"] and 2 <= single["overall"]["plain"]["tokens"] < overall["plain"]["tokens"]
+
+
+def test_bench_ablation_and_warm_store(tmp_path):
+    """--ablation runs each draft source alone (all identical to hf) and prints its table; --store
+    warm fills the stores from another prompt set first and refuses one that shares prompts."""
+    from tiny_models import tiny_tokenizer
+
+    folder = tiny_model_folder(tmp_path / "model", tiny_tokenizer())
+    data, other = tmp_path / "set.jsonl", tmp_path / "other.jsonl"
+    data.write_text('{"turns": ["Hello there, how are you?"]}\n{"turns": ["def f(x): return x"]}\n')
+    other.write_text('{"turns": ["Tell me a story."]}\n{"turns": ["Hello there, how are you?"]}\n')
+    common = ("--dataset", str(data), "--model", str(folder), "--dtype", "float32", "--max-new-tokens", "12")
+    r = ladechat("bench", "--methods", "lookahead", "--ablation", "--store", "warm", "--warm-from", str(other),
+                 "--warm-limit", "1", "--json", *common)
+    assert r.returncode == 0, r.stderr
+    results = json.loads(r.stdout)
+    assert results["store"] == "warm" and results["warm_answers"] == 1
+    overall = results["overall"]
+    assert list(overall) == ["hf", "lookahead", "only-context", "only-store", "only-window", "only-recycle"]
+    for method, row in overall.items():
+        assert row["identical_items"] == 2, method
+        if method != "hf":
+            assert row["steps"] >= 1 and row["ms_per_step"] > 0 and isinstance(row["accepted_by_depth"], list)
+    table = ladechat("bench", "--methods", "lookahead", "--ablation", "--store", "off", *common)
+    assert table.returncode == 0 and "ablation" in table.stdout.decode() and "recycle" in table.stdout.decode()
+    shared = ladechat("bench", "--methods", "lookahead", "--store", "warm", "--warm-from", str(other), *common)
+    err = shared.stderr.decode().strip()
+    assert shared.returncode == 1 and err.endswith("--warm-from shares prompts with the measured items; "
+                                                   "warm the store on a different set")
+    bad = ladechat("bench", "--methods", "lookahead", "--store", "warm", *common)
+    assert bad.returncode == 1 and "--store warm needs --warm-from" in bad.stderr.decode()
+
+
+def test_store_is_kept_listed_and_cleared(tmp_path):
+    """ask adds its answer to the model's store under the cache folder; --no-store does not;
+    `ladechat store list` shows it and `store clear` deletes it (unknown model: one-line error)."""
+    from tiny_models import tiny_tokenizer
+
+    folder = tiny_model_folder(tmp_path / "model", tiny_tokenizer())
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    common = ("--model", str(folder), "--dtype", "float32", "--max-new-tokens", "6")
+    empty = ladechat("store", "list", env_extra=env)
+    assert empty.returncode == 0 and empty.stdout == b"" and b"no stores yet" in empty.stderr
+    assert ladechat("ask", "hello", "--no-store", *common, env_extra=env).returncode == 0
+    assert ladechat("store", "list", env_extra=env).stdout == b""
+    for _ in range(2):
+        assert ladechat("ask", "hello", *common, env_extra=env).returncode == 0
+    [line] = ladechat("store", "list", env_extra=env).stdout.decode().splitlines()
+    name, answers = line.split("\t")[:2]
+    assert answers == "2 answers" and name.endswith("model")
+    missing = ladechat("store", "clear", "--model", "nope", env_extra=env)
+    assert missing.returncode == 1 and missing.stderr.decode().strip() == \
+        "ladechat: error: no store for model 'nope' (see: ladechat store list)"
+    cleared = ladechat("store", "clear", "--model", name, env_extra=env)
+    assert cleared.returncode == 0 and b"deleted 1 store (2 answers)" in cleared.stderr
+    assert ladechat("store", "list", env_extra=env).stdout == b""

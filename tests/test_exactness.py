@@ -5,11 +5,12 @@ import zlib
 
 import pytest
 import torch
+from tiny_models import FAMILIES, tiny_model
 
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.events import Done, Step
-from tiny_models import FAMILIES, tiny_model
+from ladechat.engine.store import AnswerStore
 
 MODELS = {}
 
@@ -181,12 +182,39 @@ def test_recycled_drafts_alone_stay_exact_and_are_accepted(family):
     assert accepted > 0  # random models loop: the model's own top-1 successors are right often
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_store_drafts_alone_stay_exact_and_are_accepted(family):
+    """Only drafts from the store of past answers, filled with the model's answers to other
+    prompts (no window, pool, conversation matches or recycled top-k), full steps."""
+    model = model_for(family)
+    rng = random.Random(zlib.crc32(b"store" + family.encode()))
+    store = AnswerStore()
+    fill = LookaheadConfig(enabled=False)
+    for _ in range(4):
+        prompt = [rng.randrange(model.config.vocab_size) for _ in range(rng.randint(5, 30))]
+        list(generate(Session(model, fill, store=store), prompt, SamplingConfig(max_new_tokens=50), frozenset()))
+    assert store.answers == 4
+    la = LookaheadConfig(window=1, ngram=2, candidates=0, context_candidates=0, recycle=0)
+    accepted = 0
+    for _ in range(3):
+        prompt = [rng.randrange(model.config.vocab_size) for _ in range(rng.randint(5, 30))]
+        events = list(generate(Session(model, la, store=store), prompt, SamplingConfig(max_new_tokens=50), frozenset()))
+        assert list(events[-1].text_tokens) == hf_greedy(model, prompt, 50)
+        accepted += events[-1].stats.source_counts.get("store", 0)
+    assert accepted > 0  # random models fall into the same loops from different prompts
+    off = LookaheadConfig(window=1, ngram=2, candidates=0, context_candidates=0, recycle=0, store=False)
+    before = len(store)
+    events = list(generate(Session(model, off, store=store), prompt, SamplingConfig(max_new_tokens=50), frozenset()))
+    assert "store" not in events[-1].stats.source_counts and len(store) == before  # off: not read, not written
+
+
 def test_warm_session_stays_exact_on_other_prompts():
     """A session that learned acceptance rates and successors on one set of prompts decodes another
     set exactly (what the drafts learned only changes speed)."""
     rng = random.Random(7)
     model = model_for("llama")
-    session = Session(model, LookaheadConfig(window=2, ngram=3, candidates=2, recycle=16))
+    store = AnswerStore()
+    session = Session(model, LookaheadConfig(window=2, ngram=3, candidates=2, recycle=16), store=store)
     for _ in range(3):  # warm up on unrelated prompts
         prompt = repetitive_prompt(rng, model.config.vocab_size, 30)
         list(generate(session, prompt, SamplingConfig(max_new_tokens=30), frozenset()))
@@ -194,3 +222,4 @@ def test_warm_session_stays_exact_on_other_prompts():
         prompt = [rng.randrange(model.config.vocab_size) for _ in range(rng.randint(5, 30))]
         events = list(generate(session, prompt, SamplingConfig(max_new_tokens=40), frozenset()))
         assert list(events[-1].text_tokens) == hf_greedy(model, prompt, 40)
+    assert store.answers == 6

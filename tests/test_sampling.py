@@ -6,12 +6,13 @@ from collections import Counter
 
 import pytest
 import torch
+from tiny_models import tiny_model
 
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate, verify
 from ladechat.engine.layout import build_layout
 from ladechat.engine.sampling import Chooser
-from tiny_models import tiny_model
+from ladechat.engine.store import AnswerStore
 
 ALPHA_Z = 3.09  # one-sided z for significance 0.001: a correct rule fails about 1 run in 1000
 
@@ -108,7 +109,7 @@ def test_wrong_rule_is_detected():
 # -- end to end on a tiny model: lookahead sampling vs plain sampling ---------------------------
 def draw(model, prompt, la, cfg, n):
     seqs = Counter()
-    session = Session(model, la)
+    session = Session(model, la, store=AnswerStore())  # the store fills with the samples drawn
     for i in range(n):
         session.reset()
         sampling = SamplingConfig(**{**cfg, "seed": 10_000 + i, "max_new_tokens": 2})

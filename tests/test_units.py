@@ -9,8 +9,9 @@ from ladechat.engine.config import ConfigError, LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import verify
 from ladechat.engine.layout import build_layout, step_inputs, tree_layout, tree_mask
 from ladechat.engine.loading import LoadSpec, choose_dtype, placement, resolve_dtype
-from ladechat.engine.ngram_pool import ContextIndex, NGramPool
+from ladechat.engine.ngram_pool import NGramPool
 from ladechat.engine.stopping import StopRule
+from ladechat.engine.suffix import SuffixIndex
 
 # The diagram of layout.py: W=3, N=3, candidates "a b" and "a c" (t=0, a=10, b=11, c=12).
 DIAGRAM = """
@@ -83,11 +84,11 @@ def test_pool_seed_and_context_index():
     pool = NGramPool(ngram=3, per_key=4)
     pool.seed([1, 2, 3, 1, 2, 4])
     assert pool.get(1) == [(2, 4), (2, 3)]
-    ctx = ContextIndex(match_lens=(2,))
+    ctx = SuffixIndex()
     ctx.extend([5, 6, 7, 8, 5, 6])
-    assert ctx.continuations(ctx.tokens, 3, 2) == [(7, 8, 5)]
+    assert ctx.matches(ctx.tokens(), 3, 2) == [((7, 8, 5), 2)]
     ctx.truncate(3)
-    assert ctx.tokens == [5, 6, 7] and ctx.continuations(ctx.tokens, 3, 2) == []
+    assert ctx.tokens() == [5, 6, 7] and ctx.matches(ctx.tokens(), 3, 2) == []
 
 
 def test_commit_kv_gathers_accepted_rows():
@@ -190,12 +191,105 @@ def test_draft_tree_merges_sources_and_choose_weighs_cost():
     assert accepted == [10, 11, 12, 99] and source == "context"
 
 
-def test_context_matches_report_their_length():
-    ctx = ContextIndex(match_lens=(3, 2, 1))
+def test_suffix_matches_longest_first_then_most_recent():
+    ctx = SuffixIndex()
     ctx.extend([1, 2, 3, 4, 5, 9, 2, 3, 4])
-    assert ctx.matches(ctx.tokens, 2, 4) == [((5, 9), 3)]
+    assert ctx.matches(ctx.tokens(), 2, 4) == [((5, 9), 3)]
     ctx.extend([7, 1, 2])
-    assert ctx.matches(ctx.tokens, 2, 4) == [((3, 4), 2)]
+    # "1 2" matched 2 tokens back; the later "2" after 9 only 1: both places count
+    assert ctx.matches(ctx.tokens(), 2, 4) == [((3, 4), 2), ((3, 4), 1)]
+    assert ctx.matches(ctx.tokens(), 2, 1) == [((3, 4), 2)]
+    assert ctx.matches([8, 8], 2, 4) == []
+
+
+def test_suffix_index_sorted_and_recent_parts_agree():
+    """Past REINDEX tokens the keys move into sorted arrays; lookups, truncation and dropping the
+    front give what a brute-force scan of the text gives."""
+    import random
+
+    from ladechat.engine.suffix import REINDEX
+
+    rng = random.Random(1)
+    text = [rng.randrange(6) for _ in range(3 * REINDEX + 17)]
+    ctx = SuffixIndex()
+    for i in range(0, len(text), 7):
+        ctx.extend(text[i : i + 7])
+    assert ctx.tokens() == text and ctx.indexed > 0
+
+    def brute(text, tail, length, limit):
+        hits = []
+        for end in range(1, len(text)):
+            n = 0
+            while n < min(16, len(tail), end) and text[end - 1 - n] == tail[-1 - n]:
+                n += 1
+            if n:
+                hits.append((n, end))
+        hits.sort(key=lambda h: (-h[0], -h[1]))
+        return [(tuple(text[end : end + length]), n) for n, end in hits[:limit]]
+
+    for tail_len in (1, 3, 9):
+        tail = text[-tail_len:]
+        got = ctx.matches(tail, 5, 6)
+        want = brute(text, tail, 5, 60)
+        assert got[0] == want[0]  # the longest, most recent match
+        assert all(hit in want for hit in got) and [n for _, n in got] == sorted((n for _, n in got), reverse=True)
+    ctx.truncate(REINDEX // 2)
+    assert ctx.tokens() == text[: REINDEX // 2]
+    assert ctx.matches(text[:3], 4, 1)[0] == brute(text[: REINDEX // 2], text[:3], 4, 1)[0]
+    ctx.drop_front(10)
+    assert ctx.tokens() == text[10 : REINDEX // 2]
+
+
+def test_suffix_matches_never_cross_a_segment_end():
+    from ladechat.engine.suffix import SEP
+
+    ctx = SuffixIndex()
+    ctx.extend([1, 2, 3, SEP, 4, 5, SEP])
+    assert ctx.matches([9, 1, 2], 5, 4) == [((3,), 2)]
+    assert ctx.matches([3], 5, 4) == []  # 3 ends an answer: nothing follows it
+    assert ctx.matches([3, 4], 5, 4) == [((5,), 1)]  # no key spans SEP
+
+
+def test_answer_store_persists_caps_and_clears(tmp_path):
+    from ladechat.engine.store import AnswerStore, clear_stores, list_stores, store_path
+
+    path = store_path(tmp_path, "org/model")
+    store = AnswerStore.open(path, "org/model", vocab_size=100)
+    store.add([1, 2, 3, 4])
+    store.add([5, 6, 7])
+    again = AnswerStore.open(path, "org/model", vocab_size=100)
+    assert again.answers == 2 and again.matches([9, 5, 6], 3, 4) == [((7,), 2)]
+    with open(path, "ab") as f:  # an answer cut short by a crash, mid-write
+        f.write(b"\x08\x00\x00\x00\x09\x00")
+    assert AnswerStore.open(path, "org/model", vocab_size=100).answers == 2
+    assert AnswerStore.open(path, "org/model", vocab_size=6).answers == 0  # ids of another tokenizer
+    [info] = list_stores(tmp_path)
+    assert (info.model, info.answers) == ("org/model", 2)
+    capped = AnswerStore(max_tokens=20)
+    for start in range(0, 60, 6):
+        capped.add(list(range(start, start + 5)))
+    assert len(capped) <= 20 and capped.answers == len(capped) // 6
+    assert capped.matches([54], 2, 1) == [((55, 56), 1)] and capped.matches([0], 2, 1) == []
+    assert [i.model for i in clear_stores(tmp_path, "other")] == [] and path.exists()
+    assert [i.model for i in clear_stores(tmp_path)] == ["org/model"] and not path.exists()
+
+
+def test_draft_counts_agreeing_hits():
+    from ladechat.engine.draft import Acceptance, DraftTree
+
+    tree = DraftTree(Acceptance())
+    tree.add_matches("store", [((1, 2, 3), 4), ((1, 2, 9), 4), ((1, 5), 2), ((7,), 1)])
+    by_path = {}
+    for node in tree.nodes:
+        prefix = by_path.get(node.parent, ())
+        by_path[len(by_path)] = prefix + (node.token,)
+    buckets = {by_path[i]: n.bucket for i, n in enumerate(tree.nodes)}
+    assert buckets[(1,)] == ("store", 4, 1, 2)  # 3 of 4 hits agree on 1
+    assert buckets[(7,)] == ("store", 1, 1, 0)
+    assert buckets[(1, 2)] == ("store", 4, 2, 2)  # 2 of the 3 below 1
+    assert buckets[(1, 2, 3)][3] == 1  # 1 of 2 below (1, 2)
+    p = {by_path[i]: n.p for i, n in enumerate(tree.nodes)}
+    assert p[(1,)] > p[(7,)] and p[(1, 2)] > p[(1, 5)]
 
 
 def test_cost_model_interpolates_in_cached_length():

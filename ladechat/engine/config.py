@@ -20,6 +20,7 @@ class LookaheadConfig:
                     against earlier text (prompt-lookup style); free to find, paid for per token.
     context_len:    how many tokens such a context candidate proposes.
     recycle:        most nodes per step drafted from the model's own recycled top-k (0: none).
+    store:          draft from the store of the model's past answers, and add each answer to it.
     seed_pool:      put the prompt's n-grams into the pool before decoding.
     enabled:        False runs plain one-token decoding through the same loop.
     """
@@ -30,6 +31,7 @@ class LookaheadConfig:
     context_candidates: int = 2
     context_len: int = 8
     recycle: int = 16
+    store: bool = True
     seed_pool: bool = True
     enabled: bool = True
 
@@ -40,6 +42,7 @@ class LookaheadConfig:
         _whole("context candidates", self.context_candidates)
         _whole("context length", self.context_len)
         _whole("recycled nodes", self.recycle)
+        _flag("store", self.store)
         _flag("seed_pool", self.seed_pool)
         _flag("lookahead", self.enabled)
         _check(self.ngram >= 2, f"N (n-gram size) must be >= 2, got {self.ngram}")

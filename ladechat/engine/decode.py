@@ -1,7 +1,8 @@
 """The decoding loop: one forward pass per step, lookahead on or off, as a stream of events.
 
     Session.step(t):
-      plan      -> draft tree from context matches, pool n-grams and recycled top-k (draft.py),
+      plan      -> draft tree from the conversation's and the store's suffix matches, pool
+                   n-grams and recycled top-k (draft.py),
                    cut to the nodes worth their cost; window columns ride along when nearly free
       forward   -> one call over t + window + draft, 4D mask from layout.py
       verify    -> the longest draft path that equals the model's own choices, + bonus token
@@ -27,15 +28,19 @@ from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.draft import Acceptance, DraftTree, choose
 from ladechat.engine.events import Done, Stats, Step
 from ladechat.engine.layout import StepLayout, tree_layout
-from ladechat.engine.ngram_pool import ContextIndex, NGramPool
+from ladechat.engine.ngram_pool import NGramPool
 from ladechat.engine.recycle import TOP_K, SuccessorTable
 from ladechat.engine.runner import DynamicRunner, max_step_size
 from ladechat.engine.sampling import Chooser
 from ladechat.engine.step_cost import CostModel
 from ladechat.engine.stopping import StopRule
+from ladechat.engine.store import AnswerStore
+from ladechat.engine.suffix import SuffixIndex
 
 WINDOW_SLACK = 0.1  # window columns ride along while the step costs at most 10% more than its draft
 PROBE_EVERY = 8  # while no draft node looks worth its cost, still feed the likeliest every 8th step
+HITS_PER_CANDIDATE = 4  # conversation hits counted into the draft per context candidate (draft.add_matches)
+STORE_HITS = 8  # hits in the store of past answers counted into the draft
 
 
 @dataclass(frozen=True)
@@ -61,7 +66,9 @@ def _is_out_of_memory(exc: BaseException) -> bool:
 
 class Session:
     """Decoding state that outlives one answer: KV cache, the tokens it holds, the conversation's
-    index, pool, window, recycled successors and the learned acceptance rates.
+    index, pool, window, recycled successors and the learned acceptance rates. `store`, the
+    model's past answers, outlives the session (it is shared, and persisted by its owner); the
+    session drafts from it and adds each answer to it while lookahead.store is on.
 
     A chat keeps one Session, so later turns reuse the cached prefix of the conversation and what
     earlier turns taught the drafts. The cache always holds exactly `cached` (every committed
@@ -70,8 +77,9 @@ class Session:
     """
 
     def __init__(self, model, lookahead: LookaheadConfig, step_cost: CostModel | dict[int, float] | None = None,
-                 runner=None) -> None:
+                 runner=None, store: AnswerStore | None = None) -> None:
         self.model = model
+        self.store = store
         self.runner = runner or DynamicRunner(model)
         self.runner.configure(lookahead)
         if self.runner.fixed:
@@ -81,7 +89,8 @@ class Session:
         self.step_cost: CostModel | None = step_cost  # None: every lookahead step is a full one
         self.skipped = 0  # steps in a row that fed no draft node
         self.cached: list[int] = []
-        self.context = ContextIndex()
+        self.history: list[int] = []  # the conversation's tokens: the prompt and what was committed
+        self.context = SuffixIndex()  # the same tokens, indexed for suffix matches
         self.lookahead = lookahead
         self.pool = NGramPool(lookahead.ngram, lookahead.candidates)
         self.recycled = SuccessorTable()
@@ -96,7 +105,7 @@ class Session:
         self.runner.configure(lookahead)  # first: it may refuse a step too large for its fixed shape
         if (old.ngram, old.candidates) != (lookahead.ngram, lookahead.candidates):
             pool = NGramPool(lookahead.ngram, lookahead.candidates)
-            pool.seed(self.context.tokens)
+            pool.seed(self.history)
             self.pool = pool
         if (old.window, old.ngram) != (lookahead.window, lookahead.ngram):
             self.window = None
@@ -106,7 +115,7 @@ class Session:
         """Forget the conversation (cache, context, pool, window, recycled successors) but keep the
         settings."""
         self.runner.reset()
-        self.__init__(self.model, self.lookahead, self.step_cost, self.runner)
+        self.__init__(self.model, self.lookahead, self.step_cost, self.runner, self.store)
 
     @property
     def cache(self):
@@ -131,7 +140,8 @@ class Session:
             self.cached = list(prompt[:-1])
             if ranked:  # the model's own ranking of what follows each prompt token
                 self.recycled.update(todo[len(todo) - len(top) :], top)
-        seen = _common_prefix(self.context.tokens, prompt)
+        seen = _common_prefix(self.history, prompt)
+        self.history[seen:] = prompt[seen:]
         self.context.truncate(seen)
         self.context.extend(prompt[seen:])
         if self.lookahead.seed_pool:
@@ -149,7 +159,7 @@ class Session:
             # Its n-grams are junk until each level has been recomputed once, so harvesting
             # waits N-2 steps (window_age).
             chain, tok = [], t
-            source = self.context.tokens or [t]
+            source = self.history or [t]
             for _ in range(la.window + la.ngram - 2):
                 nxt = self.recycled.successors(tok)
                 tok = nxt[0] if nxt else source[int(torch.randint(len(source), (1,), generator=self.rng))]
@@ -180,8 +190,10 @@ class Session:
         """Every source's proposals for what follows t, merged into one priced trie."""
         la = self.lookahead
         tree = DraftTree(self.acceptance)
-        for cont, matched in self.context.matches(self.context.tokens, la.context_len, la.context_candidates):
-            tree.add_chain(cont, "context", matched)
+        hits = la.context_candidates * HITS_PER_CANDIDATE
+        tree.add_matches("context", self.context.matches(self.history, la.context_len, hits))
+        if self.store is not None and la.store:
+            tree.add_matches("store", self.store.matches(self.history, la.context_len, STORE_HITS))
         for gram in self.pool.get(t)[: la.candidates]:
             tree.add_chain(gram, "pool", 0)
         if la.recycle:
@@ -232,7 +244,7 @@ class Session:
         logits = self.runner.step(layout, past, rows)
         top = logits.topk(min(TOP_K, logits.shape[-1]), dim=-1).indices.cpu().numpy()  # one host sync
         argmax = top[:, 0].tolist()
-        history = self.context.tokens
+        history = self.history
         if chooser.plain_argmax:
             pick = lambda row, path: argmax[row]  # noqa: E731
         else:
@@ -244,6 +256,7 @@ class Session:
         block = block[:keep]
         self.runner.commit(past, [0] + matched[: keep - 1])
         self.cached += [t] + block[:-1]
+        self.history += block
         self.context.extend(block)
         guessed = tuple(i < min(len(matched), keep - 1) for i in range(len(block)))
         return StepResult(tuple(block), guessed, source if any(guessed) else "none", layout.size, why)
@@ -324,6 +337,8 @@ def generate(session: Session, prompt: list[int], sampling: SamplingConfig, eos_
             torch.cuda.empty_cache()
         raise OutOfMemory(f"out of memory on {device} after {len(generated)} new tokens, with "
                           f"{len(session.cached)} tokens in the KV cache") from None
+    if session.store is not None and la.store:
+        session.store.add(generated)  # an answer cut short is still the model's own text
     total = time.perf_counter() - start
     acc = session.acceptance
     calibration = {src: (round(acc.predicted[src] - predicted_before.get(src, 0.0), 2),

@@ -2,6 +2,7 @@
 
 Sources propose continuations of the step's input token t:
   context  - text that followed the conversation's last tokens earlier in the conversation
+  store    - text that followed them in the model's past answers (store.py)
   pool     - n-grams the lookahead window produced (Jacobi iterations)
   recycle  - the model's own top-k after each token, from earlier forward passes (recycle.py)
 They are merged into one trie. Each node carries q = P(accepted | its parent accepted), learned
@@ -29,15 +30,24 @@ MAX_DEPTH = 16
 class Node:
     token: int
     parent: int  # index of the parent node in the draft, -1 for the step's input token
-    source: str  # "context", "pool" or "recycle"
+    source: str  # "context", "store", "pool" or "recycle"
     bucket: tuple  # statistics bucket of q
     p: float  # probability that verification accepts this node (product of q along the path)
 
 
+SHARE_PRIOR = (0.3, 0.6, 0.85, 1.0)  # per share bucket (see share_bucket)
+
+
+def share_bucket(share: float) -> int:
+    """How many of the textual hits below a node's parent agree on this node: 3 = all of them."""
+    return 3 if share >= 0.999 else 2 if share >= 0.6 else 1 if share >= 0.3 else 0
+
+
 def _prior(bucket: tuple) -> float:
-    source, first, depth = bucket
-    if source == "context":  # first: length of the textual match behind the candidate
-        return min(0.75, 0.15 * first) if depth == 1 else 0.7
+    source, first, depth, *share = bucket
+    if source in ("context", "store"):  # first: length of the textual match behind the node
+        base = min(0.75, 0.15 * first) if depth == 1 else 0.7
+        return base * (SHARE_PRIOR[share[0]] if share else 1.0) * (1.0 if source == "context" else 0.8)
     if source == "recycle":  # first: the token's rank in the model's recycled top-k
         return (0.35, 0.12, 0.06)[first] if first < 3 else 0.03
     return 0.2 if depth == 1 else 0.5  # pool n-grams
@@ -102,6 +112,37 @@ class DraftTree:
             parent = self.add(parent, tok, source, (source, first, min(depth, 4)))
             if self.nodes[parent].p < MIN_PATH_P:
                 break
+
+    def add_matches(self, source: str, hits: list[tuple[tuple[int, ...], int]]) -> None:
+        """Textual hits (continuation, match length), counted into a trie: a node's bucket holds
+        the longest match behind it, its depth, and the share of its parent's hits that continue
+        through it, so text that several earlier places agree on ranks above a one-off."""
+        count: list[int] = []
+        longest: list[int] = []
+        index: dict[tuple[int, int], int] = {}  # (local parent, token) -> local node
+        order: list[tuple[int, int]] = []  # (local parent, token), parents before children
+        for cont, matched in hits:
+            parent = -1
+            for tok in cont[:MAX_DEPTH]:
+                at = index.get((parent, tok))
+                if at is None:
+                    at = index[(parent, tok)] = len(order)
+                    order.append((parent, tok))
+                    count.append(0)
+                    longest.append(0)
+                count[at] += 1
+                longest[at] = max(longest[at], matched)
+                parent = at
+        placed: list[int] = []  # local node -> node in this tree (-2: pruned)
+        for at, (parent, tok) in enumerate(order):
+            up = -1 if parent < 0 else placed[parent]
+            if up == -2:
+                placed.append(-2)
+                continue
+            share = count[at] / (len(hits) if parent < 0 else count[parent])
+            depth = self.depth(up) + 1
+            node = self.add(up, tok, source, (source, min(longest[at], 8), min(depth, 4), share_bucket(share)))
+            placed.append(node if self.nodes[node].p >= MIN_PATH_P else -2)
 
     def add_recycled(self, t: int, successors: Callable[[int], list[int]], limit: int) -> None:
         """Best-first expansion of the model's recycled top-k below t, and below every node already

@@ -25,9 +25,11 @@ FIRST_LENGTH = 2048  # a static cache starts this long and doubles when a conver
 
 
 def max_step_size(la: LookaheadConfig) -> int:
-    """The most rows a full lookahead step can have: the window plus unmerged candidate tries."""
-    return (la.window * (la.ngram - 1) + la.candidates * (la.ngram - 1) + la.context_candidates * la.context_len
-            + la.recycle)
+    """The most rows a full lookahead step can have: the window, pool n-grams, the likeliest
+    textual nodes (a context candidate's worth per candidate, one more for the store) and the
+    recycled nodes."""
+    textual = la.context_candidates + (1 if la.store else 0)
+    return la.window * (la.ngram - 1) + la.candidates * (la.ngram - 1) + textual * la.context_len + la.recycle
 
 
 def prefill_top_k(model, count: int, **inputs) -> np.ndarray:

@@ -146,6 +146,8 @@ class ChatApp:
         elif cmd.name == "/lookahead":
             self._configure(s.updated({"lookahead": commands.on_off(cmd.arg, "/lookahead")}))
             self.info(f"lookahead {'on' if self.bot.settings.lookahead.enabled else 'off'} from the next answer")
+        elif cmd.name == "/store":
+            self._store(cmd.arg)
         elif cmd.name == "/set":
             self._configure(s.updated(commands.parse_set(cmd.arg)))
             self.info(self._show())
@@ -173,6 +175,18 @@ class ChatApp:
             self._load(cmd.arg)
         return True
 
+    def _store(self, arg: str) -> None:
+        if arg.lower() == "clear":
+            forgotten = self.bot.clear_store()
+            self.info(f"store cleared: {forgotten} past answer{'s' if forgotten != 1 else ''} forgotten")
+            return
+        try:
+            on = commands.on_off(arg, "/store")
+        except commands.CommandError:
+            raise commands.CommandError("usage: /store on|off|clear") from None
+        self._configure(self.bot.settings.updated({"store": on}))
+        self.info(f"store of past answers {'on' if on else 'off'} from the next answer")
+
     def _configure(self, settings) -> None:
         self.bot.configure(settings)
         if self.bot.compiled:
@@ -182,7 +196,8 @@ class ChatApp:
     def _show(self) -> str:
         la, sm = self.bot.settings.lookahead, self.bot.settings.sampling
         return (f"model {self.loaded.name} on {self.loaded.device} ({str(self.loaded.dtype).removeprefix('torch.')})\n"
-                f"lookahead {'on' if la.enabled else 'off'}: W={la.window} N={la.ngram} G={la.candidates}\n"
+                f"lookahead {'on' if la.enabled else 'off'}: W={la.window} N={la.ngram} G={la.candidates}; "
+                f"store of past answers {'on' if la.store else 'off'}\n"
                 f"max_new_tokens={sm.max_new_tokens} temperature={sm.temperature} top_p={sm.top_p} "
                 f"top_k={sm.top_k} min_p={sm.min_p} repetition_penalty={sm.repetition_penalty} seed={sm.seed}\n"
                 f"system prompt: {self.conversation.system!r}")

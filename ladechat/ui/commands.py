@@ -7,6 +7,7 @@ from dataclasses import dataclass
 HELP = """\
 /help                 this list
 /lookahead on|off     lookahead decoding on or off (from the next answer)
+/store on|off|clear   draft from this model's store of past answers (and add to it); clear: forget them
 /set KEY=VALUE ...    w, n, g, max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed
 /show                 current settings
 /stats                session totals per mode: tokens, steps, tokens/step, tok/s
@@ -22,8 +23,8 @@ HELP = """\
 Input: Enter sends; Alt+Enter (or Esc then Enter) adds a new line; a message that starts with
 \"\"\" continues until a line that ends with \"\"\". Ctrl-C stops an answer or clears the line."""
 
-COMMANDS = ("/help", "/lookahead", "/set", "/show", "/stats", "/debug", "/markdown", "/system", "/clear", "/undo",
-            "/retry", "/save", "/load", "/exit", "/quit")
+COMMANDS = ("/help", "/lookahead", "/store", "/set", "/show", "/stats", "/debug", "/markdown", "/system", "/clear",
+            "/undo", "/retry", "/save", "/load", "/exit", "/quit")
 
 SET_KEYS = {"w": "W", "n": "N", "g": "G", "max_new_tokens": "max_new_tokens", "temperature": "temperature",
             "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",

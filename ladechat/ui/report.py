@@ -26,7 +26,26 @@ def bench_tables(results: dict) -> list[Table]:
                           f"{r.get('items_slower_than_hf', 0)}/{r['items']}", comp,
                           f"{r['identical_items']}/{r['items']}" if not results.get("temperature") else "-")
         tables.append(table)
+    ablation = {m: r for m, r in results["overall"].items() if m.startswith("only-") or m == "lookahead"}
+    if any(m.startswith("only-") for m in ablation):
+        tables.append(ablation_table(results, ablation))
     return tables
+
+
+def ablation_table(results: dict, rows: dict) -> Table:
+    """Each draft source alone against all of them: tokens per step, how often a step's guesses
+    reached depth 1, 2, 4 and 8, time per step, speed over hf."""
+    table = Table(title=f"ablation · all sets · {results['model']} · store {results.get('store', 'cold')}")
+    for col in ("sources", "tokens/step", "depth >= 1", ">= 2", ">= 4", ">= 8", "ms/step", "vs hf"):
+        table.add_column(col, justify="left" if col == "sources" else "right")
+    for method, r in rows.items():
+        depth = r.get("accepted_by_depth") or []
+        reach = [f"{depth[d - 1] / r['steps']:.0%}" if r["steps"] and len(depth) >= d else "0%" for d in (1, 2, 4, 8)]
+        table.add_row("all" if method == "lookahead" else method.removeprefix("only-"),
+                      f"{r['compression']:.2f}" if r["compression"] else "-", *reach,
+                      f"{r['ms_per_step']:.1f}" if r.get("ms_per_step") else "-",
+                      f"{r['speedup_vs_hf']:.2f}x" if r["speedup_vs_hf"] else "-")
+    return table
 
 
 def step_cost_table(result: dict) -> Table:
