@@ -337,9 +337,9 @@ def generate(session: Session, prompt: list[int], sampling: SamplingConfig, eos_
             torch.cuda.empty_cache()
         raise OutOfMemory(f"out of memory on {device} after {len(generated)} new tokens, with "
                           f"{len(session.cached)} tokens in the KV cache") from None
+    total = time.perf_counter() - start
     if session.store is not None and la.store:
         session.store.add(generated)  # an answer cut short is still the model's own text
-    total = time.perf_counter() - start
     acc = session.acceptance
     calibration = {src: (round(acc.predicted[src] - predicted_before.get(src, 0.0), 2),
                          round(acc.observed[src] - observed_before.get(src, 0.0), 2))
