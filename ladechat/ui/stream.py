@@ -7,12 +7,9 @@ import re
 
 from rich.cells import cell_len
 from rich.console import Console
-from rich.markup import escape
 from rich.control import Control
-from rich.markdown import Markdown
+from rich.markup import escape
 from rich.segment import ControlType
-from rich.panel import Panel
-from rich.table import Table
 from rich.text import Text
 
 from ladechat.bot import Notice, Piece
@@ -90,6 +87,8 @@ class StreamPrinter:
         codes = [(ControlType.CARRIAGE_RETURN,), (ControlType.ERASE_IN_LINE, 2)]
         codes += [(ControlType.CURSOR_UP, 1), (ControlType.ERASE_IN_LINE, 2)] * (rows - 1)
         self.out.control(Control(*codes))
+        from rich.markdown import Markdown  # markdown-it: imported only when an answer is redrawn
+
         self.out.print(Markdown(self.text.strip("\n")))
 
     @property
@@ -109,7 +108,10 @@ def footer(stats: Stats) -> str:
             f"{stats.compression:.2f} tokens/step, {mode}{extra}")
 
 
-def debug_panel(stats: Stats) -> Panel:
+def debug_panel(stats: Stats):
+    from rich.panel import Panel
+    from rich.table import Table
+
     table = Table.grid(padding=(0, 2))
     table.add_column(style="bold")
     table.add_column()
