@@ -5,14 +5,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 from ladechat.conversation import Conversation
 from ladechat.engine.config import ConfigError, LookaheadConfig, SamplingConfig
-from ladechat.engine.decode import Session, generate
 from ladechat.engine.events import Done, Step
-from ladechat.engine.loading import LoadedModel
-from ladechat.engine.runner import StaticRunner
-from ladechat.engine.store import AnswerStore, StoreError, clear_stores, store_path
+
+# Notice, Piece and Settings are imported by front ends that run no model (`--api`): torch and
+# transformers are imported only where a Bot is built.
+if TYPE_CHECKING:
+    from ladechat.engine.loading import LoadedModel
 
 
 @dataclass(frozen=True)
@@ -20,6 +22,16 @@ class Notice:
     """Something the user should see that is not part of the answer (e.g. turns dropped)."""
 
     text: str
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Answer text that arrives already decoded (from a server) instead of as token ids.
+    parallel: it was accepted in parallel (shown highlighted). step: the server's step, if it said."""
+
+    text: str
+    parallel: bool = False
+    step: Step | None = None
 
 
 @dataclass(frozen=True)
@@ -52,6 +64,31 @@ class Settings:
                        template=template)
 
 
+def prompt_budget(context_length: int, max_new_tokens: int) -> int:
+    """The most prompt tokens a conversation may take: the rest of the context is room for the
+    answer (at most half of it)."""
+    return context_length - min(max_new_tokens, context_length // 2)
+
+
+class Backend(Protocol):
+    """What the chat needs from whatever answers it: a Bot (a model in this process) or a
+    remote.RemoteBot (a model behind an OpenAI-compatible server). Both stream the same events."""
+
+    settings: Settings
+    compiled: bool  # configure() then needs warm_up() (compiles)
+    name: str  # the model, as /save records it
+    stats_reported: bool  # Done carries real decoding statistics (steps, lookahead): /stats, /debug
+
+    def describe(self) -> str: ...  # the model and where it runs, for the banner and /show
+    def configure(self, settings: Settings) -> None: ...  # ConfigError for what it cannot do
+    def warm_up(self) -> None: ...
+    def clear_store(self) -> int: ...  # forget the model's past answers; how many
+    def reply(self, conversation: Conversation) -> Iterator[Notice | Piece | Step | Done]: ...
+    def printer(self, out, err, debug: bool, markdown: bool): ...  # a ui.stream.StreamPrinter for its events
+    def footer(self, stats) -> str: ...  # the line under an answer
+    def failure(self, exc: Exception) -> str | None: ...  # the message for an error that ends an answer midway
+
+
 class Bot:
     """compile: fixed-shape steps on a pre-allocated cache, compiled (see engine/runner.py); every
     lookahead step is then a full one, so it suits a GPU, where a full step costs about one token's."""
@@ -60,6 +97,9 @@ class Bot:
                  store_root: Path | None = None) -> None:
         """store_root: the folder of the persistent answer stores (the cache folder); None keeps
         this bot's store in memory only."""
+        from ladechat.engine.decode import Session
+        from ladechat.engine.runner import StaticRunner
+
         self.loaded = loaded
         self.settings = settings
         self.compiled = compile
@@ -72,7 +112,9 @@ class Bot:
         else:
             self.session = Session(loaded.model, settings.lookahead, step_cost=loaded.cost_model(), store=store)
 
-    def _open_store(self) -> AnswerStore:
+    def _open_store(self):
+        from ladechat.engine.store import AnswerStore, StoreError, store_path
+
         vocab = self.loaded.model.config.get_text_config().vocab_size
         if self.store_root is None:
             return AnswerStore(vocab_size=vocab)
@@ -83,7 +125,22 @@ class Bot:
             self.notices.append(f"{exc}; answers are remembered for this session only")
             return AnswerStore(vocab_size=vocab)
 
+    stats_reported = True
+
+    @property
+    def name(self) -> str:
+        return self.loaded.name
+
+    def describe(self) -> str:
+        return f"{self.loaded.name} on {self.loaded.device} ({str(self.loaded.dtype).removeprefix('torch.')})"
+
     def configure(self, settings: Settings) -> None:
+        from ladechat.templates import TemplateError, resolve
+
+        try:
+            resolve(self.loaded.tokenizer, settings.template)
+        except TemplateError as exc:
+            raise ConfigError(str(exc)) from None
         self.session.configure(settings.lookahead)  # first: it may refuse W/N/G
         if settings.lookahead.store and self.session.store is None:
             self.session.store = self._open_store()
@@ -91,6 +148,8 @@ class Bot:
 
     def clear_store(self) -> int:
         """Forget every answer this model's store holds (on disk too). Returns how many."""
+        from ladechat.engine.store import clear_stores
+
         store = self.session.store
         forgotten = store.answers if store is not None else 0
         if self.store_root is not None:
@@ -99,13 +158,30 @@ class Bot:
             self.session.store = self._open_store()
         return forgotten
 
+    def printer(self, out, err, debug: bool, markdown: bool):
+        from ladechat.ui.stream import StreamPrinter
+
+        return StreamPrinter(self.loaded.tokenizer, out, err, debug=debug, markdown=markdown)
+
+    def footer(self, stats) -> str:
+        from ladechat.ui.stream import footer
+
+        return footer(stats)
+
+    def failure(self, exc: Exception) -> str | None:
+        from ladechat.engine.decode import OutOfMemory
+
+        if isinstance(exc, OutOfMemory):
+            return (f"{exc}; try a shorter conversation (/clear), a smaller max_new_tokens, fewer tokens per step "
+                    "(W, G) or --load-in-4bit")
+        return None
+
     def warm_up(self) -> None:
         """With compile: build the step graphs for the current W/N/G now rather than mid-answer."""
         self.session.warm_up()
 
     def prompt_ids(self, conversation: Conversation) -> tuple[list[int], int]:
-        budget = self.loaded.context_length - min(self.settings.sampling.max_new_tokens,
-                                                  self.loaded.context_length // 2)
+        budget = prompt_budget(self.loaded.context_length, self.settings.sampling.max_new_tokens)
         return conversation.encode(self.loaded.tokenizer, self.settings.template, budget)
 
     def reply(self, conversation: Conversation) -> Iterator[Notice | Step | Done]:
@@ -121,4 +197,6 @@ class Bot:
         sampling = self.settings.sampling
         if sampling.max_new_tokens > room:
             sampling = replace(sampling, max_new_tokens=room)
+        from ladechat.engine.decode import generate
+
         yield from generate(self.session, ids, sampling, self.loaded.eos_ids, self.loaded.tokenizer.decode)

@@ -50,6 +50,13 @@ Compile = Annotated[bool, typer.Option("--compile", help="Fixed-shape steps on a
 Store = Annotated[bool, typer.Option("--store/--no-store", help="Draft from (and add each answer to) this model's store of past answers, kept under the cache folder (see: ladechat store).")]
 Markdown = Annotated[bool, typer.Option("--markdown/--no-markdown", help="On a terminal, redraw a finished answer that has code blocks, lists or headings as rendered Markdown.")]
 Debug = Annotated[bool, typer.Option("--debug", help="Show per-step acceptance and a per-turn statistics panel on stderr.")]
+Api = Annotated[str | None, typer.Option("--api", help="Answer with the model behind an OpenAI-compatible server at URL (ladechat serve, vLLM, ...) instead of loading one; --model then names the server's model.")]
+ApiKey = Annotated[str | None, typer.Option("--api-key", envvar=["LADECHAT_API_KEY", "OPENAI_API_KEY"], show_envvar=True, help="With --api: the server's API key.")]
+# Options about loading a model here: refused with --api (the server loaded its model).
+LOCAL_ONLY = ("dtype", "device", "load_in_4bit", "load_in_8bit", "device_map", "max_memory", "attn", "template", "compile")
+REMOTE_SETTINGS = {"lookahead": "lookahead", "window": "W", "ngram": "N", "candidates": "G",
+                   "max_new_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                   "min_p": "min_p", "repetition_penalty": "repetition_penalty", "seed": "seed", "stop": "stop"}
 
 
 def stdout_console() -> Console:
@@ -124,6 +131,36 @@ def _bot(loaded, settings, compile: bool, err: Console):
     return bot
 
 
+def _remote_bot(ctx: typer.Context, api: str, api_key: str | None, defaults: dict | None = None):
+    """A RemoteBot for --api URL with the settings the user gave on the command line (`defaults`:
+    the command's own choices, sent as if given)."""
+    from ladechat.bot import Settings
+    from ladechat.remote import Endpoint, RemoteBot, RemoteError
+
+    # typer vendors its own click: its ParameterSource is compared by name
+    given = {name for name in ctx.params
+             if getattr(ctx.get_parameter_source(name), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")}
+    if "store" in given:
+        raise Fail("--store/--no-store: with --api the store of past answers is the server's (start it with --no-store)")
+    for name in LOCAL_ONLY:
+        if name in given:
+            raise Fail(f"--{name.replace('_', '-')} is about loading a model here; with --api the server has loaded it")
+    values = {key: ctx.params[name] for name, key in REMOTE_SETTINGS.items()}
+    values["stop"] = [s for s in values["stop"] or [] if s]
+    chosen = {REMOTE_SETTINGS[name] for name in given if name in REMOTE_SETTINGS} | {"max_new_tokens"}
+    for key, value in (defaults or {}).items():
+        if key not in chosen:
+            values[key] = value
+            chosen.add(key)
+    try:
+        Settings(LookaheadConfig(), SamplingConfig()).updated({k: values[k] for k in chosen})  # before connecting
+        return RemoteBot(Endpoint.of(api, api_key), ctx.params["model"], values, chosen)
+    except ConfigError as exc:
+        raise Fail(str(exc)) from None
+    except RemoteError as exc:
+        raise Fail(str(exc)) from None
+
+
 def _quiet_libraries() -> None:
     # transformers' own progress bars and advisory warnings would interleave with our output.
     import transformers
@@ -139,23 +176,36 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = True, w
          repetition_penalty: RepPenalty = 1.0, seed: Seed = None, dtype: Dtype = "auto", device: Device = "auto",
          load_in_4bit: FourBit = False, load_in_8bit: EightBit = False, device_map: DeviceMap = None,
          max_memory: MaxMemory = None, attn: Attn = "sdpa", template: Template = None, system: System = None, stop: Stop = None,
-         compile: Compile = False, store: Store = True, markdown: Markdown = True, debug: Debug = False) -> None:
+         compile: Compile = False, store: Store = True, markdown: Markdown = True, debug: Debug = False,
+         api: Api = None, api_key: ApiKey = None) -> None:
     """Interactive multi-turn chat (the default command). Type /help inside for commands."""
     if ctx.invoked_subcommand is not None:
         return
     from ladechat.ui.chat import run_chat
 
     err = stderr_console()
+    if api is not None:
+        run_chat(_remote_bot(ctx, api, api_key), system=system, debug=debug, markdown=markdown, out=stdout_console(),
+                 err=err)
+        return
     # Validate every flag before the (slow) model load.
     _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, min_p,
               repetition_penalty, seed, template, stop=stop)
-    _quiet_libraries()
-    loaded = _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, err, max_memory)
-    settings = _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, min_p,
-                         repetition_penalty, seed, template, loaded,
-                         default_temperature=_model_temperature(loaded), stop=stop, store=store)
-    bot = _bot(loaded, settings, compile, err)
+    _, bot = _chat_bot(ctx.params, err)
     run_chat(bot, system=system, debug=debug, markdown=markdown, out=stdout_console(), err=err)
+
+
+def _chat_bot(p: dict, err: Console):
+    """(settings, Bot) from the chat's options (also serve's): the model loaded, W/N/G for its
+    device, the model's own temperature when it samples."""
+    _quiet_libraries()
+    loaded = _load(p["model"], p["dtype"], p["device"], p["attn"], p["load_in_4bit"], p["load_in_8bit"],
+                   p["device_map"], err, p["max_memory"])
+    settings = _settings(p["lookahead"], p["window"], p["ngram"], p["candidates"], p["max_new_tokens"],
+                         p["temperature"], p["top_p"], p["top_k"], p["min_p"], p["repetition_penalty"], p["seed"],
+                         p["template"], loaded, default_temperature=_model_temperature(loaded), stop=p["stop"],
+                         store=p["store"])
+    return settings, _bot(loaded, settings, p["compile"], err)
 
 
 def _model_temperature(loaded) -> float:
@@ -167,7 +217,7 @@ def _model_temperature(loaded) -> float:
 
 
 @app.command()
-def ask(prompt: Annotated[Optional[str], typer.Argument(help="The question; '-' or a pipe reads it from stdin.")] = None,
+def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help="The question; '-' or a pipe reads it from stdin.")] = None,
         model: Model = None, lookahead: Lookahead = True, window: Window = None, ngram: Ngram = None,
         candidates: Cands = None, max_new_tokens: MaxNew = 512, temperature: Temperature = None,
         top_p: TopP = 1.0, top_k: TopK = 0, min_p: MinP = 0.0, repetition_penalty: RepPenalty = 1.0,
@@ -175,40 +225,49 @@ def ask(prompt: Annotated[Optional[str], typer.Argument(help="The question; '-' 
         load_in_8bit: EightBit = False, device_map: DeviceMap = None, max_memory: MaxMemory = None,
         attn: Attn = "sdpa",
         template: Template = None, system: System = None, stop: Stop = None, compile: Compile = False,
-        store: Store = True, markdown: Markdown = True, debug: Debug = False, as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, token_ids, stats) instead of streaming.")] = False) -> None:
+        store: Store = True, markdown: Markdown = True, debug: Debug = False, as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, token_ids, stats) instead of streaming.")] = False,
+        api: Api = None, api_key: ApiKey = None) -> None:
     """One-shot answer to PROMPT, streamed to stdout (greedy unless --temperature is given)."""
-    from ladechat.bot import Notice
+    from ladechat.bot import Notice, Piece
     from ladechat.conversation import Conversation, ConversationError
-    from ladechat.engine.decode import OutOfMemory
     from ladechat.engine.events import Done
-    from ladechat.ui.stream import StreamPrinter, debug_panel, footer
+    from ladechat.ui.stream import debug_panel
 
     err = stderr_console()
     text = _read_prompt(prompt)
-    # Validate every flag before the (slow) model load.
-    _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, min_p,
-              repetition_penalty, seed, template)
-    _quiet_libraries()
-    loaded = _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, err, max_memory)
-    settings = _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, min_p,
-                         repetition_penalty, seed, template, loaded, stop=stop, store=store)
-    bot = _bot(loaded, settings, compile, err)
+    if api is not None:
+        bot = _remote_bot(ctx, api, api_key, defaults={"temperature": 0.0})  # greedy unless --temperature
+    else:
+        # Validate every flag before the (slow) model load.
+        _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, min_p,
+                  repetition_penalty, seed, template)
+        _quiet_libraries()
+        loaded = _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, err, max_memory)
+        settings = _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, min_p,
+                             repetition_penalty, seed, template, loaded, stop=stop, store=store)
+        bot = _bot(loaded, settings, compile, err)
     conversation = Conversation(system=system, messages=[{"role": "user", "content": text}])
     out = stdout_console()
-    printer = StreamPrinter(loaded.tokenizer, out, err, debug=debug, markdown=markdown)
+    printer = bot.printer(out, err, debug=debug, markdown=markdown)
     done = None
+    pieces = []  # the text that came decoded (--api), for --json
     try:
         for event in bot.reply(conversation):
             if isinstance(event, Done):
                 done = event
             elif not as_json or isinstance(event, Notice):
                 printer.handle(event)
+            elif isinstance(event, Piece):
+                pieces.append(event.text)
     except ConversationError as exc:
         raise Fail(str(exc)) from None
-    except OutOfMemory as exc:
+    except Exception as exc:  # out of memory, a server gone
+        message = bot.failure(exc)
+        if message is None:
+            raise
         if printer.text:
             out.print()
-        raise Fail(f"{exc}; try a shorter prompt, a smaller --max-new-tokens, -W or -G, or --load-in-4bit") from None
+        raise Fail(message) from None
     except KeyboardInterrupt:
         err.print("\n[yellow]interrupted[/]")
         raise typer.Exit(130) from None
@@ -217,14 +276,14 @@ def ask(prompt: Annotated[Optional[str], typer.Argument(help="The question; '-' 
     stats = done.stats
     if as_json:
         stats_dict = stats.as_dict()
-        record = {"text": loaded.tokenizer.decode(list(done.text_tokens), skip_special_tokens=True),
-                  "token_ids": list(done.text_tokens), "model": loaded.name, "stats": stats_dict}
+        text = "".join(pieces) if api else loaded.tokenizer.decode(list(done.text_tokens), skip_special_tokens=True)
+        record = {"text": text, "token_ids": list(done.text_tokens), "model": bot.name, "stats": stats_dict}
         sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
     else:
         printer.finish(complete=stats.finish_reason != "interrupted")
-        if debug:
+        if debug and bot.stats_reported:
             err.print(debug_panel(stats))
-        err.print(f"[dim]{footer(stats)}[/]", highlight=False)
+        err.print(f"[dim]{escape(bot.footer(stats))}[/]", highlight=False)
     if stats.finish_reason == "interrupted":
         raise typer.Exit(130)
 
@@ -243,6 +302,48 @@ def _read_prompt(prompt: str | None) -> str:
     if not prompt.strip():
         raise Fail("empty prompt")
     return prompt.strip("\n")
+
+
+@app.command()
+def serve(ctx: typer.Context, host: Annotated[str, typer.Option("--host", help="Address to listen on; anything but loopback needs --api-key.")] = "127.0.0.1",
+          port: Annotated[int, typer.Option("--port", help="Port to listen on (0: a free one, printed at start).")] = 8000,
+          api_key: Annotated[str | None, typer.Option("--api-key", envvar="LADECHAT_API_KEY", show_envvar=True, help="Clients must send 'Authorization: Bearer KEY'.")] = None,
+          max_queue: Annotated[int, typer.Option("--max-queue", help="Requests that may wait while one runs; more get 503 with Retry-After.")] = 16,
+          served_model_name: Annotated[str | None, typer.Option("--served-model-name", help="The model name clients ask for (default: the model's).")] = None,
+          model: Model = None, lookahead: Lookahead = True, window: Window = None, ngram: Ngram = None,
+          candidates: Cands = None, max_new_tokens: MaxNew = 1024, temperature: Temperature = None,
+          top_p: TopP = 1.0, top_k: TopK = 0, min_p: MinP = 0.0, repetition_penalty: RepPenalty = 1.0,
+          seed: Seed = None, dtype: Dtype = "auto", device: Device = "auto", load_in_4bit: FourBit = False,
+          load_in_8bit: EightBit = False, device_map: DeviceMap = None, max_memory: MaxMemory = None,
+          attn: Attn = "sdpa", template: Template = None, stop: Stop = None, compile: Compile = False,
+          store: Store = True) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions), with lookahead decoding."""
+    from ladechat import server
+
+    err = stderr_console()
+    if not server.is_loopback(host) and not api_key:
+        raise Fail(f"--host {host} can be reached from other machines: give --api-key (or set LADECHAT_API_KEY)")
+    if max_queue < 0:
+        raise Fail(f"--max-queue must be >= 0, got {max_queue}")
+    if api_key is not None and not api_key.strip():
+        raise Fail("--api-key is empty")
+    _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, min_p,
+              repetition_penalty, seed, template, stop=stop)
+    try:
+        sock = server.bind(host, port)
+    except OSError as exc:
+        raise Fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    settings, bot = _chat_bot(ctx.params, err)
+    model_id = served_model_name or model or bot.name.split(" (")[0]
+    api = server.Api(bot, settings, server.ServeConfig(model_id=model_id, api_key=api_key, max_queue=max_queue),
+                     log=lambda line: err.print(line, markup=False, highlight=False, soft_wrap=True))
+    bound_host, bound_port = sock.getsockname()[:2]
+    url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
+    la = settings.lookahead
+    err.print(f"ladechat serve · {bot.describe()} as {model_id!r} · lookahead {'on' if la.enabled else 'off'} "
+              f"(W={la.window} N={la.ngram} G={la.candidates}) · http://{url_host}:{bound_port}/v1"
+              f"{' · key required' if api_key else ''} · Ctrl-C stops", markup=False, highlight=False, soft_wrap=True)
+    server.run(api.app(), sock)
 
 
 @app.command()
@@ -272,7 +373,9 @@ def bench(dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Pr
           sizes: Annotated[str, typer.Option("--sizes", help="With --step-cost: tokens fed per step, comma-separated (1 or multiples of 4).")] = "1,8,16,32,64,128,256",
           context: Annotated[int, typer.Option("--context", help="With --step-cost: tokens already in the KV cache.")] = 512,
           reps: Annotated[int, typer.Option("--reps", help="With --step-cost: timed steps per size (median).")] = 10,
-          as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False) -> None:
+          as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
+          api: Annotated[str | None, typer.Option("--api", help="Serving overhead instead: each prompt's first turn answered in this process and through the ladechat serve at URL (same --model and --dtype), alternately.")] = None,
+          api_key: ApiKey = None) -> None:
     """Compare HF generate, HF prompt lookup, ladechat plain and lookahead on real prompts, side by side."""
     from ladechat import bench as benchmark
     from ladechat.ui.report import bench_tables
@@ -280,6 +383,11 @@ def bench(dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Pr
     err = stderr_console()
     if step_cost:
         _step_cost(model, shape, sizes, context, reps, compile, dtype, device, attn, as_json, err)
+        return
+    if api is not None:
+        _serve_bench(api, api_key, dataset, limit, model, dtype, device, attn, template, as_json, err,
+                     _settings(True, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, 0.0, 1.0,
+                               seed, template))
         return
     method_list = [m.strip() for m in methods.split(",") if m.strip()] + (list(benchmark.ONLY) if ablation else [])
     try:
@@ -306,6 +414,30 @@ def bench(dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Pr
     else:
         for table in bench_tables(results):
             stdout_console().print(table)
+
+
+def _serve_bench(api, api_key, dataset, limit, model, dtype, device, attn, template, as_json, err, flags) -> None:
+    from ladechat import bench as benchmark
+    from ladechat import serve_bench
+    from ladechat.remote import Endpoint, RemoteBot, RemoteError
+    from ladechat.ui.report import serve_bench_table
+
+    try:
+        prompts = [item["turns"][0] for name in dataset for item in benchmark.load_items(name, limit)]
+        remote = RemoteBot(Endpoint.of(api, api_key), None, {}, set())
+        _quiet_libraries()
+        loaded = _load(model, dtype, device, attn, False, False, None, err)
+        settings = _settings(flags.lookahead.enabled, flags.lookahead.window, flags.lookahead.ngram,
+                             flags.lookahead.candidates, flags.sampling.max_new_tokens, flags.sampling.temperature,
+                             flags.sampling.top_p, flags.sampling.top_k, 0.0, 1.0, flags.sampling.seed, template, loaded)
+        result = serve_bench.run(loaded, settings, remote, prompts,
+                                 progress=lambda i, n: err.print(f"[dim]{i}/{n}[/]", highlight=False))
+    except (benchmark.BenchError, serve_bench.ServeBenchError, RemoteError, ConfigError) as exc:
+        raise Fail(str(exc)) from None
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        stdout_console().print(serve_bench_table(result))
 
 
 def _step_cost(model, shape, sizes, context, reps, compile, dtype, device, attn, as_json, err) -> None:

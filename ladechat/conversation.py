@@ -16,8 +16,6 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ladechat import templates
-
 FORMAT = "ladechat-conversation"
 
 
@@ -43,6 +41,8 @@ class Conversation:
         prompt, never the last user message). Returns (ids, turns dropped). The turns are dropped
         only once the rest fits: when even the last message alone does not, ConversationError
         leaves the conversation as it was."""
+        from ladechat import templates  # jinja2: not needed by a client that sends messages (--api)
+
         start = 0
         while True:
             try:

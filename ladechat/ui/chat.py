@@ -11,14 +11,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from ladechat import templates
-from ladechat.bot import Bot
+from ladechat.bot import Backend
 from ladechat.conversation import Conversation, ConversationError
 from ladechat.engine.config import ConfigError
-from ladechat.engine.decode import OutOfMemory
 from ladechat.engine.events import Done, Stats
 from ladechat.ui import commands
-from ladechat.ui.stream import StreamPrinter, debug_panel, footer
+from ladechat.ui.stream import debug_panel
 
 
 def state_dir() -> Path:
@@ -52,9 +50,8 @@ class Totals:
 
 
 class ChatApp:
-    def __init__(self, bot: Bot, system: str | None, debug: bool, out: Console, err: Console,
+    def __init__(self, bot: Backend, system: str | None, debug: bool, out: Console, err: Console,
                  markdown: bool = True) -> None:
-        self.loaded = bot.loaded
         self.bot = bot
         self.conversation = Conversation(system=system)
         self.debug = debug
@@ -65,10 +62,10 @@ class ChatApp:
 
     # -- answering ----------------------------------------------------------------------------
     def answer(self) -> None:
-        printer = StreamPrinter(self.loaded.tokenizer, self.out, self.err, debug=self.debug, markdown=self.markdown)
+        printer = self.bot.printer(self.out, self.err, debug=self.debug, markdown=self.markdown)
         events = self.bot.reply(self.conversation)
         stats = None
-        out_of_memory = None
+        failed = None
         try:
             for event in events:
                 if isinstance(event, Done):
@@ -81,24 +78,26 @@ class ChatApp:
             self.conversation.messages.pop()
             self.error(str(exc))
             return
-        except OutOfMemory as exc:
-            out_of_memory = (f"{exc}; try /clear, fewer tokens per step (/set w=.. g=..), a smaller "
-                             "max_new_tokens or --load-in-4bit")
+        except Exception as exc:  # the backend's own mid-answer failures (out of memory, a server gone)
+            failed = self.bot.failure(exc)
+            if failed is None:
+                raise
             if not printer.text:
                 self.conversation.messages.pop()
-                self.error(f"{out_of_memory} (the question was not answered; Up recalls it)")
+                self.error(f"{failed} (the question was not answered; Up recalls it)")
                 return
         interrupted = stats is None or stats.finish_reason == "interrupted"
         self.conversation.messages.append({"role": "assistant", "content": printer.text,
                                            "interrupted": interrupted})
         printer.finish(complete=not interrupted)
         if stats is not None:
-            self.totals.add(stats)
+            if self.bot.stats_reported:
+                self.totals.add(stats)
             if self.debug:
                 self.err.print(debug_panel(stats))
-            self.err.print(f"[dim]{footer(stats)}[/]", highlight=False)
-        if out_of_memory:
-            self.error(f"{out_of_memory} (the partial answer is kept)")
+            self.err.print(f"[dim]{escape(self.bot.footer(stats))}[/]", highlight=False)
+        if failed:
+            self.error(f"{failed} (the partial answer is kept)")
         elif interrupted and printer.text:
             self.err.print("[yellow]interrupted: the partial answer is kept[/]")
         elif interrupted:
@@ -154,8 +153,11 @@ class ChatApp:
         elif cmd.name == "/show":
             self.info(self._show())
         elif cmd.name == "/stats":
+            self._need_stats("/stats")
             self.info("\n".join(self.totals.lines()))
         elif cmd.name == "/debug":
+            if commands.on_off(cmd.arg, "/debug"):
+                self._need_stats("/debug")
             self.debug = commands.on_off(cmd.arg, "/debug")
             self.info(f"debug {'on' if self.debug else 'off'}")
         elif cmd.name == "/markdown":
@@ -187,6 +189,10 @@ class ChatApp:
         self._configure(self.bot.settings.updated({"store": on}))
         self.info(f"store of past answers {'on' if on else 'off'} from the next answer")
 
+    def _need_stats(self, name: str) -> None:
+        if not self.bot.stats_reported:
+            raise commands.CommandError(f"{name}: {self.bot.describe()} reports no decoding statistics")
+
     def _configure(self, settings) -> None:
         self.bot.configure(settings)
         if self.bot.compiled:
@@ -195,7 +201,7 @@ class ChatApp:
 
     def _show(self) -> str:
         la, sm = self.bot.settings.lookahead, self.bot.settings.sampling
-        return (f"model {self.loaded.name} on {self.loaded.device} ({str(self.loaded.dtype).removeprefix('torch.')})\n"
+        return (f"model {self.bot.describe()}\n"
                 f"lookahead {'on' if la.enabled else 'off'}: W={la.window} N={la.ngram} G={la.candidates}; "
                 f"store of past answers {'on' if la.store else 'off'}\n"
                 f"max_new_tokens={sm.max_new_tokens} temperature={sm.temperature} top_p={sm.top_p} "
@@ -225,7 +231,7 @@ class ChatApp:
         if not arg:
             raise commands.CommandError("usage: /save PATH")
         path = Path(arg).expanduser()
-        data = self.conversation.to_json(self.loaded.name, self.bot.settings.as_dict())
+        data = self.conversation.to_json(self.bot.name, self.bot.settings.as_dict())
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(data + "\n", encoding="utf-8")
         tmp.replace(path)
@@ -236,11 +242,9 @@ class ChatApp:
             raise commands.CommandError("usage: /load PATH")
         conversation, settings = Conversation.from_file(Path(arg).expanduser())
         try:
-            new_settings = self.bot.settings.updated(settings)
-            templates.resolve(self.loaded.tokenizer, new_settings.template)  # refuse it now, not at the next answer
-        except (ConfigError, templates.TemplateError) as exc:
+            self._configure(self.bot.settings.updated(settings))  # a bad template is refused now
+        except ConfigError as exc:
             raise ConversationError(f"{arg} has bad settings: {exc}") from None
-        self._configure(new_settings)
         self.conversation = conversation
         self.info(f"loaded {len(conversation.messages)} messages from {arg}")
 
@@ -282,12 +286,13 @@ def _read_message(read_line) -> str | None:
     return "\n".join(lines).strip("\n")
 
 
-def run_chat(bot: Bot, system: str | None, debug: bool, out: Console, err: Console, markdown: bool = True) -> None:
+def run_chat(bot: Backend, system: str | None, debug: bool, out: Console, err: Console, markdown: bool = True) -> None:
     app = ChatApp(bot, system, debug, out, err, markdown=markdown)
-    loaded, la = bot.loaded, bot.settings.lookahead
-    err.print(f"[bold]ladechat[/] · {escape(loaded.name)} on {loaded.device} · lookahead "
-              f"{'on' if la.enabled else 'off'} (W={la.window} N={la.ngram} G={la.candidates}) · "
-              "/help for commands, Ctrl-D to quit", highlight=False)
+    la = bot.settings.lookahead
+    mode = (f"lookahead {'on' if la.enabled else 'off'} (W={la.window} N={la.ngram} G={la.candidates}) · "
+            if bot.stats_reported else "")
+    err.print(f"[bold]ladechat[/] · {escape(bot.describe())} · {mode}/help for commands, Ctrl-D to quit",
+              highlight=False)
     if sys.stdin.isatty():
         # Ctrl-C is how a user stops an answer. A process started from a script's background job
         # (or a launcher that ignores SIGINT) inherits SIGINT ignored, and Python then never raises

@@ -64,3 +64,20 @@ def step_cost_table(result: dict) -> Table:
             cells += [f"{curve[size] * 1000:.1f}", f"{curve[size] / curve['1']:.2f}x"]
         table.add_row(*cells)
     return table
+
+
+def serve_bench_table(result: dict) -> Table:
+    """`ladechat bench --api`: tokens/s in this process and through the server, per item and overall."""
+    table = Table(title=f"serving overhead · {result['model']} · through {result['server']} · "
+                        f"{result['served_vs_in_process']:.1%} of in-process tokens/s · "
+                        f"{result['identical']}/{len(result['items'])} identical")
+    for col in ("item", "tokens", "in process tok/s", "served tok/s", "served / in process", "identical"):
+        table.add_column(col, justify="right")
+    for i, r in enumerate(result["items"], 1):
+        here, there = r["tokens"] / r["in_process_s"], r["served_tokens"] / r["served_s"]
+        table.add_row(str(i), str(r["tokens"]), f"{here:.1f}", f"{there:.1f}", f"{there / here:.1%}",
+                      "yes" if r["identical"] else "no")
+    table.add_row("all", str(sum(r["tokens"] for r in result["items"])), f"{result['in_process_tokens_per_s']:.1f}",
+                  f"{result['served_tokens_per_s']:.1f}", f"{result['served_vs_in_process']:.1%}",
+                  f"{result['identical']}/{len(result['items'])}")
+    return table

@@ -7,15 +7,12 @@ import re
 
 from rich.cells import cell_len
 from rich.console import Console
-from rich.markup import escape
 from rich.control import Control
-from rich.markdown import Markdown
+from rich.markup import escape
 from rich.segment import ControlType
-from rich.panel import Panel
-from rich.table import Table
 from rich.text import Text
 
-from ladechat.bot import Notice
+from ladechat.bot import Notice, Piece
 from ladechat.detok import Detokenizer
 from ladechat.engine.events import Done, Stats, Step
 
@@ -25,10 +22,12 @@ MARKDOWN_BLOCKS = re.compile(r"^\s*(```|#{1,6} |[-*+] \S|\d+[.)] \S|\|.*\|\s*$|>
 
 
 class StreamPrinter:
-    """Consumes Step/Done/Notice events. Content goes to `out`, everything else to `err`."""
+    """Consumes Step/Piece/Done/Notice events. Content goes to `out`, everything else to `err`.
+    tokenizer: decodes Steps' token ids; None where the text arrives decoded, as Pieces (a server)."""
 
     def __init__(self, tokenizer, out: Console, err: Console, debug: bool = False, markdown: bool = False) -> None:
-        self.detok = Detokenizer(tokenizer)
+        self.detok = Detokenizer(tokenizer) if tokenizer is not None else None
+        self.received = ""  # the Pieces' text
         self.tokenizer = tokenizer
         self.out = out
         self.err = err
@@ -42,6 +41,11 @@ class StreamPrinter:
             self.err.print(f"[yellow]notice:[/] {escape(event.text)}", highlight=False)
         elif isinstance(event, Step):
             self._step(event)
+        elif isinstance(event, Piece):
+            self.received += event.text
+            self._show(event.text if event.parallel else "", "" if event.parallel else event.text)
+            if self.debug and event.step is not None:
+                self._debug_line(event.step, "")
         elif isinstance(event, Done):
             self.stats = event.stats
 
@@ -49,16 +53,22 @@ class StreamPrinter:
         n_guessed = sum(step.guessed)
         guessed_text = self.detok.add(step.tokens[:n_guessed]) if n_guessed else ""
         own_text = self.detok.add(step.tokens[n_guessed:])
+        self._show(guessed_text, own_text)
+        if self.debug:
+            pieces = " ".join(repr(self.tokenizer.decode([t])) + ("*" if g else "")
+                              for t, g in zip(step.tokens, step.guessed))
+            self._debug_line(step, f": {pieces}")
+
+    def _show(self, guessed_text: str, own_text: str) -> None:
         text = Text()
         text.append(guessed_text, style=GUESSED_STYLE)
         text.append(own_text)
         self.out.print(text, end="", soft_wrap=True, highlight=False)
         self.shown += text.plain
-        if self.debug:
-            pieces = " ".join(repr(self.tokenizer.decode([t])) + ("*" if g else "")
-                              for t, g in zip(step.tokens, step.guessed))
-            self.err.print(f"[dim]  step: +{len(step.tokens)} from {step.source}, fed {step.fed}, "
-                           f"{step.seconds * 1000:.0f} ms: {escape(pieces)}[/]", highlight=False)
+
+    def _debug_line(self, step: Step, pieces: str) -> None:
+        self.err.print(f"[dim]  step: +{len(step.tokens)} from {step.source}, fed {step.fed}, "
+                       f"{step.seconds * 1000:.0f} ms{escape(pieces)}[/]", highlight=False)
 
     def finish(self, complete: bool = True) -> None:
         """End the answer's line; redraw a complete answer as rendered Markdown where that helps.
@@ -77,11 +87,13 @@ class StreamPrinter:
         codes = [(ControlType.CARRIAGE_RETURN,), (ControlType.ERASE_IN_LINE, 2)]
         codes += [(ControlType.CURSOR_UP, 1), (ControlType.ERASE_IN_LINE, 2)] * (rows - 1)
         self.out.control(Control(*codes))
-        self.out.print(Markdown(self.detok.text.strip("\n")))
+        from rich.markdown import Markdown  # markdown-it: imported only when an answer is redrawn
+
+        self.out.print(Markdown(self.text.strip("\n")))
 
     @property
     def text(self) -> str:
-        return self.detok.text
+        return self.detok.text if self.detok is not None else self.received
 
 
 def screen_rows(text: str, width: int) -> int:
@@ -96,7 +108,10 @@ def footer(stats: Stats) -> str:
             f"{stats.compression:.2f} tokens/step, {mode}{extra}")
 
 
-def debug_panel(stats: Stats) -> Panel:
+def debug_panel(stats: Stats):
+    from rich.panel import Panel
+    from rich.table import Table
+
     table = Table.grid(padding=(0, 2))
     table.add_column(style="bold")
     table.add_column()
