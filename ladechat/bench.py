@@ -10,7 +10,7 @@ import json
 import math
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -20,6 +20,8 @@ from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.events import Done
 from ladechat.engine.runner import StaticRunner
+from ladechat.errors import UserError
+from ladechat.settings import Settings
 
 # lookahead-full: every step carries the whole window and all candidates (no sizing from the
 # step-cost curve), as on a GPU; its compression is what a GPU run would see, on any machine.
@@ -29,7 +31,7 @@ METHODS = ("hf", *LOOKUP, "plain", "lookahead", "lookahead-full")
 DATASETS = {"mtbench": "mtbench-dev.jsonl", "humaneval": "humaneval-dev.jsonl", "gsm8k": "gsm8k-dev.jsonl"}
 
 
-class BenchError(ValueError):
+class BenchError(UserError, ValueError):
     pass
 
 
@@ -106,7 +108,7 @@ def run_item(loaded, item: dict, method: str, la: LookaheadConfig, sampling: Sam
     answers: list[int] = []
     seconds = 0.0
     steps = 0
-    session = Session(loaded.model, LookaheadConfig(**{**la.__dict__, "enabled": method.startswith("lookahead")}),
+    session = Session(loaded.model, replace(la, enabled=method.startswith("lookahead")),
                       None if method == "lookahead-full" else step_cost, runner=runner)
     for turn in item["turns"]:
         messages.append({"role": "user", "content": turn})
@@ -131,23 +133,25 @@ def run_item(loaded, item: dict, method: str, la: LookaheadConfig, sampling: Sam
     return answers, seconds, steps
 
 
-def run(loaded, datasets: list[str], methods: list[str], la: LookaheadConfig, sampling: SamplingConfig,
-        limit: int | None, template: str | None = None, progress=None, compile: bool = False,
-        single_turn: bool = False) -> dict:
+def check_methods(methods: list[str]) -> None:
+    for m in methods:
+        if m not in METHODS:
+            raise BenchError(f"unknown method {m!r} (choose from {', '.join(METHODS)})")
+
+
+def run(loaded, datasets: list[str], methods: list[str], settings: Settings, limit: int | None, progress=None,
+        compile: bool = False, single_turn: bool = False) -> dict:
     """Greedy runs also report whether each method's answers equal HF greedy's, token for token
     (hf always runs, first, as the reference); sampled runs (temperature > 0) cannot, and report
     speed and compression only. Per method: the ratio of summed tokens/s to hf's, and per item the
     geometric mean and 10th percentile of its speed over hf's on the same item and the share of
     items slower than hf. compile: ladechat's methods run fixed-shape compiled steps (one runner
     per method, compiled once). single_turn: only each item's first turn."""
-    for m in methods:
-        if m not in METHODS:
-            raise BenchError(f"unknown method {m!r} (choose from {', '.join(METHODS)})")
+    check_methods(methods)
+    la, sampling, template = settings.lookahead_config(), settings.sampling_config(), settings.template
     methods = ["hf"] + [m for m in dict.fromkeys(methods) if m != "hf"]
     results: dict = {"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."),
-                     "device": str(loaded.device), "max_new_tokens": sampling.max_new_tokens,
-                     "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
-                     "W": la.window, "N": la.ngram, "G": la.candidates, "single_turn": single_turn,
+                     "device": str(loaded.device), **settings.as_dict(), "single_turn": single_turn,
                      "datasets": {}}
     results["compiled"] = compile
     step_cost = loaded.cost_model()

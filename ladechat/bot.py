@@ -6,11 +6,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from ladechat.conversation import Conversation
-from ladechat.engine.config import ConfigError, LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.events import Done, Step
 from ladechat.engine.loading import LoadedModel
 from ladechat.engine.runner import StaticRunner
+from ladechat.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -18,36 +18,6 @@ class Notice:
     """Something the user should see that is not part of the answer (e.g. turns dropped)."""
 
     text: str
-
-
-@dataclass(frozen=True)
-class Settings:
-    lookahead: LookaheadConfig
-    sampling: SamplingConfig
-    template: str | None = None
-
-    def __post_init__(self) -> None:
-        if not (self.template is None or isinstance(self.template, str)):
-            raise ConfigError(f"template must be a template name or null, got {self.template!r}")
-
-    def as_dict(self) -> dict:
-        la, s = self.lookahead, self.sampling
-        return {"lookahead": la.enabled, "W": la.window, "N": la.ngram, "G": la.candidates,
-                "max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
-                "top_k": s.top_k, "min_p": s.min_p, "repetition_penalty": s.repetition_penalty, "seed": s.seed,
-                "stop": list(s.stop), "template": self.template}
-
-    def updated(self, values: dict) -> Settings:
-        """New settings from a dict of the keys as_dict uses (unknown keys are ignored; ConfigError
-        for a value of the wrong type or out of range)."""
-        la_keys = {"lookahead": "enabled", "W": "window", "N": "ngram", "G": "candidates"}
-        la = {la_keys[k]: v for k, v in values.items() if k in la_keys}
-        s = {k: v for k, v in values.items() if k in SamplingConfig.__dataclass_fields__}
-        if isinstance(s.get("stop"), list):  # JSON has lists only; the config keeps a tuple
-            s["stop"] = tuple(s["stop"])
-        template = values.get("template", self.template)
-        return replace(self, lookahead=replace(self.lookahead, **la), sampling=replace(self.sampling, **s),
-                       template=template)
 
 
 class Bot:
@@ -58,14 +28,15 @@ class Bot:
         self.loaded = loaded
         self.settings = settings
         self.compiled = compile
+        la = settings.lookahead_config()
         if compile:
-            runner = StaticRunner(loaded.model, settings.lookahead, loaded.context_length, compile=True)
-            self.session = Session(loaded.model, settings.lookahead, runner=runner)
+            runner = StaticRunner(loaded.model, la, loaded.context_length, compile=True)
+            self.session = Session(loaded.model, la, runner=runner)
         else:
-            self.session = Session(loaded.model, settings.lookahead, step_cost=loaded.cost_model())
+            self.session = Session(loaded.model, la, step_cost=loaded.cost_model())
 
     def configure(self, settings: Settings) -> None:
-        self.session.configure(settings.lookahead)  # first: it may refuse W/N/G
+        self.session.configure(settings.lookahead_config())  # first: it may refuse W/N/G
         self.settings = settings
 
     def warm_up(self) -> None:
@@ -73,7 +44,7 @@ class Bot:
         self.session.warm_up()
 
     def prompt_ids(self, conversation: Conversation) -> tuple[list[int], int]:
-        budget = self.loaded.context_length - min(self.settings.sampling.max_new_tokens,
+        budget = self.loaded.context_length - min(self.settings.max_new_tokens,
                                                   self.loaded.context_length // 2)
         return conversation.encode(self.loaded.tokenizer, self.settings.template, budget)
 
@@ -85,7 +56,7 @@ class Bot:
             yield Notice(f"the conversation no longer fits the model's context: dropped the oldest "
                          f"{dropped} message{'s' if dropped > 1 else ''}")
         room = self.loaded.context_length - len(ids)
-        sampling = self.settings.sampling
+        sampling = self.settings.sampling_config()
         if sampling.max_new_tokens > room:
             sampling = replace(sampling, max_new_tokens=room)
         yield from generate(self.session, ids, sampling, self.loaded.eos_ids, self.loaded.tokenizer.decode)

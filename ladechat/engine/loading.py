@@ -12,6 +12,7 @@ import torch
 
 from ladechat.engine import gguf
 from ladechat.engine.gguf import ModelNotFound
+from ladechat.errors import UserError
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -21,7 +22,7 @@ ATTENTION = ("sdpa", "eager", "flash")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
 
 
-class LoadError(Exception):
+class LoadError(UserError):
     """Loading failed for a reason the user can act on; the message is one line."""
 
 

@@ -14,9 +14,10 @@ from rich.markup import escape
 from ladechat import templates
 from ladechat.bot import Bot
 from ladechat.conversation import Conversation, ConversationError
-from ladechat.engine.config import ConfigError
 from ladechat.engine.decode import OutOfMemory
 from ladechat.engine.events import Done, Stats
+from ladechat.errors import UserError
+from ladechat.settings import Settings, keys
 from ladechat.ui import commands
 from ladechat.ui.stream import StreamPrinter, debug_panel, footer
 
@@ -77,7 +78,7 @@ class ChatApp:
                     printer.handle(event)
         except KeyboardInterrupt:
             events.close()  # the session is consistent between events
-        except ConversationError as exc:
+        except UserError as exc:  # e.g. the question alone does not fit the context
             self.conversation.messages.pop()
             self.error(str(exc))
             return
@@ -131,7 +132,7 @@ class ChatApp:
         try:
             cmd = commands.parse(line)
             return self._run(cmd)
-        except (commands.CommandError, ConfigError, ConversationError) as exc:
+        except UserError as exc:
             self.error(str(exc))
         except OSError as exc:
             self.error(f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
@@ -145,9 +146,9 @@ class ChatApp:
             self.info(commands.HELP)
         elif cmd.name == "/lookahead":
             self._configure(s.updated({"lookahead": commands.on_off(cmd.arg, "/lookahead")}))
-            self.info(f"lookahead {'on' if self.bot.settings.lookahead.enabled else 'off'} from the next answer")
+            self.info(f"lookahead {'on' if self.bot.settings.lookahead else 'off'} from the next answer")
         elif cmd.name == "/set":
-            self._configure(s.updated(commands.parse_set(cmd.arg)))
+            self._configure(s.updated(commands.parse_set(cmd.arg), strict=False))
             self.info(self._show())
         elif cmd.name == "/show":
             self.info(self._show())
@@ -173,19 +174,22 @@ class ChatApp:
             self._load(cmd.arg)
         return True
 
-    def _configure(self, settings) -> None:
+    def _configure(self, settings: Settings) -> None:
+        templates.resolve(self.loaded.tokenizer, settings.template)  # refuse it now, not at the next answer
         self.bot.configure(settings)
         if self.bot.compiled:
             with self.err.status("compiling the decoding steps for these settings", spinner="dots"):
                 self.bot.warm_up()
 
     def _show(self) -> str:
-        la, sm = self.bot.settings.lookahead, self.bot.settings.sampling
+        values = self.bot.settings.as_dict()
+        lookahead = " ".join(f"{k}={values.pop(k)}" for k in ("W", "N", "G", "context_candidates", "context_len",
+                                                                "recycle"))
+        enabled = values.pop("lookahead")
         return (f"model {self.loaded.name} on {self.loaded.device} ({str(self.loaded.dtype).removeprefix('torch.')})\n"
-                f"lookahead {'on' if la.enabled else 'off'}: W={la.window} N={la.ngram} G={la.candidates}\n"
-                f"max_new_tokens={sm.max_new_tokens} temperature={sm.temperature} top_p={sm.top_p} "
-                f"top_k={sm.top_k} min_p={sm.min_p} repetition_penalty={sm.repetition_penalty} seed={sm.seed}\n"
-                f"system prompt: {self.conversation.system!r}")
+                f"lookahead {'on' if enabled else 'off'}: {lookahead}\n"
+                + " ".join(f"{k}={v}" for k, v in values.items())
+                + f"\nsystem prompt: {self.conversation.system!r}")
 
     def _undo_or_retry(self, name: str) -> None:
         # A loaded file need not alternate user/assistant (e.g. only an assistant message), so look
@@ -219,13 +223,12 @@ class ChatApp:
     def _load(self, arg: str) -> None:
         if not arg:
             raise commands.CommandError("usage: /load PATH")
-        conversation, settings = Conversation.from_file(Path(arg).expanduser())
+        conversation, saved = Conversation.from_file(Path(arg).expanduser())
+        known = {key: value for key, value in saved.items() if key in keys()}  # a newer file's extras: ignored
         try:
-            new_settings = self.bot.settings.updated(settings)
-            templates.resolve(self.loaded.tokenizer, new_settings.template)  # refuse it now, not at the next answer
-        except (ConfigError, templates.TemplateError) as exc:
+            self._configure(self.bot.settings.updated(known))
+        except UserError as exc:
             raise ConversationError(f"{arg} has bad settings: {exc}") from None
-        self._configure(new_settings)
         self.conversation = conversation
         self.info(f"loaded {len(conversation.messages)} messages from {arg}")
 
@@ -269,9 +272,9 @@ def _read_message(read_line) -> str | None:
 
 def run_chat(bot: Bot, system: str | None, debug: bool, out: Console, err: Console, markdown: bool = True) -> None:
     app = ChatApp(bot, system, debug, out, err, markdown=markdown)
-    loaded, la = bot.loaded, bot.settings.lookahead
+    loaded, s = bot.loaded, bot.settings
     err.print(f"[bold]ladechat[/] · {escape(loaded.name)} on {loaded.device} · lookahead "
-              f"{'on' if la.enabled else 'off'} (W={la.window} N={la.ngram} G={la.candidates}) · "
+              f"{'on' if s.lookahead else 'off'} (W={s.window} N={s.ngram} G={s.candidates}) · "
               "/help for commands, Ctrl-D to quit", highlight=False)
     if sys.stdin.isatty():
         # Ctrl-C is how a user stops an answer. A process started from a script's background job
@@ -290,6 +293,12 @@ def run_chat(bot: Bot, system: str | None, debug: bool, out: Console, err: Conso
             line = sys.stdin.readline()
             return line.rstrip("\n") if line else None
 
+    chat_loop(app, read_line)
+    err.print("bye")
+
+
+def chat_loop(app: ChatApp, read_line) -> None:
+    """Read messages and commands with read_line(prompt) (None: end of input) until /exit."""
     while True:
         try:
             text = _read_message(read_line)
@@ -307,4 +316,5 @@ def run_chat(bot: Bot, system: str | None, debug: bool, out: Console, err: Conso
             app.ask(text)
         except KeyboardInterrupt:
             app.interrupted_outside_stream()
-    err.print("bye")
+        except UserError as exc:  # the commands report their own; this catches what an answer raises
+            app.error(str(exc))
