@@ -223,3 +223,23 @@ def test_quantized_weights_load_on_the_chosen_device():
     assert placement(LoadSpec(load_in_8bit=True), torch.device("cpu")) == {"device_map": {"": "cpu"}}
     assert placement(LoadSpec(), gpu1) == {}  # moved with .to() after loading
     assert placement(LoadSpec(load_in_4bit=True, device_map="auto"), gpu1) == {"device_map": "auto"}
+
+
+def test_mask_probe_verdict_is_remembered_per_folder(tmp_path, monkeypatch):
+    """A local folder's 'honours a 4D mask' verdict is kept in the cache and found again, and a
+    change to the folder's files asks again (the probe is three forward passes at every start)."""
+    from test_cli import tiny_model_folder
+    from tiny_models import tiny_tokenizer
+
+    from ladechat.engine.gguf import cache_root
+    from ladechat.engine.loading import honours_tree_mask, load
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    folder = tiny_model_folder(tmp_path / "model", tiny_tokenizer())
+    model = load(LoadSpec(model=str(folder), dtype="float32", device="cpu")).model
+    verdicts = cache_root() / "mask-probe"
+    assert len(list(verdicts.iterdir())) == 1
+    assert honours_tree_mask(model, str(folder), "sdpa") and len(list(verdicts.iterdir())) == 1  # found again
+    (folder / "config.json").write_text((folder / "config.json").read_text() + " ")
+    assert honours_tree_mask(model, str(folder), "sdpa") and len(list(verdicts.iterdir())) == 2  # asked again
+    assert honours_tree_mask(model, None, "sdpa") and len(list(verdicts.iterdir())) == 2  # hub ids: never kept

@@ -9,7 +9,6 @@ from rich.cells import cell_len
 from rich.console import Console
 from rich.markup import escape
 from rich.control import Control
-from rich.markdown import Markdown
 from rich.segment import ControlType
 from rich.panel import Panel
 from rich.table import Table
@@ -77,6 +76,8 @@ class StreamPrinter:
         codes = [(ControlType.CARRIAGE_RETURN,), (ControlType.ERASE_IN_LINE, 2)]
         codes += [(ControlType.CURSOR_UP, 1), (ControlType.ERASE_IN_LINE, 2)] * (rows - 1)
         self.out.control(Control(*codes))
+        from rich.markdown import Markdown  # markdown-it and pygments: only for an answer that has blocks
+
         self.out.print(Markdown(self.detok.text.strip("\n")))
 
     @property
