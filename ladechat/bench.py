@@ -21,6 +21,8 @@ from ladechat.engine.decode import Session, generate
 from ladechat.engine.events import Done
 from ladechat.engine.runner import StaticRunner
 from ladechat.engine.store import AnswerStore
+from ladechat.errors import UserError
+from ladechat.settings import Settings
 
 # lookahead-full: every step carries the whole window and all candidates (no sizing from the
 # step-cost curve), as on a GPU; its compression is what a GPU run would see, on any machine.
@@ -39,7 +41,7 @@ STORE_MODES = ("cold", "warm", "off")
 DATASETS = {"mtbench": "mtbench-dev.jsonl", "humaneval": "humaneval-dev.jsonl", "gsm8k": "gsm8k-dev.jsonl"}
 
 
-class BenchError(ValueError):
+class BenchError(UserError, ValueError):
     pass
 
 
@@ -177,9 +179,14 @@ def _warm_stores(loaded, stores: dict, warm_items: list[dict], measured: list[di
     return len(answers)
 
 
-def run(loaded, datasets: list[str], methods: list[str], la: LookaheadConfig, sampling: SamplingConfig,
-        limit: int | None, template: str | None = None, progress=None, compile: bool = False,
-        single_turn: bool = False, store: str = "cold", warm_from: list[str] | None = None,
+def check_methods(methods: list[str]) -> None:
+    for m in methods:
+        if m not in METHODS:
+            raise BenchError(f"unknown method {m!r} (choose from {', '.join(METHODS)})")
+
+
+def run(loaded, datasets: list[str], methods: list[str], settings: Settings, limit: int | None, progress=None,
+        compile: bool = False, single_turn: bool = False, store: str = "cold", warm_from: list[str] | None = None,
         warm_limit: int | None = None) -> dict:
     """Greedy runs also report whether each method's answers equal HF greedy's, token for token
     (hf always runs, first, as the reference); sampled runs (temperature > 0) cannot, and report
@@ -190,9 +197,8 @@ def run(loaded, datasets: list[str], methods: list[str], la: LookaheadConfig, sa
     method gets its own store of past answers, empty at the start of the run and filled with that
     method's answers as it goes ("cold", what a new user has), filled first with the answers to
     the items of `warm_from` ("warm"), or none ("off")."""
-    for m in methods:
-        if m not in METHODS:
-            raise BenchError(f"unknown method {m!r} (choose from {', '.join(METHODS)})")
+    check_methods(methods)
+    la, sampling, template = settings.lookahead_config(), settings.sampling_config(), settings.template
     methods = ["hf"] + [m for m in dict.fromkeys(methods) if m != "hf"]
     if store not in STORE_MODES:
         raise BenchError(f"unknown store mode {store!r} (choose from {', '.join(STORE_MODES)})")
@@ -203,10 +209,8 @@ def run(loaded, datasets: list[str], methods: list[str], la: LookaheadConfig, sa
     if store == "off":
         la = LookaheadConfig(**{**la.__dict__, "store": False})
     results: dict = {"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."),
-                     "device": str(loaded.device), "max_new_tokens": sampling.max_new_tokens,
-                     "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
-                     "W": la.window, "N": la.ngram, "G": la.candidates, "single_turn": single_turn,
-                     "store": store, "datasets": {}}
+                     "device": str(loaded.device), **settings.as_dict(), "single_turn": single_turn,
+                     "store": store, "datasets": {}}  # store: the mode (cold, warm, off), not the setting
     results["compiled"] = compile
     step_cost = loaded.cost_model()
     runners = {m: StaticRunner(loaded.model, method_config(m, la), loaded.context_length, compile=True)

@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from ladechat.conversation import Conversation
-from ladechat.engine.config import ConfigError, LookaheadConfig, SamplingConfig
+from ladechat.engine.config import ConfigError
 from ladechat.engine.events import Done, Step
+from ladechat.settings import Settings
 
-# Notice, Piece and Settings are imported by front ends that run no model (`--api`): torch and
+# Notice, Piece and Backend are imported by front ends that run no model (`--api`): torch and
 # transformers are imported only where a Bot is built.
 if TYPE_CHECKING:
     from ladechat.engine.loading import LoadedModel
@@ -32,36 +33,6 @@ class Piece:
     text: str
     parallel: bool = False
     step: Step | None = None
-
-
-@dataclass(frozen=True)
-class Settings:
-    lookahead: LookaheadConfig
-    sampling: SamplingConfig
-    template: str | None = None
-
-    def __post_init__(self) -> None:
-        if not (self.template is None or isinstance(self.template, str)):
-            raise ConfigError(f"template must be a template name or null, got {self.template!r}")
-
-    def as_dict(self) -> dict:
-        la, s = self.lookahead, self.sampling
-        return {"lookahead": la.enabled, "store": la.store, "W": la.window, "N": la.ngram, "G": la.candidates,
-                "max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
-                "top_k": s.top_k, "min_p": s.min_p, "repetition_penalty": s.repetition_penalty, "seed": s.seed,
-                "stop": list(s.stop), "template": self.template}
-
-    def updated(self, values: dict) -> Settings:
-        """New settings from a dict of the keys as_dict uses (unknown keys are ignored; ConfigError
-        for a value of the wrong type or out of range)."""
-        la_keys = {"lookahead": "enabled", "store": "store", "W": "window", "N": "ngram", "G": "candidates"}
-        la = {la_keys[k]: v for k, v in values.items() if k in la_keys}
-        s = {k: v for k, v in values.items() if k in SamplingConfig.__dataclass_fields__}
-        if isinstance(s.get("stop"), list):  # JSON has lists only; the config keeps a tuple
-            s["stop"] = tuple(s["stop"])
-        template = values.get("template", self.template)
-        return replace(self, lookahead=replace(self.lookahead, **la), sampling=replace(self.sampling, **s),
-                       template=template)
 
 
 def prompt_budget(context_length: int, max_new_tokens: int) -> int:
@@ -105,12 +76,13 @@ class Bot:
         self.compiled = compile
         self.store_root = store_root
         self.notices: list[str] = []  # shown before the next answer
-        store = self._open_store() if settings.lookahead.store else None
+        la = settings.lookahead_config()
+        store = self._open_store() if la.store else None
         if compile:
-            runner = StaticRunner(loaded.model, settings.lookahead, loaded.context_length, compile=True)
-            self.session = Session(loaded.model, settings.lookahead, runner=runner, store=store)
+            runner = StaticRunner(loaded.model, la, loaded.context_length, compile=True)
+            self.session = Session(loaded.model, la, runner=runner, store=store)
         else:
-            self.session = Session(loaded.model, settings.lookahead, step_cost=loaded.cost_model(), store=store)
+            self.session = Session(loaded.model, la, step_cost=loaded.cost_model(), store=store)
 
     def _open_store(self):
         from ladechat.engine.store import AnswerStore, StoreError, store_path
@@ -141,8 +113,8 @@ class Bot:
             resolve(self.loaded.tokenizer, settings.template)
         except TemplateError as exc:
             raise ConfigError(str(exc)) from None
-        self.session.configure(settings.lookahead)  # first: it may refuse W/N/G
-        if settings.lookahead.store and self.session.store is None:
+        self.session.configure(settings.lookahead_config())  # first: it may refuse W/N/G
+        if settings.store and self.session.store is None:
             self.session.store = self._open_store()
         self.settings = settings
 
@@ -181,7 +153,7 @@ class Bot:
         self.session.warm_up()
 
     def prompt_ids(self, conversation: Conversation) -> tuple[list[int], int]:
-        budget = prompt_budget(self.loaded.context_length, self.settings.sampling.max_new_tokens)
+        budget = prompt_budget(self.loaded.context_length, self.settings.max_new_tokens)
         return conversation.encode(self.loaded.tokenizer, self.settings.template, budget)
 
     def reply(self, conversation: Conversation) -> Iterator[Notice | Step | Done]:
@@ -194,7 +166,7 @@ class Bot:
             yield Notice(f"the conversation no longer fits the model's context: dropped the oldest "
                          f"{dropped} message{'s' if dropped > 1 else ''}")
         room = self.loaded.context_length - len(ids)
-        sampling = self.settings.sampling
+        sampling = self.settings.sampling_config()
         if sampling.max_new_tokens > room:
             sampling = replace(sampling, max_new_tokens=room)
         from ladechat.engine.decode import generate

@@ -12,15 +12,15 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ladechat.engine.config import ConfigError, LookaheadConfig, SamplingConfig
+from ladechat.errors import UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, rich_markup_mode=None,
                   pretty_exceptions_enable=False,
                   help="Chat with a local LLM in the terminal, faster with lookahead decoding.")
 
 
-class Fail(Exception):
-    """A one-line error for the user; exit status 1."""
+class Fail(UserError):
+    """A flag the command line itself refuses (one line, exit status 1)."""
 
 
 # Options shared by chat, ask and bench. Each is declared once here and reused.
@@ -29,6 +29,9 @@ Lookahead = Annotated[bool, typer.Option("--lookahead/--no-lookahead", help="Loo
 Window = Annotated[Optional[int], typer.Option("--window", "-W", help="Lookahead window width W (default: chosen for the device).")]
 Ngram = Annotated[Optional[int], typer.Option("--ngram", "-N", help="n-gram size N (>= 2).")]
 Cands = Annotated[Optional[int], typer.Option("--candidates", "-G", help="Candidate n-grams verified per step and kept per key, G (>= 0).")]
+ContextCands = Annotated[Optional[int], typer.Option("--context-candidates", help="Continuations found by matching the conversation's last tokens, tried per step (default: chosen for the device).")]
+ContextLen = Annotated[Optional[int], typer.Option("--context-len", help="Tokens one such context continuation proposes.")]
+Recycle = Annotated[Optional[int], typer.Option("--recycle", help="Most draft nodes per step from the model's recycled top-k (0: none).")]
 MaxNew = Annotated[int, typer.Option("--max-new-tokens", help="Most tokens in one answer.")]
 Temperature = Annotated[Optional[float], typer.Option("--temperature", "-t", help="Sampling temperature; 0 is greedy.")]
 TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling: keep the smallest set of tokens with this much probability.")]
@@ -55,6 +58,7 @@ ApiKey = Annotated[str | None, typer.Option("--api-key", envvar=["LADECHAT_API_K
 # Options about loading a model here: refused with --api (the server loaded its model).
 LOCAL_ONLY = ("dtype", "device", "load_in_4bit", "load_in_8bit", "device_map", "max_memory", "attn", "template", "compile")
 REMOTE_SETTINGS = {"lookahead": "lookahead", "window": "W", "ngram": "N", "candidates": "G",
+                   "context_candidates": "context_candidates", "context_len": "context_len", "recycle": "recycle",
                    "max_new_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
                    "min_p": "min_p", "repetition_penalty": "repetition_penalty", "seed": "seed", "stop": "stop"}
 
@@ -67,50 +71,36 @@ def stderr_console() -> Console:
     return Console(stderr=True, no_color=bool(os.environ.get("NO_COLOR")) or None, highlight=False)
 
 
-def _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, min_p,
-              repetition_penalty, seed, template, loaded=None, default_temperature: float = 0.0,
-              stop: list[str] | None = None, store: bool = True):
-    """Validated settings; W/N/G left unset take the device's defaults (on a GPU, from the loaded
-    model's measured step-cost curve). loaded=None: validate the flags before loading."""
-    from ladechat.bot import Settings
+def _settings(flags: dict, loaded=None, default_temperature: float = 0.0):
+    """Settings (ladechat.settings) from a command's parameters: those named like a setting and
+    given (not None). What is not given takes the device's defaults (on a GPU, W/N/G from the loaded
+    model's measured step-cost curve) and default_temperature. loaded=None: check the flags before
+    loading. ConfigError or TemplateError (one line) for a bad value."""
     from ladechat.engine.defaults import default_lookahead
-    from ladechat.templates import TemplateError, resolve
+    from ladechat.settings import Settings, keys
+    from ladechat.templates import resolve
 
-    try:
-        resolve(loaded.tokenizer if loaded is not None else None, template)
-    except TemplateError as exc:
-        raise Fail(str(exc)) from None
+    given = {name: value for name, value in flags.items() if name in keys() and value is not None}
+    if given.get("stop") is not None:
+        given["stop"] = [text for text in given["stop"] if text]
     device_type = loaded.device.type if loaded is not None else "cpu"
     base = default_lookahead(device_type, loaded.step_cost() if device_type == "cuda" else None)
-    try:
-        la = LookaheadConfig(
-            window=base.window if window is None else window, ngram=base.ngram if ngram is None else ngram,
-            candidates=base.candidates if candidates is None else candidates,
-            context_candidates=base.context_candidates, context_len=base.context_len, enabled=lookahead, store=store)
-        sampling = SamplingConfig(
-            max_new_tokens=max_new_tokens, temperature=default_temperature if temperature is None else temperature,
-            top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
-            stop=tuple(s for s in (stop or ()) if s))
-    except ConfigError as exc:
-        raise Fail(str(exc)) from None
-    return Settings(lookahead=la, sampling=sampling, template=template)
+    settings = Settings.for_lookahead(base, temperature=default_temperature).updated(given)
+    resolve(loaded.tokenizer if loaded is not None else None, settings.template)
+    return settings
 
 
 def _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, err: Console, max_memory=None):
-    from ladechat.engine.gguf import ModelNotFound
-    from ladechat.engine.loading import LoadError, LoadSpec, load, parse_max_memory, resolve_device, resolve_dtype
+    from ladechat.engine.loading import LoadSpec, load, parse_max_memory, resolve_device, resolve_dtype
 
     def progress(message: str) -> AbstractContextManager:
         return err.status(message, spinner="dots")
 
-    try:
-        spec = LoadSpec(model=model, dtype=dtype, device=device, attn=attn, load_in_4bit=load_in_4bit,
-                        load_in_8bit=load_in_8bit, device_map=device_map,
-                        max_memory=parse_max_memory(max_memory) if max_memory is not None else ())
-        resolve_dtype(dtype, resolve_device(device))  # flag errors before any slow import
-        loaded = load(spec, progress)
-    except (LoadError, ModelNotFound) as exc:
-        raise Fail(str(exc)) from None
+    spec = LoadSpec(model=model, dtype=dtype, device=device, attn=attn, load_in_4bit=load_in_4bit,
+                    load_in_8bit=load_in_8bit, device_map=device_map,
+                    max_memory=parse_max_memory(max_memory) if max_memory is not None else ())
+    resolve_dtype(dtype, resolve_device(device))  # flag errors before any slow import
+    loaded = load(spec, progress)
     for notice in loaded.notices:
         # soft_wrap: a notice stays one line in a pipe or a log (the terminal wraps it on screen)
         err.print(f"[yellow]notice:[/] {escape(notice)}", highlight=False, soft_wrap=True)
@@ -121,21 +111,18 @@ def _bot(loaded, settings, compile: bool, err: Console):
     from ladechat.bot import Bot
     from ladechat.engine.gguf import cache_root
 
-    try:
-        bot = Bot(loaded, settings, compile=compile, store_root=cache_root())
-        if compile:
-            with err.status("compiling the decoding steps (once per W/N/G)", spinner="dots"):
-                bot.warm_up()
-    except ConfigError as exc:
-        raise Fail(str(exc)) from None
+    bot = Bot(loaded, settings, compile=compile, store_root=cache_root())
+    if compile:
+        with err.status("compiling the decoding steps (once per W/N/G)", spinner="dots"):
+            bot.warm_up()
     return bot
 
 
 def _remote_bot(ctx: typer.Context, api: str, api_key: str | None, defaults: dict | None = None):
     """A RemoteBot for --api URL with the settings the user gave on the command line (`defaults`:
     the command's own choices, sent as if given)."""
-    from ladechat.bot import Settings
-    from ladechat.remote import Endpoint, RemoteBot, RemoteError
+    from ladechat.remote import Endpoint, RemoteBot
+    from ladechat.settings import Settings
 
     # typer vendors its own click: its ParameterSource is compared by name
     given = {name for name in ctx.params
@@ -145,20 +132,15 @@ def _remote_bot(ctx: typer.Context, api: str, api_key: str | None, defaults: dic
     for name in LOCAL_ONLY:
         if name in given:
             raise Fail(f"--{name.replace('_', '-')} is about loading a model here; with --api the server has loaded it")
-    values = {key: ctx.params[name] for name, key in REMOTE_SETTINGS.items()}
+    values = {key: ctx.params[name] for name, key in REMOTE_SETTINGS.items() if name in ctx.params}
     values["stop"] = [s for s in values["stop"] or [] if s]
     chosen = {REMOTE_SETTINGS[name] for name in given if name in REMOTE_SETTINGS} | {"max_new_tokens"}
     for key, value in (defaults or {}).items():
         if key not in chosen:
             values[key] = value
             chosen.add(key)
-    try:
-        Settings(LookaheadConfig(), SamplingConfig()).updated({k: values[k] for k in chosen})  # before connecting
-        return RemoteBot(Endpoint.of(api, api_key), ctx.params["model"], values, chosen)
-    except ConfigError as exc:
-        raise Fail(str(exc)) from None
-    except RemoteError as exc:
-        raise Fail(str(exc)) from None
+    Settings().updated({k: values[k] for k in chosen})  # ConfigError before connecting
+    return RemoteBot(Endpoint.of(api, api_key), ctx.params["model"], values, chosen)
 
 
 def _quiet_libraries() -> None:
@@ -171,7 +153,8 @@ def _quiet_libraries() -> None:
 
 @app.callback(invoke_without_command=True)
 def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = True, window: Window = None,
-         ngram: Ngram = None, candidates: Cands = None, max_new_tokens: MaxNew = 1024,
+         ngram: Ngram = None, candidates: Cands = None, context_candidates: ContextCands = None,
+         context_len: ContextLen = None, recycle: Recycle = None, max_new_tokens: MaxNew = 1024,
          temperature: Temperature = None, top_p: TopP = 1.0, top_k: TopK = 0, min_p: MinP = 0.0,
          repetition_penalty: RepPenalty = 1.0, seed: Seed = None, dtype: Dtype = "auto", device: Device = "auto",
          load_in_4bit: FourBit = False, load_in_8bit: EightBit = False, device_map: DeviceMap = None,
@@ -179,6 +162,7 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = True, w
          compile: Compile = False, store: Store = True, markdown: Markdown = True, debug: Debug = False,
          api: Api = None, api_key: ApiKey = None) -> None:
     """Interactive multi-turn chat (the default command). Type /help inside for commands."""
+    flags = dict(locals())  # the parameters named like a setting become Settings (see _settings)
     if ctx.invoked_subcommand is not None:
         return
     from ladechat.ui.chat import run_chat
@@ -188,24 +172,19 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = True, w
         run_chat(_remote_bot(ctx, api, api_key), system=system, debug=debug, markdown=markdown, out=stdout_console(),
                  err=err)
         return
-    # Validate every flag before the (slow) model load.
-    _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, min_p,
-              repetition_penalty, seed, template, stop=stop)
-    _, bot = _chat_bot(ctx.params, err)
+    _settings(flags)  # every flag checked before the (slow) model load
+    _, bot = _chat_bot(flags, err)
     run_chat(bot, system=system, debug=debug, markdown=markdown, out=stdout_console(), err=err)
 
 
-def _chat_bot(p: dict, err: Console):
+def _chat_bot(flags: dict, err: Console):
     """(settings, Bot) from the chat's options (also serve's): the model loaded, W/N/G for its
     device, the model's own temperature when it samples."""
     _quiet_libraries()
-    loaded = _load(p["model"], p["dtype"], p["device"], p["attn"], p["load_in_4bit"], p["load_in_8bit"],
-                   p["device_map"], err, p["max_memory"])
-    settings = _settings(p["lookahead"], p["window"], p["ngram"], p["candidates"], p["max_new_tokens"],
-                         p["temperature"], p["top_p"], p["top_k"], p["min_p"], p["repetition_penalty"], p["seed"],
-                         p["template"], loaded, default_temperature=_model_temperature(loaded), stop=p["stop"],
-                         store=p["store"])
-    return settings, _bot(loaded, settings, p["compile"], err)
+    loaded = _load(flags["model"], flags["dtype"], flags["device"], flags["attn"], flags["load_in_4bit"],
+                   flags["load_in_8bit"], flags["device_map"], err, flags["max_memory"])
+    settings = _settings(flags, loaded, default_temperature=_model_temperature(loaded))
+    return settings, _bot(loaded, settings, flags["compile"], err)
 
 
 def _model_temperature(loaded) -> float:
@@ -219,7 +198,8 @@ def _model_temperature(loaded) -> float:
 @app.command()
 def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help="The question; '-' or a pipe reads it from stdin.")] = None,
         model: Model = None, lookahead: Lookahead = True, window: Window = None, ngram: Ngram = None,
-        candidates: Cands = None, max_new_tokens: MaxNew = 512, temperature: Temperature = None,
+        candidates: Cands = None, context_candidates: ContextCands = None, context_len: ContextLen = None,
+        recycle: Recycle = None, max_new_tokens: MaxNew = 512, temperature: Temperature = None,
         top_p: TopP = 1.0, top_k: TopK = 0, min_p: MinP = 0.0, repetition_penalty: RepPenalty = 1.0,
         seed: Seed = None, dtype: Dtype = "auto", device: Device = "auto", load_in_4bit: FourBit = False,
         load_in_8bit: EightBit = False, device_map: DeviceMap = None, max_memory: MaxMemory = None,
@@ -228,8 +208,9 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
         store: Store = True, markdown: Markdown = True, debug: Debug = False, as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, token_ids, stats) instead of streaming.")] = False,
         api: Api = None, api_key: ApiKey = None) -> None:
     """One-shot answer to PROMPT, streamed to stdout (greedy unless --temperature is given)."""
+    flags = dict(locals())  # the parameters named like a setting become Settings (see _settings)
     from ladechat.bot import Notice, Piece
-    from ladechat.conversation import Conversation, ConversationError
+    from ladechat.conversation import Conversation
     from ladechat.engine.events import Done
     from ladechat.ui.stream import debug_panel
 
@@ -238,13 +219,10 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
     if api is not None:
         bot = _remote_bot(ctx, api, api_key, defaults={"temperature": 0.0})  # greedy unless --temperature
     else:
-        # Validate every flag before the (slow) model load.
-        _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, min_p,
-                  repetition_penalty, seed, template)
+        _settings(flags)  # every flag checked before the (slow) model load
         _quiet_libraries()
         loaded = _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, err, max_memory)
-        settings = _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, min_p,
-                             repetition_penalty, seed, template, loaded, stop=stop, store=store)
+        settings = _settings(flags, loaded)
         bot = _bot(loaded, settings, compile, err)
     conversation = Conversation(system=system, messages=[{"role": "user", "content": text}])
     out = stdout_console()
@@ -259,9 +237,7 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
                 printer.handle(event)
             elif isinstance(event, Piece):
                 pieces.append(event.text)
-    except ConversationError as exc:
-        raise Fail(str(exc)) from None
-    except Exception as exc:  # out of memory, a server gone
+    except Exception as exc:  # out of memory, a server gone (a UserError goes on to main())
         message = bot.failure(exc)
         if message is None:
             raise
@@ -311,13 +287,15 @@ def serve(ctx: typer.Context, host: Annotated[str, typer.Option("--host", help="
           max_queue: Annotated[int, typer.Option("--max-queue", help="Requests that may wait while one runs; more get 503 with Retry-After.")] = 16,
           served_model_name: Annotated[str | None, typer.Option("--served-model-name", help="The model name clients ask for (default: the model's).")] = None,
           model: Model = None, lookahead: Lookahead = True, window: Window = None, ngram: Ngram = None,
-          candidates: Cands = None, max_new_tokens: MaxNew = 1024, temperature: Temperature = None,
+          candidates: Cands = None, context_candidates: ContextCands = None, context_len: ContextLen = None,
+          recycle: Recycle = None, max_new_tokens: MaxNew = 1024, temperature: Temperature = None,
           top_p: TopP = 1.0, top_k: TopK = 0, min_p: MinP = 0.0, repetition_penalty: RepPenalty = 1.0,
           seed: Seed = None, dtype: Dtype = "auto", device: Device = "auto", load_in_4bit: FourBit = False,
           load_in_8bit: EightBit = False, device_map: DeviceMap = None, max_memory: MaxMemory = None,
           attn: Attn = "sdpa", template: Template = None, stop: Stop = None, compile: Compile = False,
           store: Store = True) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions), with lookahead decoding."""
+    flags = dict(locals())  # the parameters named like a setting become Settings (see _settings)
     from ladechat import server
 
     err = stderr_console()
@@ -327,21 +305,19 @@ def serve(ctx: typer.Context, host: Annotated[str, typer.Option("--host", help="
         raise Fail(f"--max-queue must be >= 0, got {max_queue}")
     if api_key is not None and not api_key.strip():
         raise Fail("--api-key is empty")
-    _settings(lookahead, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, min_p,
-              repetition_penalty, seed, template, stop=stop)
+    _settings(flags)  # every flag checked before the (slow) model load
     try:
         sock = server.bind(host, port)
     except OSError as exc:
         raise Fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    settings, bot = _chat_bot(ctx.params, err)
+    settings, bot = _chat_bot(flags, err)
     model_id = served_model_name or model or bot.name.split(" (")[0]
     api = server.Api(bot, settings, server.ServeConfig(model_id=model_id, api_key=api_key, max_queue=max_queue),
                      log=lambda line: err.print(line, markup=False, highlight=False, soft_wrap=True))
     bound_host, bound_port = sock.getsockname()[:2]
     url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
-    la = settings.lookahead
-    err.print(f"ladechat serve · {bot.describe()} as {model_id!r} · lookahead {'on' if la.enabled else 'off'} "
-              f"(W={la.window} N={la.ngram} G={la.candidates}) · http://{url_host}:{bound_port}/v1"
+    err.print(f"ladechat serve · {bot.describe()} as {model_id!r} · lookahead {'on' if settings.lookahead else 'off'} "
+              f"(W={settings.window} N={settings.ngram} G={settings.candidates}) · http://{url_host}:{bound_port}/v1"
               f"{' · key required' if api_key else ''} · Ctrl-C stops", markup=False, highlight=False, soft_wrap=True)
     server.run(api.app(), sock)
 
@@ -365,6 +341,7 @@ def bench(dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Pr
           ablation: Annotated[bool, typer.Option("--ablation", help="Also run lookahead with each draft source alone (only-context, only-store, only-window, only-recycle) and print the ablation table.")] = False,
           limit: Annotated[Optional[int], typer.Option("--limit", help="Items per dataset (default: all).")] = None,
           model: Model = None, window: Window = None, ngram: Ngram = None, candidates: Cands = None,
+          context_candidates: ContextCands = None, context_len: ContextLen = None, recycle: Recycle = None,
           max_new_tokens: MaxNew = 256, temperature: Temperature = None, top_p: TopP = 1.0, top_k: TopK = 0,
           seed: Seed = 0, dtype: Dtype = "auto", device: Device = "auto", attn: Attn = "sdpa",
           template: Template = None, compile: Compile = False,
@@ -377,6 +354,7 @@ def bench(dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Pr
           api: Annotated[str | None, typer.Option("--api", help="Serving overhead instead: each prompt's first turn answered in this process and through the ladechat serve at URL (same --model and --dtype), alternately.")] = None,
           api_key: ApiKey = None) -> None:
     """Compare HF generate, HF prompt lookup, ladechat plain and lookahead on real prompts, side by side."""
+    flags = dict(locals())  # the parameters named like a setting become Settings (see _settings)
     from ladechat import bench as benchmark
     from ladechat.ui.report import bench_tables
 
@@ -384,31 +362,28 @@ def bench(dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Pr
     if step_cost:
         _step_cost(model, shape, sizes, context, reps, compile, dtype, device, attn, as_json, err)
         return
+    flags.pop("store")  # the bench's --store is a mode (cold, warm, off), not the setting
     if api is not None:
-        _serve_bench(api, api_key, dataset, limit, model, dtype, device, attn, template, as_json, err,
-                     _settings(True, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, 0.0, 1.0,
-                               seed, template))
+        _settings(flags)  # every flag checked before the (slow) model load
+        _serve_bench(api, api_key, dataset, limit, model, dtype, device, attn, as_json, err, flags)
         return
     method_list = [m.strip() for m in methods.split(",") if m.strip()] + (list(benchmark.ONLY) if ablation else [])
-    try:
-        for name in [*dataset, *(warm_from or [])]:
-            benchmark.load_items(name, limit)  # a bad file fails now, not after loading the model
-        if store not in benchmark.STORE_MODES:
-            raise Fail(f"--store must be one of {', '.join(benchmark.STORE_MODES)}, got {store!r}")
-        if (store == "warm") != bool(warm_from):
-            raise Fail("--store warm needs --warm-from (a prompt set to build the store from), and only it")
-        if limit is not None and limit < 1:
-            raise Fail(f"--limit must be >= 1, got {limit}")
-        _quiet_libraries()
-        loaded = _load(model, dtype, device, attn, False, False, None, err)
-        settings = _settings(True, window, ngram, candidates, max_new_tokens, temperature, top_p, top_k, 0.0, 1.0,
-                             seed, template, loaded)
-        results = benchmark.run(loaded, dataset, method_list, settings.lookahead, settings.sampling, limit, template,
-                                compile=compile, single_turn=single_turn, store=store, warm_from=warm_from,
-                                warm_limit=warm_limit,
-                                progress=lambda name, i, n: err.print(f"[dim]{escape(name)}: {i}/{n}[/]", highlight=False))
-    except benchmark.BenchError as exc:
-        raise Fail(str(exc)) from None
+    benchmark.check_methods(method_list)
+    for name in [*dataset, *(warm_from or [])]:
+        benchmark.load_items(name, limit)  # a bad file fails now, not after loading the model
+    if store not in benchmark.STORE_MODES:
+        raise Fail(f"--store must be one of {', '.join(benchmark.STORE_MODES)}, got {store!r}")
+    if (store == "warm") != bool(warm_from):
+        raise Fail("--store warm needs --warm-from (a prompt set to build the store from), and only it")
+    if limit is not None and limit < 1:
+        raise Fail(f"--limit must be >= 1, got {limit}")
+    _settings(flags)  # every flag checked before the (slow) model load
+    _quiet_libraries()
+    loaded = _load(model, dtype, device, attn, False, False, None, err)
+    settings = _settings(flags, loaded)
+    results = benchmark.run(loaded, dataset, method_list, settings, limit, compile=compile, single_turn=single_turn,
+                            store=store, warm_from=warm_from, warm_limit=warm_limit,
+                            progress=lambda name, i, n: err.print(f"[dim]{escape(name)}: {i}/{n}[/]", highlight=False))
     if as_json:
         print(json.dumps(results, indent=2))
     else:
@@ -416,24 +391,19 @@ def bench(dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Pr
             stdout_console().print(table)
 
 
-def _serve_bench(api, api_key, dataset, limit, model, dtype, device, attn, template, as_json, err, flags) -> None:
+def _serve_bench(api, api_key, dataset, limit, model, dtype, device, attn, as_json, err, flags: dict) -> None:
     from ladechat import bench as benchmark
     from ladechat import serve_bench
-    from ladechat.remote import Endpoint, RemoteBot, RemoteError
+    from ladechat.remote import Endpoint, RemoteBot
     from ladechat.ui.report import serve_bench_table
 
-    try:
-        prompts = [item["turns"][0] for name in dataset for item in benchmark.load_items(name, limit)]
-        remote = RemoteBot(Endpoint.of(api, api_key), None, {}, set())
-        _quiet_libraries()
-        loaded = _load(model, dtype, device, attn, False, False, None, err)
-        settings = _settings(flags.lookahead.enabled, flags.lookahead.window, flags.lookahead.ngram,
-                             flags.lookahead.candidates, flags.sampling.max_new_tokens, flags.sampling.temperature,
-                             flags.sampling.top_p, flags.sampling.top_k, 0.0, 1.0, flags.sampling.seed, template, loaded)
-        result = serve_bench.run(loaded, settings, remote, prompts,
-                                 progress=lambda i, n: err.print(f"[dim]{i}/{n}[/]", highlight=False))
-    except (benchmark.BenchError, serve_bench.ServeBenchError, RemoteError, ConfigError) as exc:
-        raise Fail(str(exc)) from None
+    prompts = [item["turns"][0] for name in dataset for item in benchmark.load_items(name, limit)]
+    remote = RemoteBot(Endpoint.of(api, api_key), None, {}, set())
+    _quiet_libraries()
+    loaded = _load(model, dtype, device, attn, False, False, None, err)
+    settings = _settings(flags, loaded)
+    result = serve_bench.run(loaded, settings, remote, prompts,
+                             progress=lambda i, n: err.print(f"[dim]{i}/{n}[/]", highlight=False))
     if as_json:
         print(json.dumps(result, indent=2))
     else:
@@ -442,27 +412,24 @@ def _serve_bench(api, api_key, dataset, limit, model, dtype, device, attn, templ
 
 def _step_cost(model, shape, sizes, context, reps, compile, dtype, device, attn, as_json, err) -> None:
     from ladechat import step_bench
-    from ladechat.engine.loading import LoadError, resolve_device, resolve_dtype
+    from ladechat.engine.loading import resolve_device, resolve_dtype
     from ladechat.ui.report import step_cost_table
 
-    try:
-        size_list = step_bench.parse_sizes(sizes)
-        if context < 1 or reps < 1:
-            raise Fail(f"--context and --reps must be >= 1, got {context} and {reps}")
-        if shape is not None and model is not None:
-            raise Fail("give --model or --shape, not both")
-        _quiet_libraries()
-        if shape is not None:
-            dev = resolve_device(device)
-            with err.status(f"building a random {shape} model on {dev}", spinner="dots"):
-                net, name = step_bench.random_model(shape, resolve_dtype(dtype, dev), dev), f"random {shape}"
-        else:
-            loaded = _load(model, dtype, device, attn, False, False, None, err)
-            net, name = loaded.model, loaded.name
-        with err.status("timing steps" + (" (compiling first)" if compile else ""), spinner="dots"):
-            result = step_bench.run(net, name, size_list, context, reps, compile)
-    except (step_bench.StepBenchError, LoadError) as exc:
-        raise Fail(str(exc)) from None
+    size_list = step_bench.parse_sizes(sizes)
+    if context < 1 or reps < 1:
+        raise Fail(f"--context and --reps must be >= 1, got {context} and {reps}")
+    if shape is not None and model is not None:
+        raise Fail("give --model or --shape, not both")
+    _quiet_libraries()
+    if shape is not None:
+        dev = resolve_device(device)
+        with err.status(f"building a random {shape} model on {dev}", spinner="dots"):
+            net, name = step_bench.random_model(shape, resolve_dtype(dtype, dev), dev), f"random {shape}"
+    else:
+        loaded = _load(model, dtype, device, attn, False, False, None, err)
+        net, name = loaded.model, loaded.name
+    with err.status("timing steps" + (" (compiling first)" if compile else ""), spinner="dots"):
+        result = step_bench.run(net, name, size_list, context, reps, compile)
     if as_json:
         print(json.dumps(result, indent=2))
     else:
@@ -500,9 +467,26 @@ def store_clear(model: Annotated[Optional[str], typer.Option("--model", "-m", he
                            f"({sum(i.answers for i in gone)} answers)")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """The `ladechat` command (argv: its arguments, default sys.argv[1:]). Bad input of any kind
+    (a flag, a value, a file, a model) is one line on stderr, never a traceback: exit status 1,
+    or 2 for a flag that does not parse; 130 after Ctrl-C."""
+    # Every error typer meets parsing the command line derives from its click's ClickException (a
+    # vendored copy in recent typer, click itself in older ones): found from its public BadParameter.
+    parse_error = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
     try:
-        app()
-    except Fail as exc:
-        sys.stderr.write(f"ladechat: error: {exc}\n")  # plain: one line, never wrapped
-        sys.exit(1)
+        code = app(args=argv, prog_name="ladechat", standalone_mode=False)
+    except UserError as exc:
+        _fail(str(exc), 1)
+    except parse_error as exc:  # e.g. --top-k abc, an unknown option
+        _fail(exc.format_message(), exc.exit_code)
+    except typer.Abort:
+        sys.stderr.write("ladechat: interrupted\n")
+        sys.exit(130)
+    sys.exit(code or 0)
+
+
+def _fail(message: str, status: int):
+    # plain write: one line, never wrapped (messages from libraries may span lines)
+    sys.stderr.write("ladechat: error: " + " ".join(message.split()) + "\n")
+    sys.exit(status)

@@ -4,10 +4,12 @@ File format (`/save`, `/load`), version 1:
     {"format": "ladechat-conversation", "version": 1,
      "model": "<name>", "system": "<text or null>",
      "messages": [{"role": "user"|"assistant", "content": "...", "interrupted": false}, ...],
-     "settings": {"lookahead": true, "W": 5, "N": 4, "G": 5, "max_new_tokens": 512,
+     "settings": {"lookahead": true, "W": 5, "N": 4, "G": 5, "context_candidates": 2,
+                  "context_len": 12, "recycle": 16, "max_new_tokens": 512,
                   "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
                   "repetition_penalty": 1.0, "seed": null, "stop": [], "template": null}}
-(files without "stop" or "template" keep the current ones when loaded)
+(the keys and their checks are ladechat.settings.Settings'; a setting missing from a file keeps
+its current value when loaded, and keys this version does not know are ignored)
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ladechat.errors import UserError
+
 FORMAT = "ladechat-conversation"
 
 
-class ConversationError(ValueError):
+class ConversationError(UserError, ValueError):
     pass
 
 

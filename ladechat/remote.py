@@ -20,16 +20,18 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from ladechat.bot import Notice, Piece, Settings
+from ladechat.bot import Notice, Piece
 from ladechat.conversation import Conversation, ConversationError
-from ladechat.engine.config import ConfigError, LookaheadConfig, SamplingConfig
+from ladechat.engine.config import ConfigError, LookaheadConfig
 from ladechat.engine.events import Done, Stats, Step
+from ladechat.errors import UserError
+from ladechat.settings import Settings, keys
 
-LOOKAHEAD_KEYS = ("lookahead", "W", "N", "G")
+LOOKAHEAD_KEYS = ("lookahead", "W", "N", "G", "context_candidates", "context_len", "recycle")
 SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop")
 
 
-class RemoteError(Exception):
+class RemoteError(UserError):
     """The server cannot be used or failed; the message is one line."""
 
 
@@ -74,12 +76,13 @@ class RemoteBot:
         info = card.get("ladechat") if isinstance(card.get("ladechat"), dict) else None
         self.stats_reported = info is not None  # ladechat serve
         self.info = info or {}  # ladechat serve's account of itself (model, settings, context_length)
-        defaults = Settings(LookaheadConfig(enabled=info is not None), SamplingConfig())
+        defaults = Settings.for_lookahead(LookaheadConfig(enabled=info is not None))
         try:
             if info is not None:
-                defaults = defaults.updated(info.get("settings") or {})
+                served = info.get("settings") if isinstance(info.get("settings"), dict) else {}
+                defaults = defaults.updated({k: v for k, v in served.items() if k in keys()})  # a newer server's extras: ignored
             elif given & set(LOOKAHEAD_KEYS):
-                raise ConfigError(self._not_ladechat("lookahead, -W, -N and -G"))
+                raise ConfigError(self._not_ladechat("lookahead, -W, -N, -G, --context-candidates, --context-len and --recycle"))
             self.settings = defaults.updated({k: v for k, v in settings.items() if k in given})
         except ConfigError as exc:
             raise RemoteError(str(exc)) from None
@@ -97,7 +100,7 @@ class RemoteBot:
         if "store" in changed:
             raise ConfigError(self._store_is_the_servers())
         if not self.stats_reported and changed & set(LOOKAHEAD_KEYS):
-            raise ConfigError(self._not_ladechat("/lookahead and W, N, G"))
+            raise ConfigError(self._not_ladechat("/lookahead, W, N, G, context_candidates, context_len and recycle"))
         self.given |= changed
         self.settings = settings
 
@@ -278,7 +281,6 @@ class _Run:
         total = time.perf_counter() - self.start
         if self.stats is not None and self.finish != "interrupted":
             return Done(self.tokens, stats_of(self.stats))
-        la = settings.lookahead
         if self.steps:  # ladechat serve, cut short: the statistics of the steps that arrived
             steps = self.steps
             histogram = Counter(len(s.tokens) for s in steps)
@@ -290,7 +292,7 @@ class _Run:
                 ttft_s=self.ttft, decode_s=decode, total_s=total, accepted_histogram=dict(histogram),
                 accepted_by_position=tuple(depth[d] for d in range(max(depth, default=-1) + 1)),
                 source_counts=dict(sources), pool_size=0, mean_fed=sum(s.fed for s in steps) / len(steps),
-                lookahead=la.enabled, window=la.window, ngram=la.ngram, candidates=la.candidates,
+                lookahead=settings.lookahead, window=settings.window, ngram=settings.ngram, candidates=settings.candidates,
                 finish_reason=self.finish or "interrupted"))
         usage = self.usage or {}
         new = usage.get("completion_tokens") if isinstance(usage.get("completion_tokens"), int) else self.chunks

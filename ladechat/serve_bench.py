@@ -13,13 +13,15 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from ladechat.bot import Bot, Settings
+from ladechat.bot import Bot
 from ladechat.conversation import Conversation
 from ladechat.engine.events import Done
+from ladechat.errors import UserError
 from ladechat.remote import RemoteBot
+from ladechat.settings import Settings
 
 
-class ServeBenchError(ValueError):
+class ServeBenchError(UserError, ValueError):
     pass
 
 

@@ -9,7 +9,8 @@ conversation that extends the previous one prefills only its new tokens). At mos
 wait; more get 503 with Retry-After. A client that goes away stops its generation at the next step.
 
 Extensions that standard clients ignore (request and response objects get a "ladechat" key):
-    request:  {"ladechat": {"lookahead": false, "W": 4, "N": 3, "G": 2}}
+    request:  {"ladechat": {"lookahead": false, "W": 4, "N": 3, "G": 2}} (also context_candidates,
+              context_len, recycle)
               top-level "top_k", "min_p", "repetition_penalty" as vLLM takes them
     chunk:    {"ladechat": {"segments": [["text", true], ...], "tokens": [..], "guessed": [..],
                             "source": "pool", "fed": 12, "seconds": 0.031}}
@@ -41,11 +42,12 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from ladechat import __version__, templates
-from ladechat.bot import Notice, Settings, prompt_budget
+from ladechat.bot import Notice, prompt_budget
 from ladechat.conversation import Conversation
 from ladechat.detok import Detokenizer
 from ladechat.engine.config import ConfigError
 from ladechat.engine.events import Done, Step
+from ladechat.settings import Settings
 
 MAX_BODY = 8 * 1024 * 1024  # bytes of JSON in one request
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "interrupted": "stop"}
@@ -100,6 +102,9 @@ class Extension(BaseModel):
     W: int | None = None
     N: int | None = None
     G: int | None = None
+    context_candidates: int | None = None
+    context_len: int | None = None
+    recycle: int | None = None
 
 
 class ChatRequest(BaseModel):
@@ -183,9 +188,9 @@ def settings_of(base: Settings, req: ChatRequest) -> Settings:
     values = {"max_new_tokens": req.max_completion_tokens or req.max_tokens, "temperature": req.temperature,
               "top_p": req.top_p, "top_k": None if req.top_k is None else max(req.top_k, 0), "min_p": req.min_p,
               "repetition_penalty": req.repetition_penalty, "seed": req.seed,
-              "lookahead": ext.lookahead, "W": ext.W, "N": ext.N, "G": ext.G}
+              **ext.model_dump()}
     values = {k: v for k, v in values.items() if v is not None}
-    values["stop"] = list(base.sampling.stop) + [s for s in stop if s]
+    values["stop"] = list(base.stop) + [s for s in stop if s]
     try:
         return base.updated(values)
     except ConfigError as exc:
@@ -402,7 +407,7 @@ class Api:
             ids = templates.encode(self.tokenizer, conversation.chat_messages(), settings.template)
         except templates.TemplateError as exc:
             raise ApiError(400, str(exc), param="messages") from None
-        budget = prompt_budget(self.context_length, settings.sampling.max_new_tokens)
+        budget = prompt_budget(self.context_length, settings.max_new_tokens)
         if len(ids) > budget:
             raise ApiError(413, f"the prompt is {len(ids)} tokens, more than the {budget} that fit in the model's "
                                 f"context of {self.context_length} (after room for the answer)",
@@ -414,7 +419,7 @@ class Api:
                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra}
 
     async def stream(self, job: Job, rid: str, include_usage: bool):
-        text = TextStream(self.tokenizer, job.settings.sampling.stop)
+        text = TextStream(self.tokenizer, job.settings.stop)
         yield {"data": _json(self.chunk(rid, {"role": "assistant", "content": ""}))}
         try:
             async for event in job.events():
@@ -446,7 +451,7 @@ class Api:
                 pass
             job.stop.set()
 
-        text = TextStream(self.tokenizer, job.settings.sampling.stop)
+        text = TextStream(self.tokenizer, job.settings.stop)
         done = failed = None
         async with anyio.create_task_group() as group:
             group.start_soon(watch)

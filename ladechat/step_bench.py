@@ -20,6 +20,7 @@ import torch
 from ladechat.engine.config import LookaheadConfig
 from ladechat.engine.layout import build_layout
 from ladechat.engine.runner import DynamicRunner, StaticRunner
+from ladechat.errors import UserError
 
 SIZES = (1, 8, 16, 32, 64, 128, 256)
 LEVELS = 4  # N = 5
@@ -31,7 +32,7 @@ SHAPES = {  # Llama-architecture shapes: hidden, intermediate, layers, heads, kv
 }
 
 
-class StepBenchError(ValueError):
+class StepBenchError(UserError, ValueError):
     pass
 
 

@@ -8,14 +8,14 @@ import pytest
 from rich.console import Console
 from tiny_models import tiny_loaded
 
-from ladechat.bot import Bot, Settings
+from ladechat.bot import Bot
 from ladechat.conversation import Conversation, ConversationError
-from ladechat.engine.config import LookaheadConfig, SamplingConfig
+from ladechat.settings import Settings
 from ladechat.ui.chat import ChatApp
 
 
 def chat_app(loaded, system=None, max_new_tokens=24):
-    settings = Settings(LookaheadConfig(window=2, ngram=3, candidates=1), SamplingConfig(max_new_tokens=max_new_tokens))
+    settings = Settings(window=2, ngram=3, candidates=1, max_new_tokens=max_new_tokens)
     err = io.StringIO()
     return ChatApp(Bot(loaded, settings), system, False, Console(file=io.StringIO()), Console(file=err, width=300)), err
 
@@ -56,14 +56,13 @@ def test_corrupt_or_foreign_load_keeps_the_current_conversation(embedded_fp32, t
     assert "cannot read" in lines[0] and "is not a ladechat conversation file" in lines[1]
     assert "malformed message list" in lines[2] and "bad settings" in lines[3] and "cannot read" in lines[4]
     assert app.conversation.messages == before
-    assert app.bot.settings.lookahead.ngram == 3
+    assert app.bot.settings.ngram == 3
 
 
 def tiny_chat(context_length=1024, max_new_tokens=8, **sampling):
     """A chat on a tiny random Llama (fast: no embedded model)."""
     loaded = tiny_loaded(context_length)
-    settings = Settings(LookaheadConfig(window=2, ngram=3, candidates=1),
-                        SamplingConfig(max_new_tokens=max_new_tokens, **sampling))
+    settings = Settings(window=2, ngram=3, candidates=1, max_new_tokens=max_new_tokens, **sampling)
     err = io.StringIO()
     return ChatApp(Bot(loaded, settings), None, False, Console(file=io.StringIO()), Console(file=err, width=300)), err
 
@@ -93,7 +92,7 @@ def test_load_refuses_settings_of_the_wrong_type(tmp_path, settings, message):
     path = conversation_file(tmp_path / "c.json", [{"role": "user", "content": "other"}], settings)
     assert app.command(f"/load {path}") is True
     assert len(error_lines(err)) == 1 and message in error_lines(err)[0]
-    assert app.conversation.messages == before and app.bot.settings.lookahead.window == 2
+    assert app.conversation.messages == before and app.bot.settings.window == 2
     app.ask("and now?")  # the chat goes on with its own settings
     assert [m["role"] for m in app.conversation.messages] == ["user", "assistant"] * 2
 
@@ -101,7 +100,7 @@ def test_load_refuses_settings_of_the_wrong_type(tmp_path, settings, message):
 def test_save_and_load_keep_stop_and_template(tmp_path):
     app, _ = tiny_chat(stop=("\n\n", "END"))
     app.command("/set w=3 seed=5")
-    app.bot.settings = replace(app.bot.settings, template="chatml")
+    app.command("/set template=chatml")
     app.ask("hi")
     app.command(f"/save {tmp_path / 'c.json'}")
     saved = json.loads((tmp_path / "c.json").read_text())["settings"]
@@ -172,13 +171,13 @@ def test_store_command_toggles_and_clears_the_store(tmp_path):
     from ladechat.engine.store import list_stores
 
     loaded = tiny_loaded()
-    settings = Settings(LookaheadConfig(window=2, ngram=3, candidates=1), SamplingConfig(max_new_tokens=8))
+    settings = Settings(window=2, ngram=3, candidates=1, max_new_tokens=8)
     err = io.StringIO()
     app = ChatApp(Bot(loaded, settings, store_root=tmp_path), None, False, Console(file=io.StringIO()),
                   Console(file=err, width=300))
     app.command("/store off")
     app.ask("hello")
-    assert list_stores(tmp_path) == [] and not app.bot.settings.lookahead.store
+    assert list_stores(tmp_path) == [] and not app.bot.settings.store
     app.command("/store on")
     app.ask("hello again")
     app.ask("and again")
@@ -193,3 +192,6 @@ def test_store_command_toggles_and_clears_the_store(tmp_path):
     assert "error: usage: /store on|off|clear" in screen
     app.ask("after clearing")  # the store is usable again after clear
     assert list_stores(tmp_path)[0].answers == 1
+    app.command("/set store=off")  # /set reaches it too
+    app.ask("not stored")
+    assert not app.bot.settings.store and list_stores(tmp_path)[0].answers == 1

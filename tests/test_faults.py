@@ -7,11 +7,12 @@ import pytest
 import torch
 from rich.console import Console
 
-from ladechat.bot import Bot, Settings
+from ladechat.bot import Bot
 from ladechat.engine import kv
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import OutOfMemory, Session, generate
 from ladechat.engine.events import Done, Step
+from ladechat.settings import Settings
 from ladechat.ui.chat import ChatApp
 from test_exactness import hf_greedy
 from tiny_models import tiny_model
@@ -69,7 +70,7 @@ def chat_app(loaded, fail_on_call=0, error=torch.OutOfMemoryError("CUDA OOM"), o
     if fail_on_call:
         loaded.cost_model()  # measured (and cached) on the real model: the fault belongs to the chat
         loaded = replace(loaded, model=FailsAfterForward(loaded.model, fail_on_call, error))
-    settings = Settings(LookaheadConfig(window=2, ngram=3, candidates=1), SamplingConfig(max_new_tokens=24))
+    settings = Settings(window=2, ngram=3, candidates=1, max_new_tokens=24)
     err = io.StringIO()
     out = Console(file=out_file if out_file is not None else io.StringIO())
     return ChatApp(Bot(loaded, settings), None, False, out, Console(file=err, width=300)), err

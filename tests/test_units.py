@@ -5,7 +5,6 @@ import torch
 from transformers import DynamicCache
 
 from ladechat.engine import kv
-from ladechat.engine.config import ConfigError, LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import verify
 from ladechat.engine.layout import build_layout, step_inputs, tree_layout, tree_mask
 from ladechat.engine.loading import LoadSpec, choose_dtype, placement, resolve_dtype
@@ -113,20 +112,6 @@ def test_stop_rule():
     text = {1: "he", 2: "llo", 3: " wor", 4: "ld"}
     words = StopRule(frozenset(), 100, ("lo w",), decode=lambda ids: "".join(text[i] for i in ids))
     assert words.cut([1], [2, 3, 4]) == (2, "stop")  # the token completing "lo w" is kept, not "ld"
-
-
-def test_config_validation_messages():
-    with pytest.raises(ConfigError, match="N .* >= 2"):
-        LookaheadConfig(ngram=1)
-    with pytest.raises(ConfigError, match="W .* >= 1"):
-        LookaheadConfig(window=0)
-    with pytest.raises(ConfigError, match="G .* >= 0"):
-        LookaheadConfig(candidates=-1)
-    LookaheadConfig(ngram=2, candidates=0, window=1)
-    with pytest.raises(ConfigError, match="max_new_tokens"):
-        SamplingConfig(max_new_tokens=-5)
-    with pytest.raises(ConfigError, match="temperature"):
-        SamplingConfig(temperature=-1)
 
 
 def test_gpu_defaults_follow_the_step_cost_curve():
@@ -301,33 +286,6 @@ def test_cost_model_interpolates_in_cached_length():
     assert model.cost(8, 0) == 2.0  # never below the shortest measured context
 
 
-@pytest.mark.parametrize("make,message", [
-    (lambda: LookaheadConfig(window=2.5), "W (window) must be a whole number, got 2.5"),
-    (lambda: LookaheadConfig(ngram=True), "N (n-gram size) must be a whole number, got True"),
-    (lambda: LookaheadConfig(candidates="3"), "G (candidates) must be a whole number, got '3'"),
-    (lambda: LookaheadConfig(enabled="yes"), "lookahead must be true or false, got 'yes'"),
-    (lambda: SamplingConfig(seed="x"), "seed must be a whole number, got 'x'"),
-    (lambda: SamplingConfig(seed=1.0), "seed must be a whole number, got 1.0"),
-    (lambda: SamplingConfig(max_new_tokens=10.0), "max_new_tokens must be a whole number, got 10.0"),
-    (lambda: SamplingConfig(top_k=False), "top_k must be a whole number, got False"),
-    (lambda: SamplingConfig(temperature="hot"), "temperature must be a number, got 'hot'"),
-    (lambda: SamplingConfig(top_p=None), "top_p must be a number, got None"),
-    (lambda: SamplingConfig(stop=["x"]), "stop must be a list of strings, got ['x']"),
-    (lambda: SamplingConfig(stop=("x", 3)), "stop must be a list of strings, got ('x', 3)"),
-])
-def test_config_checks_types(make, message):
-    """Settings read from a file can have any JSON type; a wrong one is refused with one line."""
-    with pytest.raises(ConfigError) as info:
-        make()
-    assert str(info.value) == message
-
-
-def test_config_accepts_ints_for_floats_and_no_seed():
-    s = SamplingConfig(temperature=1, top_p=1, min_p=0, repetition_penalty=2, seed=None, stop=("a",))
-    assert s.temperature == 1 and s.seed is None
-    assert SamplingConfig(seed=7).seed == 7
-
-
 @pytest.mark.parametrize("name,device_type,native,expected", [
     ("auto", "cuda", True, torch.bfloat16), ("auto", "cuda", False, torch.float16),
     ("auto", "cpu", True, torch.bfloat16), ("auto", "cpu", False, torch.float32), ("auto", "mps", True, torch.float32),
@@ -359,3 +317,23 @@ def test_quantized_weights_load_on_the_chosen_device():
     assert placement(LoadSpec(load_in_8bit=True), torch.device("cpu")) == {"device_map": {"": "cpu"}}
     assert placement(LoadSpec(), gpu1) == {}  # moved with .to() after loading
     assert placement(LoadSpec(load_in_4bit=True, device_map="auto"), gpu1) == {"device_map": "auto"}
+
+
+def test_mask_probe_verdict_is_remembered_per_folder(tmp_path, monkeypatch):
+    """A local folder's 'honours a 4D mask' verdict is kept in the cache and found again, and a
+    change to the folder's files asks again (the probe is three forward passes at every start)."""
+    from test_cli import tiny_model_folder
+    from tiny_models import tiny_tokenizer
+
+    from ladechat.engine.gguf import cache_root
+    from ladechat.engine.loading import honours_tree_mask, load
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    folder = tiny_model_folder(tmp_path / "model", tiny_tokenizer())
+    model = load(LoadSpec(model=str(folder), dtype="float32", device="cpu")).model
+    verdicts = cache_root() / "mask-probe"
+    assert len(list(verdicts.iterdir())) == 1
+    assert honours_tree_mask(model, str(folder), "sdpa") and len(list(verdicts.iterdir())) == 1  # found again
+    (folder / "config.json").write_text((folder / "config.json").read_text() + " ")
+    assert honours_tree_mask(model, str(folder), "sdpa") and len(list(verdicts.iterdir())) == 2  # asked again
+    assert honours_tree_mask(model, None, "sdpa") and len(list(verdicts.iterdir())) == 2  # hub ids: never kept

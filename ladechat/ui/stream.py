@@ -87,7 +87,7 @@ class StreamPrinter:
         codes = [(ControlType.CARRIAGE_RETURN,), (ControlType.ERASE_IN_LINE, 2)]
         codes += [(ControlType.CURSOR_UP, 1), (ControlType.ERASE_IN_LINE, 2)] * (rows - 1)
         self.out.control(Control(*codes))
-        from rich.markdown import Markdown  # markdown-it: imported only when an answer is redrawn
+        from rich.markdown import Markdown  # markdown-it and pygments: only for an answer that has blocks
 
         self.out.print(Markdown(self.text.strip("\n")))
 
