@@ -114,9 +114,9 @@ def test_soak_100_turns(embedded_fp32):
         figures["kv"].append(kv.cache_length(session.cache))
         figures["pool"].append(len(session.pool))
         figures["recycled"].append(len(session.recycled))
-        figures["context"].append(len(session.context.tokens))
+        figures["context"].append(len(session.context))
         assert kv.cache_length(session.cache) == len(session.cached) <= CONTEXT
-        assert len(session.context.tokens) <= CONTEXT
+        assert len(session.context) <= CONTEXT
         if line.startswith("x "):
             assert len(app.conversation.messages) == before  # the refused question is gone, nothing else
 
