@@ -49,6 +49,7 @@ class Backend(Protocol):
     compiled: bool  # configure() then needs warm_up() (compiles)
     name: str  # the model, as /save records it
     stats_reported: bool  # Done carries real decoding statistics (steps, lookahead): /stats, /debug
+    ready: bool  # it answers without waiting (a pending.PendingBot is False while its model loads)
 
     def describe(self) -> str: ...  # the model and where it runs, for the banner and /show
     def configure(self, settings: Settings) -> None: ...  # ConfigError for what it cannot do
@@ -98,6 +99,7 @@ class Bot:
             return AnswerStore(vocab_size=vocab)
 
     stats_reported = True
+    ready = True
 
     @property
     def name(self) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from contextlib import AbstractContextManager
 from typing import Annotated, Optional
 
 import typer
@@ -90,30 +89,35 @@ def _settings(flags: dict, loaded=None, default_temperature: float = 0.0):
     return settings
 
 
-def _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, err: Console, max_memory=None):
-    from ladechat.engine.loading import LoadSpec, load, parse_max_memory, resolve_device, resolve_dtype
+def _spinner(err: Console):
+    """progress(message) for load(): a spinner on stderr while a slow phase runs."""
+    return lambda message: err.status(message, spinner="dots")
 
-    def progress(message: str) -> AbstractContextManager:
-        return err.status(message, spinner="dots")
+
+def _print_notices(notices, err: Console) -> None:
+    for notice in notices:
+        # soft_wrap: a notice stays one line in a pipe or a log (the terminal wraps it on screen)
+        err.print(f"[yellow]notice:[/] {escape(notice)}", highlight=False, soft_wrap=True)
+
+
+def _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, progress, max_memory=None):
+    """The model, loaded with progress(message) shown during slow phases; its notices are the caller's."""
+    from ladechat.engine.loading import LoadSpec, load, parse_max_memory, resolve_device, resolve_dtype
 
     spec = LoadSpec(model=model, dtype=dtype, device=device, attn=attn, load_in_4bit=load_in_4bit,
                     load_in_8bit=load_in_8bit, device_map=device_map,
                     max_memory=parse_max_memory(max_memory) if max_memory is not None else ())
     resolve_dtype(dtype, resolve_device(device))  # flag errors before any slow import
-    loaded = load(spec, progress)
-    for notice in loaded.notices:
-        # soft_wrap: a notice stays one line in a pipe or a log (the terminal wraps it on screen)
-        err.print(f"[yellow]notice:[/] {escape(notice)}", highlight=False, soft_wrap=True)
-    return loaded
+    return load(spec, progress)
 
 
-def _bot(loaded, settings, compile: bool, err: Console):
+def _bot(loaded, settings, compile: bool, progress):
     from ladechat.bot import Bot
     from ladechat.engine.gguf import cache_root
 
     bot = Bot(loaded, settings, compile=compile, store_root=cache_root())
     if compile:
-        with err.status("compiling the decoding steps (once per W/N/G)", spinner="dots"):
+        with progress("compiling the decoding steps (once per W/N/G)"):
             bot.warm_up()
     return bot
 
@@ -172,19 +176,27 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = True, w
         run_chat(_remote_bot(ctx, api, api_key), system=system, debug=debug, markdown=markdown, out=stdout_console(),
                  err=err)
         return
+    from ladechat.pending import LoadFailed, PendingBot
+
     _settings(flags)  # every flag checked before the (slow) model load
-    _, bot = _chat_bot(flags, err)
-    run_chat(bot, system=system, debug=debug, markdown=markdown, out=stdout_console(), err=err)
+    # The prompt comes at once; the model loads meanwhile and the first answer waits for it.
+    bot = PendingBot(lambda progress: _chat_bot(flags, progress)[1], label=model or "the embedded model", err=err)
+    try:
+        run_chat(bot, system=system, debug=debug, markdown=markdown, out=stdout_console(), err=err)
+    except LoadFailed as exc:
+        raise Fail(str(exc)) from None
 
 
-def _chat_bot(flags: dict, err: Console):
+def _chat_bot(flags: dict, progress):
     """(settings, Bot) from the chat's options (also serve's): the model loaded, W/N/G for its
-    device, the model's own temperature when it samples."""
+    device, the model's own temperature when it samples. The load's notices are the bot's first."""
     _quiet_libraries()
     loaded = _load(flags["model"], flags["dtype"], flags["device"], flags["attn"], flags["load_in_4bit"],
-                   flags["load_in_8bit"], flags["device_map"], err, flags["max_memory"])
+                   flags["load_in_8bit"], flags["device_map"], progress, flags["max_memory"])
     settings = _settings(flags, loaded, default_temperature=_model_temperature(loaded))
-    return settings, _bot(loaded, settings, flags["compile"], err)
+    bot = _bot(loaded, settings, flags["compile"], progress)
+    bot.notices[:0] = loaded.notices
+    return settings, bot
 
 
 def _model_temperature(loaded) -> float:
@@ -221,9 +233,10 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
     else:
         _settings(flags)  # every flag checked before the (slow) model load
         _quiet_libraries()
-        loaded = _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, err, max_memory)
+        loaded = _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, _spinner(err), max_memory)
+        _print_notices(loaded.notices, err)
         settings = _settings(flags, loaded)
-        bot = _bot(loaded, settings, compile, err)
+        bot = _bot(loaded, settings, compile, _spinner(err))
     conversation = Conversation(system=system, messages=[{"role": "user", "content": text}])
     out = stdout_console()
     printer = bot.printer(out, err, debug=debug, markdown=markdown)
@@ -310,7 +323,9 @@ def serve(ctx: typer.Context, host: Annotated[str, typer.Option("--host", help="
         sock = server.bind(host, port)
     except OSError as exc:
         raise Fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    settings, bot = _chat_bot(flags, err)
+    settings, bot = _chat_bot(flags, _spinner(err))
+    _print_notices(bot.notices, err)
+    bot.notices.clear()
     model_id = served_model_name or model or bot.name.split(" (")[0]
     api = server.Api(bot, settings, server.ServeConfig(model_id=model_id, api_key=api_key, max_queue=max_queue),
                      log=lambda line: err.print(line, markup=False, highlight=False, soft_wrap=True))
@@ -379,7 +394,8 @@ def bench(dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Pr
         raise Fail(f"--limit must be >= 1, got {limit}")
     _settings(flags)  # every flag checked before the (slow) model load
     _quiet_libraries()
-    loaded = _load(model, dtype, device, attn, False, False, None, err)
+    loaded = _load(model, dtype, device, attn, False, False, None, _spinner(err))
+    _print_notices(loaded.notices, err)
     settings = _settings(flags, loaded)
     results = benchmark.run(loaded, dataset, method_list, settings, limit, compile=compile, single_turn=single_turn,
                             store=store, warm_from=warm_from, warm_limit=warm_limit,
@@ -400,7 +416,8 @@ def _serve_bench(api, api_key, dataset, limit, model, dtype, device, attn, as_js
     prompts = [item["turns"][0] for name in dataset for item in benchmark.load_items(name, limit)]
     remote = RemoteBot(Endpoint.of(api, api_key), None, {}, set())
     _quiet_libraries()
-    loaded = _load(model, dtype, device, attn, False, False, None, err)
+    loaded = _load(model, dtype, device, attn, False, False, None, _spinner(err))
+    _print_notices(loaded.notices, err)
     settings = _settings(flags, loaded)
     result = serve_bench.run(loaded, settings, remote, prompts,
                              progress=lambda i, n: err.print(f"[dim]{i}/{n}[/]", highlight=False))
@@ -426,7 +443,8 @@ def _step_cost(model, shape, sizes, context, reps, compile, dtype, device, attn,
         with err.status(f"building a random {shape} model on {dev}", spinner="dots"):
             net, name = step_bench.random_model(shape, resolve_dtype(dtype, dev), dev), f"random {shape}"
     else:
-        loaded = _load(model, dtype, device, attn, False, False, None, err)
+        loaded = _load(model, dtype, device, attn, False, False, None, _spinner(err))
+        _print_notices(loaded.notices, err)
         net, name = loaded.model, loaded.name
     with err.status("timing steps" + (" (compiling first)" if compile else ""), spinner="dots"):
         result = step_bench.run(net, name, size_list, context, reps, compile)

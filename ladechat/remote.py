@@ -58,6 +58,7 @@ class RemoteBot:
     against other servers only those are sent, the rest is the server's to decide."""
 
     compiled = False
+    ready = True
 
     def __init__(self, endpoint: Endpoint, model: str | None, settings: dict, given: set[str],
                  client: httpx.Client | None = None) -> None:

@@ -142,3 +142,31 @@ def test_system_multiline_undo_retry_and_markdown(tmp_path):
     assert saved_messages(child, path, 0)["system"] is None
     child.sendeof()
     child.expect(pexpect.EOF)
+
+
+def test_prompt_comes_before_the_model_and_ctrl_c_stops_the_wait(tmp_path):
+    child = spawn(tmp_path)  # at the prompt: torch is still importing (seconds on this machine)
+    assert "the embedded model (loading) · the first answer waits for it" in child.before
+    child.sendline("What is the capital of France?")
+    child.expect_exact("\x1b[?2004l")  # the terminal is given back: Ctrl-C is a signal again
+    child.expect("loading the embedded model: ")  # the spinner while the answer waits for the model
+    child.sendcontrol("c")
+    child.expect(r"interrupted while the model loads \(it goes on loading; /retry answers\)")
+    child.expect(PROMPT)
+    say(child, "/retry", "Paris", "tokens/step")
+    data = saved_messages(child, tmp_path / "c.json", 2)
+    assert [m["role"] for m in data["messages"]] == ["user", "assistant"]
+    assert not data["messages"][1]["interrupted"]
+    child.sendeof()
+    child.expect(pexpect.EOF)
+
+
+def test_a_model_that_fails_to_load_ends_the_chat_at_the_prompt(tmp_path):
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state"), "TERM": "xterm", "PROMPT_TOOLKIT_NO_CPR": "1"}
+    child = pexpect.spawn(ladechat_bin(), ["--model", "/no/such/folder"], env=env, encoding="utf-8", timeout=120)
+    child.expect(PROMPT)
+    child.expect_exact("ladechat: error: model folder not found: /no/such/folder")  # nothing typed
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 1
+    assert "Traceback" not in child.before

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from ladechat.engine.config import LookaheadConfig
-from ladechat.engine.step_cost import affordable_size
 
 GPU_NGRAM = 5
 GPU_MAX_BRANCH = 15  # the paper's W = G = 15 for 7B-70B models: acceptance gains flatten beyond
@@ -28,5 +27,7 @@ def gpu_lookahead(step_cost: dict[int, float] | None) -> LookaheadConfig:
     Without a curve, the paper's 7B setting."""
     branch = GPU_MAX_BRANCH
     if step_cost:
+        from ladechat.engine.step_cost import affordable_size  # torch: only once a model is loaded
+
         branch = min(GPU_MAX_BRANCH, max(1, affordable_size(step_cost, GPU_SLACK) // (2 * (GPU_NGRAM - 1))))
     return LookaheadConfig(window=branch, ngram=GPU_NGRAM, candidates=branch, context_candidates=4, context_len=10)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import sys
@@ -15,6 +16,7 @@ from ladechat.bot import Backend
 from ladechat.conversation import Conversation, ConversationError
 from ladechat.engine.events import Done, Stats
 from ladechat.errors import UserError
+from ladechat.pending import LoadFailed, PendingBot
 from ladechat.settings import Settings, keys
 from ladechat.ui import commands
 from ladechat.ui.stream import debug_panel
@@ -63,7 +65,12 @@ class ChatApp:
 
     # -- answering ----------------------------------------------------------------------------
     def answer(self) -> None:
-        printer = self.bot.printer(self.out, self.err, debug=self.debug, markdown=self.markdown)
+        try:
+            printer = self.bot.printer(self.out, self.err, debug=self.debug, markdown=self.markdown)
+        except KeyboardInterrupt:  # it was waiting for the model to load
+            self.conversation.messages.append({"role": "assistant", "content": "", "interrupted": True})
+            self.err.print("[yellow]interrupted while the model loads (it goes on loading; /retry answers)[/]")
+            return
         events = self.bot.reply(self.conversation)
         stats = None
         failed = None
@@ -116,7 +123,8 @@ class ChatApp:
         msgs = self.conversation.messages
         if msgs and msgs[-1]["role"] == "user":
             msgs.append({"role": "assistant", "content": "", "interrupted": True})
-        self.bot.configure(self.bot.settings)
+        if self.bot.ready:  # else Ctrl-C stopped the wait for the model: nothing was configured
+            self.bot.configure(self.bot.settings)
         self.err.print("[yellow]interrupted[/]")
 
     # -- commands -----------------------------------------------------------------------------
@@ -138,18 +146,17 @@ class ChatApp:
         return True
 
     def _run(self, cmd: commands.Command) -> bool:
-        s = self.bot.settings
         if cmd.name == "/exit":
             return False
         if cmd.name == "/help":
             self.info(commands.HELP)
         elif cmd.name == "/lookahead":
-            self._configure(s.updated({"lookahead": commands.on_off(cmd.arg, "/lookahead")}))
+            self._configure(self.bot.settings.updated({"lookahead": commands.on_off(cmd.arg, "/lookahead")}))
             self.info(f"lookahead {'on' if self.bot.settings.lookahead else 'off'} from the next answer")
         elif cmd.name == "/store":
             self._store(cmd.arg)
         elif cmd.name == "/set":
-            self._configure(s.updated(commands.parse_set(cmd.arg), strict=False))
+            self._configure(self.bot.settings.updated(commands.parse_set(cmd.arg), strict=False))
             self.info(self._show())
         elif cmd.name == "/show":
             self.info(self._show())
@@ -290,14 +297,45 @@ def _read_message(read_line) -> str | None:
     return "\n".join(lines).strip("\n")
 
 
+def _banner(bot: Backend) -> str:
+    if not bot.ready:  # its settings come with the model
+        mode = "the first answer waits for it · "
+    elif bot.stats_reported:
+        s = bot.settings
+        mode = f"lookahead {'on' if s.lookahead else 'off'} (W={s.window} N={s.ngram} G={s.candidates}) · "
+    else:
+        mode = ""
+    return f"[bold]ladechat[/] · {escape(bot.describe())} · {mode}/help for commands, Ctrl-D to quit"
+
+
+def _load_watch(bot: Backend) -> dict:
+    """prompt() arguments that, while a PendingBot loads, end the prompt with LoadFailed as soon as
+    the load fails (rather than at the first answer)."""
+    if not isinstance(bot, PendingBot):
+        return {}
+    if bot.settled:
+        bot.bot()  # LoadFailed if it failed
+        return {}
+    from prompt_toolkit.application import get_app
+
+    async def watch() -> None:
+        while not bot.settled:
+            await asyncio.sleep(0.1)
+        app = get_app()
+        message = bot.failure_message()
+        if message is not None and not app.is_done:
+            app.exit(exception=LoadFailed(message))
+
+    return {"pre_run": lambda: get_app().create_background_task(watch())}
+
+
 def run_chat(bot: Backend, system: str | None, debug: bool, out: Console, err: Console, markdown: bool = True) -> None:
+    interactive = sys.stdin.isatty()
+    if isinstance(bot, PendingBot) and not interactive:
+        bot = bot.bot()  # a script gains nothing from an early prompt, and a failed load is its error at once
     app = ChatApp(bot, system, debug, out, err, markdown=markdown)
-    s = bot.settings
-    mode = (f"lookahead {'on' if s.lookahead else 'off'} (W={s.window} N={s.ngram} G={s.candidates}) · "
-            if bot.stats_reported else "")
-    err.print(f"[bold]ladechat[/] · {escape(bot.describe())} · {mode}/help for commands, Ctrl-D to quit",
-              highlight=False)
-    if sys.stdin.isatty():
+    err.print(_banner(bot), highlight=False)
+    if interactive:
         # Ctrl-C is how a user stops an answer. A process started from a script's background job
         # (or a launcher that ignores SIGINT) inherits SIGINT ignored, and Python then never raises
         # KeyboardInterrupt; someone typing at this chat is in the foreground, so take it back.
@@ -306,7 +344,7 @@ def run_chat(bot: Backend, system: str | None, debug: bool, out: Console, err: C
 
         def read_line(prompt: str) -> str | None:
             try:
-                return session.prompt(prompt)
+                return session.prompt(prompt, **_load_watch(bot))
             except EOFError:
                 return None
     else:
