@@ -56,10 +56,25 @@ def random_model(shape: str, dtype: torch.dtype, device: torch.device):
     config = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
                          max_position_embeddings=context, attn_implementation="sdpa")
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype).eval()
+    try:
+        with torch.device(device):
+            # built in its dtype: an fp32 build then a cast would need twice the memory at its peak
+            # (~27 GB for a 7B model, past the memory of many GPUs)
+            model = LlamaForCausalLM._from_config(config, dtype=dtype).eval()
+    except torch.OutOfMemoryError:
+        gigabytes = _parameters(shape) * torch.finfo(dtype).bits / 8 / 2**30
+        raise StepBenchError(f"out of memory building the random {shape} model on {device} "
+                             f"(its weights alone take {gigabytes:.1f} GiB in {str(dtype).removeprefix('torch.')})") from None
     model.generation_config.eos_token_id = None
     return model
+
+
+def _parameters(shape: str) -> int:
+    """The parameter count of a Llama of this shape (untied embeddings)."""
+    hidden, inter, layers, heads, kv_heads, vocab, _ = SHAPES[shape]
+    kv = hidden * kv_heads // heads
+    per_layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inter + 2 * hidden
+    return layers * per_layer + 2 * vocab * hidden + hidden
 
 
 def _layout(size: int):

@@ -48,6 +48,9 @@ def test_step_inputs_positions_and_committed_prefix():
     assert (mask[0, 0, :, :7] == 0).all()  # every row sees all committed KV
     blocked = mask[0, 0, :, 7:] != 0
     assert blocked.tolist() == [[c != "x" for c in row] for row in DIAGRAM.split()]
+    _, _, longer = step_inputs(layout, past=8, dtype=torch.float32, device=torch.device("cpu"))
+    assert longer.shape == (1, 1, 9, 17) and longer.stride(-2) == 24  # rows SDPA's efficient kernel takes as they are
+    assert torch.equal(longer[..., 1:], mask)  # one more committed token: one more visible column
 
 
 def test_logit_rows_are_t_last_level_and_candidates():
@@ -102,6 +105,8 @@ def test_commit_kv_gathers_accepted_rows():
         assert layer.values[0, 1, :, 0].tolist() == [100, 101, 102, 103, 104, 107, 109]
     kv.commit_kv(cache, 5, [0, 1])  # a prefix: plain crop
     assert kv.cache_length(cache) == 7
+    kv.commit_kv(cache, 6, [0], appended=1)  # a plain step keeps what it appended: nothing to do
+    assert kv.cache_length(cache) == 7 and cache.layers[0].keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 7, 9]
 
 
 def test_stop_rule():
@@ -311,11 +316,12 @@ def test_auto_dtype_asks_the_chosen_gpu(monkeypatch, capability, expected):
     assert asked == [torch.device("cuda", 1)]
 
 
-def test_quantized_weights_load_on_the_chosen_device():
+def test_weights_load_straight_onto_the_chosen_device():
     gpu1 = torch.device("cuda", 1)
     assert placement(LoadSpec(load_in_4bit=True), gpu1) == {"device_map": {"": "cuda:1"}}
     assert placement(LoadSpec(load_in_8bit=True), torch.device("cpu")) == {"device_map": {"": "cpu"}}
-    assert placement(LoadSpec(), gpu1) == {}  # moved with .to() after loading
+    assert placement(LoadSpec(), gpu1) == {"device_map": {"": "cuda:1"}}  # never a full copy in RAM first
+    assert placement(LoadSpec(), torch.device("cpu")) == {}
     assert placement(LoadSpec(load_in_4bit=True, device_map="auto"), gpu1) == {"device_map": "auto"}
 
 
@@ -337,3 +343,32 @@ def test_mask_probe_verdict_is_remembered_per_folder(tmp_path, monkeypatch):
     (folder / "config.json").write_text((folder / "config.json").read_text() + " ")
     assert honours_tree_mask(model, str(folder), "sdpa") and len(list(verdicts.iterdir())) == 2  # asked again
     assert honours_tree_mask(model, None, "sdpa") and len(list(verdicts.iterdir())) == 2  # hub ids: never kept
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_random_step_bench_model_is_built_in_its_dtype(dtype):
+    """A 7B shape is built in its dtype (an fp32 build then a cast peaks at twice the memory), and
+    the size the out-of-memory message quotes is the real parameter count."""
+    from ladechat import step_bench
+
+    model = step_bench.random_model("tiny", dtype, torch.device("cpu"))
+    assert {p.dtype for p in model.parameters()} == {dtype} and model.config.dtype == dtype
+    assert step_bench._parameters("tiny") == sum(p.numel() for p in model.parameters())
+    assert step_bench._parameters("llama-2-7b") == 6_738_415_616  # Llama-2-7b's published count
+
+
+def test_step_rows_go_where_the_output_layer_is():
+    """Under a device map the output layer can sit on another device than the embeddings
+    (model.device); the row index must follow the output layer, and go to the CPU when offloaded."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ladechat.engine.layout import rows_device
+
+    config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=32)
+    model = LlamaForCausalLM(config)
+    assert rows_device(model) == torch.device("cpu")
+    model.model.embed_tokens.to("meta")  # model.device now says meta; the output layer is on the CPU
+    assert model.device.type == "meta" and rows_device(model) == torch.device("cpu")
+    model.to("meta")  # every layer offloaded, the output layer too
+    assert rows_device(model) == torch.device("cpu")

@@ -68,13 +68,18 @@ def truncate(cache, length: int) -> None:
                 layer.values = layer.values[..., :length, :]
 
 
-def commit_kv(cache, past: int, keep_rows: list[int]) -> None:
-    """After a step of S rows appended at `past`, keep only `keep_rows` (ascending, row 0 first).
+def commit_kv(cache, past: int, keep_rows: list[int], appended: int | None = None) -> None:
+    """After a step that appended `appended` rows at `past`, keep only `keep_rows` (ascending, row 0
+    first).
 
     Accepted rows are gathered down to past, past+1, ... so the cache again holds exactly the
-    committed sequence. When the kept rows are already a prefix, this is a plain crop.
+    committed sequence. When the kept rows are already a prefix, this is a plain crop, and when they
+    are every row appended (a plain step) nothing at all: on a GPU, resetting a static cache's
+    length costs a kernel launch per layer, every step.
     """
     kept = len(keep_rows)
+    if appended is not None and kept == appended:
+        return
     if keep_rows != list(range(kept)):
         indices: dict[torch.device, torch.Tensor] = {}  # one copy per device (layers may be spread)
         with torch.inference_mode():  # the forward pass made these inference tensors

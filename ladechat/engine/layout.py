@@ -131,14 +131,18 @@ def tree_mask(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def step_inputs(layout: StepLayout, past: int, dtype: torch.dtype, device: torch.device):
-    """input_ids, position_ids and the additive 4D mask (1, 1, S, past + S) for one step."""
+    """input_ids, position_ids and the additive 4D mask (1, 1, S, past + S) for one step.
+
+    The mask is made on the device; only the (S, S) tree block crosses from the host, not S x past
+    zeros every step. Its rows are cut from rows of a multiple of 8 columns: SDPA's memory-efficient
+    kernel needs aligned rows, and would otherwise copy the mask into padded ones (with a warning)."""
     sees, depth = tree_mask(layout.parents)
-    size = layout.size
-    mask = torch.zeros(1, 1, size, past + size, dtype=dtype)
-    mask[0, 0, :, past:].masked_fill_(~sees, torch.finfo(dtype).min)
+    size, keys = layout.size, past + layout.size
+    mask = torch.zeros(1, 1, size, -(-keys // 8) * 8, dtype=dtype, device=device)[..., :keys]
+    mask[0, 0, :, past:].masked_fill_(~sees.to(device), torch.finfo(dtype).min)
     ids = torch.tensor([layout.tokens], dtype=torch.long)
     positions = (depth + past).unsqueeze(0)
-    return ids.to(device), positions.to(device), mask.to(device)
+    return ids.to(device), positions.to(device), mask
 
 
 def fixed_step_inputs(layout: StepLayout, past: int, size: int, cache_len: int, dtype: torch.dtype,
@@ -167,3 +171,12 @@ def fixed_step_inputs(layout: StepLayout, past: int, size: int, cache_len: int, 
     ids = torch.tensor([layout.tokens + [0] * (size - real)], dtype=torch.long)
     positions = torch.cat([depth + past, torch.full((size - real,), past)]).unsqueeze(0)
     return ids.to(device), positions.to(device), mask
+
+
+def rows_device(model) -> torch.device:
+    """Where a step's row indices (`logits_to_keep`) must live: with the output layer, which a device
+    map can put on another GPU than the embeddings that `model.device` reports (the index would then
+    be refused). On the CPU when that layer is offloaded (its weights on the meta device)."""
+    head = model.get_output_embeddings()
+    device = head.weight.device if head is not None else model.device
+    return torch.device("cpu") if device.type == "meta" else device

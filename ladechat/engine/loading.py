@@ -121,7 +121,9 @@ def has_native_bf16(device: torch.device) -> bool:
 def placement(spec: LoadSpec, device: torch.device) -> dict:
     """from_pretrained's device_map (and max_memory) arguments. Quantized weights cannot be moved with
     .to() after loading, so they are placed on --device while they load; without a device map
-    transformers would put them on the current GPU whatever --device says."""
+    transformers would put them on the current GPU whatever --device says. Other weights go straight
+    to a GPU too (read into CPU memory first, a model would need its size in RAM and a second copy);
+    on the CPU they need no map."""
     if spec.device_map:
         kwargs: dict = {"device_map": spec.device_map}
         if spec.max_memory:
@@ -129,7 +131,7 @@ def placement(spec: LoadSpec, device: torch.device) -> dict:
             kwargs["max_memory"] = {int(d) if d.isdigit() else d: size for d, size in spec.max_memory}
             kwargs["offload_folder"] = str(gguf.cache_root() / "offload")
         return kwargs
-    if spec.load_in_4bit or spec.load_in_8bit:
+    if spec.load_in_4bit or spec.load_in_8bit or device.type != "cpu":
         return {"device_map": {"": str(device)}}
     return {}
 
@@ -216,7 +218,7 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
                         else _not_found(spec.model or source, exc)) from None
     try:
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
-        if not (spec.load_in_4bit or spec.load_in_8bit or spec.device_map):
+        if "device_map" not in kwargs:  # on the CPU, where it was loaded
             model = model.to(device)
     except (OSError, ValueError) as exc:
         raise LoadError(_not_found(spec.model or source, exc) if not local

@@ -15,7 +15,7 @@ import torch
 
 from ladechat.engine import kv
 from ladechat.engine.config import ConfigError, LookaheadConfig
-from ladechat.engine.layout import StepLayout, build_layout, fixed_step_inputs, step_inputs
+from ladechat.engine.layout import StepLayout, build_layout, fixed_step_inputs, rows_device, step_inputs
 from ladechat.engine.recycle import TOP_K
 
 MAX_FIXED_STEP = 512  # rows; the static cache keeps this much room past the context
@@ -47,6 +47,7 @@ class DynamicRunner:
     def __init__(self, model) -> None:
         self.model = model
         self.cache = kv.new_cache()
+        self.appended = 0  # rows the last step wrote into the cache
 
     def reset(self) -> None:
         self.cache = kv.new_cache()
@@ -68,6 +69,7 @@ class DynamicRunner:
     def step(self, layout: StepLayout, past: int, rows: list[int]) -> torch.Tensor:
         """Logits (len(rows), vocab) of the given rows after feeding the step's tokens."""
         device = self.model.device
+        self.appended = layout.size
         with torch.inference_mode():
             if layout.size == 1:  # no mask needed: the one row sees everything committed
                 out = self.model(input_ids=torch.tensor([layout.tokens], device=device),
@@ -77,11 +79,11 @@ class DynamicRunner:
                 ids, positions, mask = step_inputs(layout, past, self.model.dtype, device)
                 out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
                                  past_key_values=self.cache, use_cache=True,
-                                 logits_to_keep=torch.tensor(rows, device=device))
+                                 logits_to_keep=torch.tensor(rows, device=rows_device(self.model)))
         return out.logits[0]
 
     def commit(self, past: int, keep_rows: list[int]) -> None:
-        kv.commit_kv(self.cache, past, keep_rows)
+        kv.commit_kv(self.cache, past, keep_rows, self.appended)
 
     def truncate(self, length: int) -> None:
         kv.truncate(self.cache, length)
@@ -97,6 +99,7 @@ class StaticRunner(DynamicRunner):
         # short and doubles as the conversation grows, up to the model's context (each new
         # length compiles new graphs once).
         self.context_length = context_length
+        self.appended = 0
         self.length = min(first_length, context_length) + MAX_FIXED_STEP
         self.cache = kv.new_static_cache(model.config, self.length)
         if any(getattr(layer, "is_sliding", False) for layer in self.cache.layers):
@@ -159,8 +162,9 @@ class StaticRunner(DynamicRunner):
             raise ValueError(f"step of {layout.size} rows at {past} does not fit the fixed shape ({size} rows, "
                              f"cache of {self.length})")
         device = self.model.device
+        self.appended = size  # the padding rows are written too
         ids, positions, mask = fixed_step_inputs(layout, past, size, self.length, self.model.dtype, device)
-        padded_rows = torch.tensor(rows + [0] * (keep - len(rows)), device=device)
+        padded_rows = torch.tensor(rows + [0] * (keep - len(rows)), device=rows_device(self.model))
         # The static cache writes at its own position counter, which is at `past` here: prefill
         # advances it, commit and truncate set it (resetting it every step would cost kernel
         # launches per layer on the hot path).

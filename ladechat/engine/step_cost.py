@@ -18,7 +18,7 @@ import torch
 
 from ladechat.engine import kv
 from ladechat.engine.gguf import cache_root
-from ladechat.engine.layout import build_layout, step_inputs
+from ladechat.engine.layout import build_layout, rows_device, step_inputs
 from ladechat.engine.recycle import TOP_K
 
 SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
@@ -46,7 +46,7 @@ def measure(model, sizes=SIZES, context: int = 192, reps: int = 5) -> dict[int, 
             with torch.inference_mode():
                 out = model(input_ids=ids, position_ids=positions, attention_mask=mask if size > 1 else None,
                             past_key_values=cache, use_cache=True,
-                            logits_to_keep=torch.arange(size, device=device) if size > 1 else 1)
+                            logits_to_keep=torch.arange(size, device=rows_device(model)) if size > 1 else 1)
                 out.logits[0].topk(min(TOP_K, out.logits.shape[-1]), dim=-1).indices.cpu()
             times.append(time.perf_counter() - start)
             kv.truncate(cache, context)
