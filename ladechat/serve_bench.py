@@ -1,7 +1,7 @@
 """`ladechat bench --api URL`: serving overhead. The same prompts answered in this process and
 through `ladechat serve` (streaming, one client), alternately, item by item, with the same model
-and settings; tokens/s of each, end to end (prompt in, last token out), and whether the answers
-are token-identical.
+and settings, neither drafting from a store of past answers; tokens/s of each, end to end (prompt
+in, last token out), and whether the answers are token-identical.
 
 The in-process answers run on a worker thread, as the server's do: on a busy CPU, torch steps
 run on the main thread were measured 1.2-2x slower than the same steps on a worker thread of the
@@ -38,6 +38,12 @@ def run(loaded, settings: Settings, remote: RemoteBot, prompts: list[str],
         progress: Callable[[int, int], None] = lambda i, n: None) -> dict:
     if not remote.stats_reported:
         raise ServeBenchError(f"{remote.describe()}: the serving benchmark needs ladechat serve (token ids per chunk)")
+    if remote.settings.store:
+        # Its store remembers every answer it gave, earlier runs of these prompts included: drafts
+        # this process cannot have, so the served side would look faster than it is.
+        raise ServeBenchError(f"{remote.describe()} drafts from its store of past answers: start it with --no-store "
+                              "to compare like with like")
+    settings = settings.updated({"store": False})
     local = Bot(loaded, settings)
     if remote.info.get("model") != local.describe():
         raise ServeBenchError(f"the server runs {remote.info.get('model')}, this process loaded {local.describe()}: "

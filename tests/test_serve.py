@@ -52,7 +52,8 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server("--dtype", "float32", "--api-key", KEY, "--max-queue", "1")
+    # --no-store: the serving benchmark compares it with an in-process bot that has no past answers
+    s = Server("--dtype", "float32", "--api-key", KEY, "--max-queue", "1", "--no-store")
     yield s
     s.stop()
 
@@ -252,6 +253,34 @@ try:
 finally:
     print("heavy:", sorted(m for m in ("torch", "transformers") if m in sys.modules), file=sys.stderr)
 """
+
+
+def test_serving_benchmark_answers_the_same_tokens_both_ways(server, tmp_path):
+    data = tmp_path / "two.jsonl"
+    data.write_text("".join(json.dumps({"id": i, "turns": [q]}) + "\n" for i, q in enumerate([QUESTION, "Name a fruit."])))
+    r = ladechat("bench", "--api", server.url, "--api-key", KEY, "-d", str(data), "--max-new-tokens", "12",
+                 "--dtype", "float32", "--json")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert result["identical"] == 2 and all(0 < i["tokens"] == i["served_tokens"] <= 12 for i in result["items"])
+    assert result["settings"]["store"] is False
+    assert result["served_vs_in_process"] == pytest.approx(result["served_tokens_per_s"] / result["in_process_tokens_per_s"],
+                                                           rel=1e-3)
+
+
+def test_serving_benchmark_refuses_a_server_with_a_store():
+    """Its store remembers earlier runs of the same prompts: the comparison would flatter it."""
+    card = {"id": MODEL, "object": "model", "owned_by": "ladechat",
+            "ladechat": {"model": "SmolLM2-135M-Instruct (embedded, Q4_1) on cpu (float32)",
+                         "settings": {"store": True}}}
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, json={"object": "list", "data": [card]}))
+    from ladechat import serve_bench
+    from ladechat.remote import Endpoint, RemoteBot
+    from ladechat.settings import Settings
+
+    remote = RemoteBot(Endpoint.of("http://127.0.0.1:9/v1", None), None, {}, set(), client=httpx.Client(transport=transport))
+    with pytest.raises(serve_bench.ServeBenchError, match="start it with --no-store"):
+        serve_bench.run(None, Settings(), remote, ["hi"])
 
 
 def test_api_clients_import_neither_torch_nor_transformers(server):
