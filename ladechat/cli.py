@@ -179,12 +179,26 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = True, w
     from ladechat.pending import LoadFailed, PendingBot
 
     _settings(flags)  # every flag checked before the (slow) model load
+    if compile:
+        # Compiled steps are captured (CUDA graphs) per thread: warm them up on the thread that
+        # answers, before the prompt.
+        bot = _chat_bot(flags, _spinner(err))[1]
+        run_chat(bot, system=system, debug=debug, markdown=markdown, out=stdout_console(), err=err)
+        return
     # The prompt comes at once; the model loads meanwhile and the first answer waits for it.
     bot = PendingBot(lambda progress: _chat_bot(flags, progress)[1], label=model or "the embedded model", err=err)
     try:
         run_chat(bot, system=system, debug=debug, markdown=markdown, out=stdout_console(), err=err)
     except LoadFailed as exc:
         raise Fail(str(exc)) from None
+    if not bot.settled:
+        # Left before the load ended. Interpreter shutdown would stop the loading thread wherever
+        # it is, possibly inside torch's or safetensors' native code (an abort at exit); the
+        # conversation is not kept past the chat and the input history is written line by line,
+        # so end here, with nothing lost.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _chat_bot(flags: dict, progress):
@@ -415,6 +429,7 @@ def _serve_bench(api, api_key, dataset, limit, model, dtype, device, attn, as_js
 
     prompts = [item["turns"][0] for name in dataset for item in benchmark.load_items(name, limit)]
     remote = RemoteBot(Endpoint.of(api, api_key), None, {}, set())
+    serve_bench.check_server(remote)  # before the (slow) model load
     _quiet_libraries()
     loaded = _load(model, dtype, device, attn, False, False, None, _spinner(err))
     _print_notices(loaded.notices, err)

@@ -45,7 +45,10 @@ class PendingBot:
     @contextmanager
     def _progress(self, message: str):
         self.phase = message
-        yield
+        try:
+            yield
+        finally:
+            self.phase = "loading the model"
 
     @property
     def settled(self) -> bool:

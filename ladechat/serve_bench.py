@@ -34,8 +34,8 @@ def _answer(backend, prompt: str) -> tuple[tuple[int, ...], float]:
     return done.text_tokens, time.perf_counter() - start
 
 
-def run(loaded, settings: Settings, remote: RemoteBot, prompts: list[str],
-        progress: Callable[[int, int], None] = lambda i, n: None) -> dict:
+def check_server(remote: RemoteBot) -> None:
+    """ServeBenchError unless the server can be compared with this process."""
     if not remote.stats_reported:
         raise ServeBenchError(f"{remote.describe()}: the serving benchmark needs ladechat serve (token ids per chunk)")
     if remote.settings.store:
@@ -43,6 +43,11 @@ def run(loaded, settings: Settings, remote: RemoteBot, prompts: list[str],
         # this process cannot have, so the served side would look faster than it is.
         raise ServeBenchError(f"{remote.describe()} drafts from its store of past answers: start it with --no-store "
                               "to compare like with like")
+
+
+def run(loaded, settings: Settings, remote: RemoteBot, prompts: list[str],
+        progress: Callable[[int, int], None] = lambda i, n: None) -> dict:
+    check_server(remote)
     settings = settings.updated({"store": False})
     local = Bot(loaded, settings)
     if remote.info.get("model") != local.describe():

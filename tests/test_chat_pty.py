@@ -170,3 +170,13 @@ def test_a_model_that_fails_to_load_ends_the_chat_at_the_prompt(tmp_path):
     child.close()
     assert child.exitstatus == 1
     assert "Traceback" not in child.before
+
+
+def test_leaving_while_the_model_loads_exits_cleanly_at_once(tmp_path):
+    child = spawn(tmp_path)
+    assert "(loading)" in child.before  # still loading: the exit below does not wait for it
+    child.sendline("/exit")
+    child.expect("bye")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0 and child.signalstatus is None

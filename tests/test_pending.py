@@ -56,10 +56,11 @@ def test_nothing_waits_for_the_load_until_the_model_is_needed():
     app = ChatApp(pending, None, False, quiet(), quiet())
     lines = iter(["", "/help", "/stats", "/exit"])
     chat_loop(app, lambda prompt: next(lines))
-    assert not pending.settled and phases == ["reading the weights"]
+    assert not pending.settled
     release.set()
     assert answer_tokens(pending) == answer_tokens(Bot(loaded, SETTINGS))  # waited, then the same answer
-    assert pending.ready and pending.describe() == "tiny on cpu (float32)"
+    assert pending.ready and pending.describe() == "tiny on cpu (float32)" and phases == ["reading the weights"]
+    assert pending.phase == "loading the model"  # the spinner does not name a phase that has ended
     assert pending.settings == SETTINGS and pending.name == "tiny"
 
 

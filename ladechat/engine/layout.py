@@ -174,9 +174,9 @@ def fixed_step_inputs(layout: StepLayout, past: int, size: int, cache_len: int, 
 
 
 def rows_device(model) -> torch.device:
-    """Where a step's row indices (`logits_to_keep`) must live: with the output layer, which a device
-    map can put on another GPU than the embeddings that `model.device` reports (the index would then
-    be refused). On the CPU when that layer is offloaded (its weights on the meta device)."""
-    head = model.get_output_embeddings()
-    device = head.weight.device if head is not None else model.device
-    return torch.device("cpu") if device.type == "meta" else device
+    """Where a step's row indices (`logits_to_keep`) must live: with the last hidden states they
+    index. On one device that is `model.device`; a device map over several devices can leave them
+    on another GPU than the one `model.device` names (and the output layer's weight can be tied to
+    the embeddings on the first), so there the index goes on the CPU, which every device accepts."""
+    placed = set((getattr(model, "hf_device_map", None) or {}).values())
+    return torch.device("cpu") if len(placed) > 1 else model.device
