@@ -111,6 +111,13 @@ def _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, pr
     return load(spec, progress)
 
 
+def _load_here(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, err: Console, max_memory=None):
+    """_load in the foreground: a spinner on stderr while it runs, then its notices."""
+    loaded = _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, _spinner(err), max_memory)
+    _print_notices(loaded.notices, err)
+    return loaded
+
+
 def _bot(loaded, settings, compile: bool, progress):
     from ladechat.bot import Bot
     from ladechat.engine.gguf import cache_root
@@ -247,8 +254,7 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
     else:
         _settings(flags)  # every flag checked before the (slow) model load
         _quiet_libraries()
-        loaded = _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, _spinner(err), max_memory)
-        _print_notices(loaded.notices, err)
+        loaded = _load_here(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, err, max_memory)
         settings = _settings(flags, loaded)
         bot = _bot(loaded, settings, compile, _spinner(err))
     conversation = Conversation(system=system, messages=[{"role": "user", "content": text}])
@@ -408,8 +414,7 @@ def bench(dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Pr
         raise Fail(f"--limit must be >= 1, got {limit}")
     _settings(flags)  # every flag checked before the (slow) model load
     _quiet_libraries()
-    loaded = _load(model, dtype, device, attn, False, False, None, _spinner(err))
-    _print_notices(loaded.notices, err)
+    loaded = _load_here(model, dtype, device, attn, False, False, None, err)
     settings = _settings(flags, loaded)
     results = benchmark.run(loaded, dataset, method_list, settings, limit, compile=compile, single_turn=single_turn,
                             store=store, warm_from=warm_from, warm_limit=warm_limit,
@@ -431,8 +436,7 @@ def _serve_bench(api, api_key, dataset, limit, model, dtype, device, attn, as_js
     remote = RemoteBot(Endpoint.of(api, api_key), None, {}, set())
     serve_bench.check_server(remote)  # before the (slow) model load
     _quiet_libraries()
-    loaded = _load(model, dtype, device, attn, False, False, None, _spinner(err))
-    _print_notices(loaded.notices, err)
+    loaded = _load_here(model, dtype, device, attn, False, False, None, err)
     settings = _settings(flags, loaded)
     result = serve_bench.run(loaded, settings, remote, prompts,
                              progress=lambda i, n: err.print(f"[dim]{i}/{n}[/]", highlight=False))
@@ -458,8 +462,7 @@ def _step_cost(model, shape, sizes, context, reps, compile, dtype, device, attn,
         with err.status(f"building a random {shape} model on {dev}", spinner="dots"):
             net, name = step_bench.random_model(shape, resolve_dtype(dtype, dev), dev), f"random {shape}"
     else:
-        loaded = _load(model, dtype, device, attn, False, False, None, _spinner(err))
-        _print_notices(loaded.notices, err)
+        loaded = _load_here(model, dtype, device, attn, False, False, None, err)
         net, name = loaded.model, loaded.name
     with err.status("timing steps" + (" (compiling first)" if compile else ""), spinner="dots"):
         result = step_bench.run(net, name, size_list, context, reps, compile)

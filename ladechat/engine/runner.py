@@ -46,6 +46,7 @@ class DynamicRunner:
 
     def __init__(self, model) -> None:
         self.model = model
+        self.rows_device = rows_device(model)  # where a step's row indices go (fixed once loaded)
         self.cache = kv.new_cache()
         self.appended = 0  # rows the last step wrote into the cache
 
@@ -79,7 +80,7 @@ class DynamicRunner:
                 ids, positions, mask = step_inputs(layout, past, self.model.dtype, device)
                 out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
                                  past_key_values=self.cache, use_cache=True,
-                                 logits_to_keep=torch.tensor(rows, device=rows_device(self.model)))
+                                 logits_to_keep=torch.tensor(rows, device=self.rows_device))
         return out.logits[0]
 
     def commit(self, past: int, keep_rows: list[int]) -> None:
@@ -95,6 +96,7 @@ class StaticRunner(DynamicRunner):
     def __init__(self, model, lookahead: LookaheadConfig, context_length: int, compile: bool = False,
                  first_length: int = FIRST_LENGTH) -> None:
         self.model = model
+        self.rows_device = rows_device(model)
         # Every step attends over the whole static cache (masked slots included), so it starts
         # short and doubles as the conversation grows, up to the model's context (each new
         # length compiles new graphs once).
@@ -164,7 +166,7 @@ class StaticRunner(DynamicRunner):
         device = self.model.device
         self.appended = size  # the padding rows are written too
         ids, positions, mask = fixed_step_inputs(layout, past, size, self.length, self.model.dtype, device)
-        padded_rows = torch.tensor(rows + [0] * (keep - len(rows)), device=rows_device(self.model))
+        padded_rows = torch.tensor(rows + [0] * (keep - len(rows)), device=self.rows_device)
         # The static cache writes at its own position counter, which is at `past` here: prefill
         # advances it, commit and truncate set it (resetting it every step would cost kernel
         # launches per layer on the hot path).
