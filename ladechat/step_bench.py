@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from ladechat.engine.attention import use_grouped_sdpa
 from ladechat.engine.config import LookaheadConfig
 from ladechat.engine.layout import build_layout
 from ladechat.engine.runner import DynamicRunner, StaticRunner
@@ -66,6 +67,7 @@ def random_model(shape: str, dtype: torch.dtype, device: torch.device):
         raise StepBenchError(f"out of memory building the random {shape} model on {device} "
                              f"(its weights alone take {gigabytes:.1f} GiB in {str(dtype).removeprefix('torch.')})") from None
     model.generation_config.eos_token_id = None
+    use_grouped_sdpa(model)  # as loading does: what the chat would run
     return model
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from ladechat.engine import gguf
+from ladechat.engine.attention import use_grouped_sdpa
 from ladechat.engine.gguf import ModelNotFound
 from ladechat.errors import UserError
 
@@ -233,7 +234,9 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
                             "gives (a mismatched or corrupt checkpoint)") from None
         raise
     model.eval()
-    if not honours_tree_mask(model, source if local else None, attn):
+    if attn == "sdpa":
+        use_grouped_sdpa(model)  # lookahead's masked steps without a copy of the cache per query head
+    if not honours_tree_mask(model, source if local else None, model.config._attn_implementation):
         if attn != "eager":
             model.set_attn_implementation("eager")
             if mask_probe(model):

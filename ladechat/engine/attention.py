@@ -1,0 +1,67 @@
+"""Grouped-query attention under an explicit mask, without copying keys and values per head.
+
+Given a 4D mask, transformers' SDPA path repeats every key/value head once per query head of its
+group (`repeat_kv`) before attending: a copy of the whole KV cache in every layer, every step that
+has a mask, i.e. every lookahead step (its one-row steps without a mask are spared). On this CPU
+the copy costs more than the attention itself once a few thousand tokens are cached (the embedded
+model, 4 rows over 3k cached tokens: ~285 -> ~200 ms a step); on a GPU it reads every slot of a
+static cache, free ones too.
+
+Here the query heads that share a key/value head are stacked as extra rows instead, and the
+step's mask (one for all heads) is tiled to match:
+
+    query (B, H, S, D)        ->  (B, H_kv, g*S, D)   g = H / H_kv; row r*S + s holds query
+                                                      head h_kv*g + r at token s
+    mask  (B, 1, S, K)        ->  (B, 1, g*S, K)      the same S x K mask, g times over
+    out   (B, H_kv, g*S, D)   ->  (B, H, S, D)
+
+The same dot products and softmaxes, batched differently. SDPA's own `enable_gqa` would do the
+same on a CPU, but with a mask it pushes CUDA onto the slow math kernel; the stacked form is plain
+SDPA that every kernel taking a mask accepts. Anything else (no mask, no groups, attention sinks,
+position biases, training) goes to transformers' SDPA function unchanged.
+
+The function is registered with transformers' attention interface, its documented way of adding
+an attention implementation; the model's code stays as it is.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NAME = "ladechat_grouped_sdpa"
+
+
+def grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    plain = (groups == 1 or attention_mask is None or attention_mask.ndim != 4 or attention_mask.shape[1] != 1
+             or dropout or module.training or any(kwargs.get(k) is not None
+                                                  for k in ("position_bias", "softcap", "s_aux", "sinks")))
+    if plain:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    batch, heads, rows, dim = query.shape
+    kv_heads = key.shape[1]
+    stacked = query.reshape(batch, kv_heads, groups * rows, dim)
+    mask = attention_mask.repeat(1, 1, groups, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(stacked, key, value, attn_mask=mask, scale=scaling)
+    out = out.reshape(batch, heads, rows, value.shape[-1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_grouped_sdpa(model) -> bool:
+    """Switch a model from "sdpa" to grouped_sdpa when it has grouped-query attention. Returns
+    whether it did (a model without key/value groups gains nothing from it)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    config = model.config.get_text_config()
+    heads, kv_heads = getattr(config, "num_attention_heads", 0), getattr(config, "num_key_value_heads", None)
+    if model.config._attn_implementation != "sdpa" or not kv_heads or kv_heads == heads:
+        return False
+    # Registering the same function under the same name again is harmless (a dict entry).
+    AttentionInterface.register(NAME, grouped_sdpa)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+    model.set_attn_implementation(NAME)
+    return True
