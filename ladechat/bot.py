@@ -171,6 +171,10 @@ class Bot:
         sampling = self.settings.sampling_config()
         if sampling.max_new_tokens > room:
             sampling = replace(sampling, max_new_tokens=room)
+        grown = self.session.grows_for(len(ids) + sampling.max_new_tokens)
+        if grown is not None:  # generate() grows it before its first step: say why that step waits
+            yield Notice(f"growing the KV cache to {grown} tokens for this turn"
+                         + ("; compiling its steps (once per length)" if self.compiled else ""))
         from ladechat.engine.decode import generate
 
         yield from generate(self.session, ids, sampling, self.loaded.eos_ids, self.loaded.tokenizer.decode)

@@ -117,3 +117,58 @@ def test_static_cache_grows_and_keeps_the_conversation():
     ours, _, session = static_run(model, prompt, la, 60, runner=runner)
     assert runner.length > start and ours == hf_greedy(model, prompt, 60)
     assert kv.cache_length(session.cache) == len(prompt) + 59
+
+
+class RecordingRunner(StaticRunner):
+    """A StaticRunner that notes the cache length every step sees and every warm-up."""
+
+    def __init__(self, *args, **kwargs):
+        self.lengths, self.warm_ups = [], 0
+        super().__init__(*args, **kwargs)
+
+    def step(self, layout, past, rows):
+        self.lengths.append(self.length)
+        return super().step(layout, past, rows)
+
+    def warm_up(self, committed):
+        self.warm_ups += 1
+        super().warm_up(committed)
+
+
+def test_the_cache_grows_before_a_turn_never_during_it():
+    model = model_for("llama")
+    la = LookaheadConfig(window=3, ngram=3, candidates=3)
+    runner = RecordingRunner(model, la, context_length=1024, first_length=16)
+    runner.compiled = True  # what a compiled runner does on growth, without paying for the compile
+    prompt = repetitive_prompt(random.Random(5), model.config.vocab_size, 40)
+    start, grown = runner.length, runner.grows_for(len(prompt) + 600)
+    assert grown is not None and grown > start
+    ours, steps, session = static_run(model, prompt, la, 600, runner=runner)
+    assert ours == hf_greedy(model, prompt, 600)
+    assert set(runner.lengths) == {grown} and runner.warm_ups == 1  # grown and warmed once, up front
+    assert runner.grows_for(len(ours) + len(prompt) + 10) is None  # a turn that fits needs nothing
+    runner.lengths.clear()
+    longer = prompt + ours + prompt
+    assert list(generate(session, longer, SamplingConfig(max_new_tokens=10), frozenset()))[-1].text_tokens
+    assert len(set(runner.lengths)) == 1 and runner.warm_ups == 1
+
+
+def test_the_chat_says_why_a_turn_waits_for_the_cache_to_grow():
+    from tiny_models import tiny_loaded
+
+    from ladechat.bot import Bot, Notice
+    from ladechat.conversation import Conversation
+    from ladechat.settings import Settings
+
+    loaded = tiny_loaded()
+    settings = Settings(max_new_tokens=600, store=False)
+    bot = Bot(loaded, settings)
+    la = settings.lookahead_config()
+    runner = StaticRunner(loaded.model, la, loaded.context_length, first_length=16)
+    bot.session = Session(loaded.model, la, runner=runner)
+    conversation = Conversation(messages=[{"role": "user", "content": "hello there"}])
+    grown = runner.grows_for(len(bot.prompt_ids(conversation)[0]) + 600)
+    assert grown is not None and grown > runner.length
+    notices = [e.text for e in bot.reply(conversation) if isinstance(e, Notice)]
+    assert notices == [f"growing the KV cache to {grown} tokens for this turn"] and runner.length == grown
+    assert [e for e in bot.reply(conversation) if isinstance(e, Notice)] == []  # the same turn again fits

@@ -126,6 +126,15 @@ class Session:
         if self.runner.fixed:
             self.runner.warm_up(len(self.cached))
 
+    def grows_for(self, tokens: int) -> int | None:
+        """The KV cache length that reserve(tokens) would grow to, None if it needs no growing."""
+        return self.runner.grows_for(tokens)
+
+    def reserve(self, tokens: int) -> None:
+        """Make room in the KV cache for a turn that ends at `tokens` tokens, before it starts
+        (a fixed-shape runner grows and compiles here rather than mid-answer)."""
+        self.runner.reserve(tokens, len(self.cached))
+
     # -- prefix reuse -------------------------------------------------------------------------
     def sync_prompt(self, prompt: list[int]) -> tuple[int, float]:
         """Make the cache hold prompt[:-1], reusing its common prefix. Returns (prefilled, seconds)."""
@@ -287,6 +296,7 @@ def generate(session: Session, prompt: list[int], sampling: SamplingConfig, eos_
     """
     if not prompt:
         raise ValueError("empty prompt")
+    session.reserve(len(prompt) + sampling.max_new_tokens)  # any growing before the clock starts
     la = session.lookahead
     device = session.model.device
     chooser = Chooser(sampling)

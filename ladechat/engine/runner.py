@@ -86,6 +86,14 @@ class DynamicRunner:
     def commit(self, past: int, keep_rows: list[int]) -> None:
         kv.commit_kv(self.cache, past, keep_rows, self.appended)
 
+    def grows_for(self, tokens: int) -> int | None:
+        """The cache length a turn ending at `tokens` tokens makes reserve() grow to, or None when
+        it needs no growing (a dynamic cache grows with every step, at no extra cost)."""
+        return None
+
+    def reserve(self, tokens: int, committed: int) -> None:
+        """Make room for a turn ending at `tokens` tokens before it starts (see StaticRunner)."""
+
     def truncate(self, length: int) -> None:
         kv.truncate(self.cache, length)
 
@@ -109,6 +117,7 @@ class StaticRunner(DynamicRunner):
         # dynamic=False: one graph per shape (the plain step and the lookahead step), no guards on
         # sizes; on a GPU "reduce-overhead" also captures each graph as a CUDA graph.
         mode = "reduce-overhead" if model.device.type == "cuda" else None
+        self.compiled = compile
         self.forward = torch.compile(model.forward, dynamic=False, mode=mode) if compile else model.forward
         self.configure(lookahead)
 
@@ -133,17 +142,36 @@ class StaticRunner(DynamicRunner):
         self.step_size = size
         self.rows_size = size  # every row's logits: their top-k feed the recycled successor table
 
-    def _make_room(self, end: int, committed: int) -> None:
-        """Grow the cache (keeping its `committed` positions) so that slots up to `end` exist."""
-        if end <= self.length:
-            return
+    def _length_for(self, end: int) -> int:
+        """The cache length (doubling from the current one) whose slots reach `end`."""
         length = min(self.length - MAX_FIXED_STEP, self.context_length)
         while length + MAX_FIXED_STEP < end and length < self.context_length:
             length = min(2 * length, self.context_length)
         if length + MAX_FIXED_STEP < end:
             raise ValueError(f"position {end} is past the model's context of {self.context_length} tokens")
-        self.cache = kv.grow_static(self.cache, self.model.config, length + MAX_FIXED_STEP, committed)
-        self.length = length + MAX_FIXED_STEP
+        return length + MAX_FIXED_STEP
+
+    def _make_room(self, end: int, committed: int) -> bool:
+        """Grow the cache (keeping its `committed` positions) so that slots up to `end` exist.
+        Returns whether it grew."""
+        if end <= self.length:
+            return False
+        length = self._length_for(end)
+        self.cache = kv.grow_static(self.cache, self.model.config, length, committed)
+        self.length = length
+        return True
+
+    def grows_for(self, tokens: int) -> int | None:
+        # the last step of the turn starts at most at `tokens` and writes a full step's rows
+        end = min(tokens, self.context_length) + self.step_size
+        return self._length_for(end) if end > self.length else None
+
+    def reserve(self, tokens: int, committed: int) -> None:
+        """Grow the cache for a whole turn before it starts, and compile the steps for the new
+        length there: growing mid-answer would stall the answer for a compile (and a CUDA-graph
+        capture) with no sign of why."""
+        if self._make_room(min(tokens, self.context_length) + self.step_size, committed) and self.compiled:
+            self.warm_up(committed)
 
     def prefill(self, tokens: list[int], past: int, ranked: bool = True) -> np.ndarray:
         self._make_room(past + len(tokens), past)
