@@ -213,8 +213,9 @@ def run(loaded, datasets: list[str], methods: list[str], settings: Settings, lim
                      "store": store, "datasets": {}}  # store: the mode (cold, warm, off), not the setting
     results["compiled"] = compile
     step_cost = loaded.cost_model()
-    runners = {m: StaticRunner(loaded.model, method_config(m, la), loaded.context_length, compile=True)
-               if compile else None for m in ours}
+    runners = {m: StaticRunner(loaded.model, method_config(m, la), loaded.context_length,
+                               compiled=loaded.compiled_forward) if compile else None
+               for m in ours}
     # warm-up: first calls allocate and pick kernels (and compile)
     warm = {"turns": ["Hello"]}
     for m in methods:

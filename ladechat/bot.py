@@ -80,7 +80,7 @@ class Bot:
         la = settings.lookahead_config()
         store = self._open_store() if la.store else None
         if compile:
-            runner = StaticRunner(loaded.model, la, loaded.context_length, compile=True)
+            runner = StaticRunner(loaded.model, la, loaded.context_length, compiled=loaded.compiled_forward)
             self.session = Session(loaded.model, la, runner=runner, store=store)
         else:
             self.session = Session(loaded.model, la, step_cost=loaded.cost_model(), store=store)

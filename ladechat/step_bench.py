@@ -20,7 +20,7 @@ import torch
 from ladechat.engine.attention import use_grouped_sdpa
 from ladechat.engine.config import LookaheadConfig
 from ladechat.engine.layout import build_layout
-from ladechat.engine.runner import DynamicRunner, StaticRunner
+from ladechat.engine.runner import CompiledForward, DynamicRunner, StaticRunner
 from ladechat.errors import UserError
 
 SIZES = (1, 8, 16, 32, 64, 128, 256)
@@ -144,7 +144,7 @@ def run(model, name: str, sizes=SIZES, context: int = 512, reps: int = 10, compi
     curves = {"dynamic": _time_steps(DynamicRunner(model), sizes, context, reps, device),
               "static": _time_steps(StaticRunner(model, la, context_length), sizes, context, reps, device)}
     if compile:
-        curves["compiled"] = _time_steps(StaticRunner(model, la, context_length, compile=True), sizes, context,
+        curves["compiled"] = _time_steps(StaticRunner(model, la, context_length, compiled=CompiledForward(model)), sizes, context,
                                          reps, device)
     return {"model": name, "device": str(device), "dtype": str(model.dtype).removeprefix("torch."),
             "context": context, "reps": reps, "hf_generate_per_token_s": _hf_per_token(model, context),

@@ -9,7 +9,7 @@ from ladechat.engine import kv
 from ladechat.engine.config import ConfigError, LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.layout import build_layout, fixed_step_inputs, step_inputs
-from ladechat.engine.runner import StaticRunner, max_step_size
+from ladechat.engine.runner import CompiledForward, StaticRunner, max_step_size
 from test_exactness import hf_greedy, model_for, repetitive_prompt
 from tiny_models import FAMILIES
 
@@ -72,7 +72,7 @@ def test_compiled_step_is_exact():
     """torch.compile of the fixed-shape step (two graphs: plain and lookahead) on a tiny Llama."""
     model = model_for("llama")
     la = LookaheadConfig(window=3, ngram=3, candidates=3)
-    runner = StaticRunner(model, la, context_length=256, compile=True)
+    runner = StaticRunner(model, la, context_length=256, compiled=CompiledForward(model))
     prompt = repetitive_prompt(random.Random(21), model.config.vocab_size, 30)
     ours, steps, session = static_run(model, prompt, la, 40, runner=runner)
     assert ours == hf_greedy(model, prompt, 40)
@@ -172,3 +172,31 @@ def test_the_chat_says_why_a_turn_waits_for_the_cache_to_grow():
     notices = [e.text for e in bot.reply(conversation) if isinstance(e, Notice)]
     assert notices == [f"growing the KV cache to {grown} tokens for this turn"] and runner.length == grown
     assert [e for e in bot.reply(conversation) if isinstance(e, Notice)] == []  # the same turn again fits
+
+
+class Doubler(torch.nn.Module):
+    device = torch.device("cpu")
+
+    def forward(self, x):
+        return x * 2
+
+
+def test_compiled_steps_have_an_explicit_limit_not_a_silent_eager_fallback():
+    compiled = CompiledForward(Doubler(), limit=2)
+    for n in (2, 3):  # two shapes: two graphs
+        assert compiled(x=torch.ones(n)).tolist() == [2.0] * n
+    with pytest.raises(ConfigError, match="this model has compiled 2 step shapes .* restart ladechat"):
+        compiled(x=torch.ones(4))  # torch alone would run it eagerly, unannounced
+    assert compiled(x=torch.ones(3)).tolist() == [2.0] * 3  # the shapes it has keep working
+
+
+def test_one_compiled_forward_per_model_shared_by_its_runners():
+    from tiny_models import tiny_loaded
+
+    from ladechat.bot import Bot
+    from ladechat.settings import Settings
+
+    loaded = tiny_loaded()
+    assert loaded.compiled_forward is loaded.compiled_forward
+    first, second = (Bot(loaded, Settings(store=False), compile=True) for _ in range(2))
+    assert first.session.runner.forward is second.session.runner.forward is loaded.compiled_forward

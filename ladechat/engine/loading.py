@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -49,6 +50,14 @@ class LoadedModel:
     eos_ids: frozenset[int]
     context_length: int
     notices: tuple[str, ...] = ()
+
+    @functools.cached_property
+    def compiled_forward(self):
+        """The model's one CompiledForward (engine/runner.py), made on first use: every
+        fixed-shape runner of this model shares its graphs."""
+        from ladechat.engine.runner import CompiledForward
+
+        return CompiledForward(self.model)
 
     def step_cost(self) -> dict[int, float]:
         """This model's step-cost curve on this device (measured once, then read from the cache)."""

@@ -98,11 +98,42 @@ class DynamicRunner:
         kv.truncate(self.cache, length)
 
 
+COMPILED_GRAPHS = 64  # step graphs one model may compile: (plain, full) x cache lengths x W/N/G settings
+
+
+class CompiledForward:
+    """The model's forward through torch.compile, one per model, shared by all its fixed-shape
+    runners (the chat's, each bench method's): compiled graphs are cached per function, so
+    separate torch.compile calls would compete for the same slots.
+
+    dynamic=False: one graph per shape (the plain and the full step at each cache length), no
+    guards on sizes; on a GPU "reduce-overhead" also captures each as a CUDA graph. Past its limit
+    torch would silently run new shapes eagerly (and a benchmark would call them compiled); here
+    the limit is explicit, and reaching it is an error that says so.
+    """
+
+    def __init__(self, model, limit: int = COMPILED_GRAPHS) -> None:
+        mode = "reduce-overhead" if model.device.type == "cuda" else None
+        self.limit = limit
+        self.fn = torch.compile(model.forward, dynamic=False, mode=mode)
+
+    def __call__(self, **inputs):
+        import torch._dynamo
+
+        try:
+            with torch._dynamo.config.patch(recompile_limit=self.limit, fail_on_recompile_limit_hit=True):
+                return self.fn(**inputs)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            raise ConfigError(f"this model has compiled {self.limit} step shapes (cache lengths x W/N/G settings), "
+                              "the most it may; restart ladechat to compile afresh") from None
+
+
 class StaticRunner(DynamicRunner):
     fixed = True
 
-    def __init__(self, model, lookahead: LookaheadConfig, context_length: int, compile: bool = False,
-                 first_length: int = FIRST_LENGTH) -> None:
+    def __init__(self, model, lookahead: LookaheadConfig, context_length: int,
+                 compiled: CompiledForward | None = None, first_length: int = FIRST_LENGTH) -> None:
+        """compiled: the model's CompiledForward (None: eager fixed-shape steps)."""
         self.model = model
         self.rows_device = rows_device(model)
         # Every step attends over the whole static cache (masked slots included), so it starts
@@ -114,11 +145,8 @@ class StaticRunner(DynamicRunner):
         self.cache = kv.new_static_cache(model.config, self.length)
         if any(getattr(layer, "is_sliding", False) for layer in self.cache.layers):
             raise ConfigError("fixed-shape steps (--compile) do not support this model's sliding-window layers")
-        # dynamic=False: one graph per shape (the plain step and the lookahead step), no guards on
-        # sizes; on a GPU "reduce-overhead" also captures each graph as a CUDA graph.
-        mode = "reduce-overhead" if model.device.type == "cuda" else None
-        self.compiled = compile
-        self.forward = torch.compile(model.forward, dynamic=False, mode=mode) if compile else model.forward
+        self.compiled = compiled is not None
+        self.forward = compiled or model.forward
         self.configure(lookahead)
 
     def warm_up(self, committed: int) -> None:
