@@ -9,7 +9,7 @@ import torch
 from tiny_models import tiny_model
 
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
-from ladechat.engine.decode import Session, generate, verify
+from ladechat.engine.decode import Session, batched_pick, generate, verify
 from ladechat.engine.layout import build_layout
 from ladechat.engine.sampling import Chooser
 from ladechat.engine.store import AnswerStore
@@ -88,6 +88,52 @@ def test_verify_rule_matches_exact_distribution():
     total = sum(exact.values())
     stat, dof = chi2_expected(pairs, {k: v / total for k, v in exact.items()})
     assert stat < chi2_critical(dof), (stat, dof)
+
+
+def test_batched_verification_matches_exact_distribution():
+    """The GPU path: every row the trie could visit penalized and sampled at once (one uniform
+    draw per depth), then walked."""
+    chooser = Chooser(SamplingConfig(temperature=1.0, seed=3))
+    logits = torch.stack([LOGITS.get(row, torch.zeros(5)) for row in range(LAYOUT.size)])
+    pairs = sample_pairs(lambda i: batched_pick(LAYOUT, logits, chooser, []))
+    exact = exact_first_two()
+    total = sum(exact.values())
+    stat, dof = chi2_expected(pairs, {k: v / total for k, v in exact.items()})
+    assert stat < chi2_critical(dof), (stat, dof)
+
+
+@pytest.mark.parametrize("cfg", [dict(temperature=0.0, repetition_penalty=1.5),
+                                 dict(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.3)])
+def test_batched_rows_see_the_same_penalties_as_rows_one_at_a_time(cfg):
+    """Each row's repetition penalty covers the history and its own path through the trie, as
+    when rows are chosen one at a time: greedy picks are equal, sampled ones share a distribution."""
+    torch.manual_seed(0)
+    layout = build_layout([[7, 8], [9, 10]], [((3, 4, 5), "pool"), ((3, 6), "context"), ((11, 4), "pool")])
+    logits = torch.randn(layout.size, 16) * 3
+    history = [1, 2, 3, 12]
+    one_at_a_time = Chooser(SamplingConfig(**cfg, seed=5))
+    batched = Chooser(SamplingConfig(**cfg, seed=5))
+    rows = [0, *range(layout.window_rows, layout.size)]
+    paths = {0: []}
+    for row in rows[1:]:
+        paths[row] = paths[layout.parents[row]] + [layout.tokens[row]]
+    if cfg["temperature"] == 0.0:
+        chosen = batched_pick(layout, logits, batched, history)
+        assert [chosen(r, paths[r]) for r in rows] == [one_at_a_time.pick(logits[r], history + paths[r]) for r in rows]
+        return
+    for row in rows:
+        expected = one_at_a_time.probabilities(_penalized(logits[row], history + paths[row], 1.3))
+        counts = Counter(batched_pick(layout, logits, batched, history)(row, paths[row]) for _ in range(3000))
+        stat, dof = chi2_expected(counts, {tok: float(p) for tok, p in enumerate(expected) if p > 0})
+        assert stat < chi2_critical(dof), (row, stat, dof)
+
+
+def _penalized(scores, history, penalty):
+    seen = torch.tensor(sorted(set(history)))
+    scores = scores.clone()
+    picked = scores[seen]
+    scores[seen] = torch.where(picked < 0, picked * penalty, picked / penalty)
+    return scores
 
 
 def test_wrong_rule_is_detected():

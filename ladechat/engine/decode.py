@@ -256,8 +256,10 @@ class Session:
         history = self.history
         if chooser.plain_argmax:
             pick = lambda row, path: argmax[row]  # noqa: E731
-        else:
-            pick = lambda row, path: chooser.pick(logits[row], history + path)  # noqa: E731
+        elif logits.device.type == "cpu":  # nothing to transfer: penalize and sample only the rows visited
+            pick = lambda row, path: chooser.pick_rows(logits[row : row + 1], history, [path], [0])[0]  # noqa: E731
+        else:  # every row verify could visit at once, one transfer instead of one wait per row
+            pick = batched_pick(layout, logits, chooser, history)
         block, matched, source = verify(layout, pick)
         if la.enabled:
             self._learn(layout, matched, top)
@@ -393,3 +395,19 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
+
+
+def batched_pick(layout: StepLayout, logits: torch.Tensor, chooser: Chooser, history: list[int]):
+    """verify's choose(row, path) from one batched choice over the root and every draft node: a
+    node's path is known before verifying (its ancestors' tokens), so every row's repetition
+    penalty and draw can be settled at once, with one transfer to the host."""
+    rows = [0, *range(layout.window_rows, layout.size)]
+    paths: dict[int, list[int]] = {0: []}
+    depths = {0: 0}
+    for row in rows[1:]:  # parents come before their children
+        parent = layout.parents[row]
+        paths[row] = paths[parent] + [layout.tokens[row]]
+        depths[row] = depths[parent] + 1
+    picked = chooser.pick_rows(logits[rows], history, [paths[r] for r in rows], [depths[r] for r in rows])
+    chosen = dict(zip(rows, picked, strict=True))
+    return lambda row, path: chosen[row]
