@@ -6,16 +6,17 @@ from dataclasses import replace
 import pytest
 import torch
 from rich.console import Console
+from test_exactness import hf_greedy
+from tiny_models import tiny_model
 
 from ladechat.bot import Bot
 from ladechat.engine import kv
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import OutOfMemory, Session, generate
 from ladechat.engine.events import Done, Step
+from ladechat.engine.runner import StaticRunner
 from ladechat.settings import Settings
 from ladechat.ui.chat import ChatApp
-from test_exactness import hf_greedy
-from tiny_models import tiny_model
 
 CPU_OOM = RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: you tried "
                        "to allocate 40000000000000 bytes")
@@ -57,6 +58,26 @@ def test_out_of_memory_leaves_the_session_consistent(error):
     rest = [e for e in generate(session, prompt + partial, SamplingConfig(max_new_tokens=20), frozenset())]
     assert isinstance(rest[-1], Done)
     assert partial + list(rest[-1].text_tokens) == hf_greedy(model, prompt, len(partial) + 20)
+
+
+class GrowthFails(StaticRunner):
+    """A fixed-shape runner that runs out of memory whenever its cache would have to grow."""
+
+    def _make_room(self, end, committed):
+        if end > self.length:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+        return super()._make_room(end, committed)
+
+
+def test_out_of_memory_while_the_cache_grows_for_a_turn_is_reported_as_such():
+    model = tiny_model("llama")
+    la = LookaheadConfig(window=3, ngram=3, candidates=3)
+    session = Session(model, la, runner=GrowthFails(model, la, context_length=1024, first_length=16))
+    prompt = [5, 17, 23, 5, 17, 23, 5, 17, 9, 40, 41, 42]
+    with pytest.raises(OutOfMemory, match=r"out of memory on cpu after 0 new tokens"):
+        list(generate(session, prompt, SamplingConfig(max_new_tokens=600), frozenset()))
+    done = list(generate(session, prompt, SamplingConfig(max_new_tokens=20), frozenset()))[-1]
+    assert list(done.text_tokens) == hf_greedy(model, prompt, 20)  # a turn that fits goes on as before
 
 
 def test_other_runtime_errors_are_not_taken_for_out_of_memory():

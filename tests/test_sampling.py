@@ -11,7 +11,7 @@ from tiny_models import tiny_model
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, batched_pick, generate, verify
 from ladechat.engine.layout import build_layout
-from ladechat.engine.sampling import Chooser
+from ladechat.engine.sampling import Chooser, inverse_cdf
 from ladechat.engine.store import AnswerStore
 
 ALPHA_Z = 3.09  # one-sided z for significance 0.001: a correct rule fails about 1 run in 1000
@@ -134,6 +134,14 @@ def _penalized(scores, history, penalty):
     picked = scores[seen]
     scores[seen] = torch.where(picked < 0, picked * penalty, picked / penalty)
     return scores
+
+
+def test_inverse_cdf_never_draws_a_filtered_token():
+    probs = torch.tensor([[0.0, 0.5, 0.5, 0.0, 0.0], [0.2, 0.0, 0.3, 0.5, 0.0]])
+    below_one = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))  # the largest uniform draw
+    assert inverse_cdf(probs, torch.stack([below_one, below_one])).tolist() == [2, 3]
+    assert inverse_cdf(probs, torch.zeros(2)).tolist() == [1, 0]
+    assert inverse_cdf(probs, torch.tensor([0.49, 0.25])).tolist() == [1, 2]
 
 
 def test_wrong_rule_is_detected():

@@ -4,14 +4,14 @@ import random
 
 import pytest
 import torch
+from test_exactness import hf_greedy, model_for, repetitive_prompt
+from tiny_models import FAMILIES
 
 from ladechat.engine import kv
 from ladechat.engine.config import ConfigError, LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.layout import build_layout, fixed_step_inputs, step_inputs
 from ladechat.engine.runner import CompiledForward, StaticRunner, max_step_size
-from test_exactness import hf_greedy, model_for, repetitive_prompt
-from tiny_models import FAMILIES
 
 CONFIGS = [(1, 2, 0), (1, 2, 3), (3, 2, 2), (5, 4, 5), (2, 5, 7), (1, 4, 4)]
 
@@ -69,18 +69,25 @@ def test_static_eos_and_lookahead_off():
 
 
 def test_compiled_step_is_exact():
-    """torch.compile of the fixed-shape step (two graphs: plain and lookahead) on a tiny Llama."""
-    model = model_for("llama")
+    """torch.compile of the fixed-shape step (two graphs: plain and lookahead) on a tiny Llama with
+    the grouped-query attention the chat runs, against HF greedy on the unchanged model."""
+    import copy
+
+    from ladechat.engine.attention import use_grouped_sdpa
+
+    plain = model_for("llama")
+    model = copy.deepcopy(plain)
+    assert use_grouped_sdpa(model)
     la = LookaheadConfig(window=3, ngram=3, candidates=3)
     runner = StaticRunner(model, la, context_length=256, compiled=CompiledForward(model))
     prompt = repetitive_prompt(random.Random(21), model.config.vocab_size, 30)
     ours, steps, session = static_run(model, prompt, la, 40, runner=runner)
-    assert ours == hf_greedy(model, prompt, 40)
+    assert ours == hf_greedy(plain, prompt, 40)
     assert any(len(s.tokens) > 1 for s in steps)
     session.reset()
     session.configure(LookaheadConfig(window=3, ngram=3, candidates=3, enabled=False))
     events = list(generate(session, prompt, SamplingConfig(max_new_tokens=20), frozenset()))
-    assert list(events[-1].text_tokens) == hf_greedy(model, prompt, 20)
+    assert list(events[-1].text_tokens) == hf_greedy(plain, prompt, 20)
 
 
 def test_fixed_step_inputs_pad_rows_and_mask_the_free_slots():
@@ -143,7 +150,7 @@ def test_the_cache_grows_before_a_turn_never_during_it():
     prompt = repetitive_prompt(random.Random(5), model.config.vocab_size, 40)
     start, grown = runner.length, runner.grows_for(len(prompt) + 600)
     assert grown is not None and grown > start
-    ours, steps, session = static_run(model, prompt, la, 600, runner=runner)
+    ours, _, session = static_run(model, prompt, la, 600, runner=runner)
     assert ours == hf_greedy(model, prompt, 600)
     assert set(runner.lengths) == {grown} and runner.warm_ups == 1  # grown and warmed once, up front
     assert runner.grows_for(len(ours) + len(prompt) + 10) is None  # a turn that fits needs nothing
@@ -200,3 +207,22 @@ def test_one_compiled_forward_per_model_shared_by_its_runners():
     assert loaded.compiled_forward is loaded.compiled_forward
     first, second = (Bot(loaded, Settings(store=False), compile=True) for _ in range(2))
     assert first.session.runner.forward is second.session.runner.forward is loaded.compiled_forward
+
+
+def test_a_warm_up_stopped_by_ctrl_c_is_done_again_at_the_next_turn():
+    class StoppedOnce(RecordingRunner):
+        def warm_up(self, committed):
+            super().warm_up(committed)
+            if self.warm_ups == 1:
+                raise KeyboardInterrupt
+
+    model = model_for("llama")
+    la = LookaheadConfig(window=3, ngram=3, candidates=3)
+    runner = StoppedOnce(model, la, context_length=1024, first_length=16)
+    runner.compiled = True
+    session = Session(model, la, runner=runner)
+    prompt = repetitive_prompt(random.Random(6), model.config.vocab_size, 30)
+    stopped = list(generate(session, prompt, SamplingConfig(max_new_tokens=600), frozenset()))[-1]
+    assert stopped.stats.finish_reason == "interrupted" and not stopped.text_tokens
+    done = list(generate(session, prompt, SamplingConfig(max_new_tokens=600), frozenset()))[-1]
+    assert runner.warm_ups == 2 and list(done.text_tokens) == hf_greedy(model, prompt, 600)

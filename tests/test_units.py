@@ -337,10 +337,11 @@ def test_mask_probe_verdict_is_remembered_per_folder(tmp_path, monkeypatch):
     model = load(LoadSpec(model=str(folder), dtype="float32", device="cpu")).model
     verdicts = cache_root() / "mask-probe"
     assert len(list(verdicts.iterdir())) == 1
-    assert honours_tree_mask(model, str(folder), "sdpa") and len(list(verdicts.iterdir())) == 1  # found again
+    attn = model.config._attn_implementation  # the key names the implementation in use
+    assert honours_tree_mask(model, str(folder), attn) and len(list(verdicts.iterdir())) == 1  # found again
     (folder / "config.json").write_text((folder / "config.json").read_text() + " ")
-    assert honours_tree_mask(model, str(folder), "sdpa") and len(list(verdicts.iterdir())) == 2  # asked again
-    assert honours_tree_mask(model, None, "sdpa") and len(list(verdicts.iterdir())) == 2  # hub ids: never kept
+    assert honours_tree_mask(model, str(folder), attn) and len(list(verdicts.iterdir())) == 2  # asked again
+    assert honours_tree_mask(model, None, attn) and len(list(verdicts.iterdir())) == 2  # hub ids: never kept
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

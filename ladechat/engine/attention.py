@@ -29,6 +29,9 @@ from __future__ import annotations
 import torch
 
 NAME = "ladechat_grouped_sdpa"
+# Families whose attention the tests run it on. Some others compare the implementation's name with
+# "sdpa" for special cases of their own (e.g. Gemma 4's shared KV layers), and keep plain SDPA.
+FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma"})
 
 
 def grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
@@ -51,14 +54,15 @@ def grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0
 
 
 def use_grouped_sdpa(model) -> bool:
-    """Switch a model from "sdpa" to grouped_sdpa when it has grouped-query attention. Returns
-    whether it did (a model without key/value groups gains nothing from it)."""
+    """Switch a model of a tested family from "sdpa" to grouped_sdpa when it has grouped-query
+    attention. Returns whether it did (a model without key/value groups gains nothing from it)."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
     config = model.config.get_text_config()
     heads, kv_heads = getattr(config, "num_attention_heads", 0), getattr(config, "num_key_value_heads", None)
-    if model.config._attn_implementation != "sdpa" or not kv_heads or kv_heads == heads:
+    if (model.config._attn_implementation != "sdpa" or not kv_heads or kv_heads == heads
+            or model.config.model_type not in FAMILIES):
         return False
     # Registering the same function under the same name again is harmless (a dict entry).
     AttentionInterface.register(NAME, grouped_sdpa)

@@ -298,7 +298,6 @@ def generate(session: Session, prompt: list[int], sampling: SamplingConfig, eos_
     """
     if not prompt:
         raise ValueError("empty prompt")
-    session.reserve(len(prompt) + sampling.max_new_tokens)  # any growing before the clock starts
     la = session.lookahead
     device = session.model.device
     chooser = Chooser(sampling)
@@ -316,6 +315,8 @@ def generate(session: Session, prompt: list[int], sampling: SamplingConfig, eos_
     reason = "length"
     prefill_tokens, prefill_s = 0, 0.0
     try:
+        session.reserve(len(prompt) + sampling.max_new_tokens)  # grow (and compile) before the clock starts
+        start = time.perf_counter()
         prefill_tokens, prefill_s = session.sync_prompt(prompt)
         t = prompt[-1]
         while True:

@@ -146,6 +146,7 @@ class StaticRunner(DynamicRunner):
         if any(getattr(layer, "is_sliding", False) for layer in self.cache.layers):
             raise ConfigError("fixed-shape steps (--compile) do not support this model's sliding-window layers")
         self.compiled = compiled is not None
+        self.warm = True  # the compiled graphs exist for the cache's current length (see reserve)
         self.forward = compiled or model.forward
         self.configure(lookahead)
 
@@ -198,8 +199,11 @@ class StaticRunner(DynamicRunner):
         """Grow the cache for a whole turn before it starts, and compile the steps for the new
         length there: growing mid-answer would stall the answer for a compile (and a CUDA-graph
         capture) with no sign of why."""
-        if self._make_room(min(tokens, self.context_length) + self.step_size, committed) and self.compiled:
+        grew = self._make_room(min(tokens, self.context_length) + self.step_size, committed)
+        if self.compiled and (grew or not self.warm):
+            self.warm = False  # until the warm-up ends: a Ctrl-C during it leaves it for the next turn
             self.warm_up(committed)
+            self.warm = True
 
     def prefill(self, tokens: list[int], past: int, ranked: bool = True) -> np.ndarray:
         self._make_room(past + len(tokens), past)

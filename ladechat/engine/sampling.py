@@ -65,16 +65,23 @@ class Chooser:
             scores = torch.where(seen, torch.where(scores < 0, scores * penalty, scores / penalty), scores)
         if cfg.greedy:
             return scores.argmax(-1).tolist()
-        cumulative = self.probabilities(scores).cumsum(-1)
-        uniform = torch.rand(max(depths) + 1, generator=self.generator, dtype=torch.float64)[depths]
-        # inverse CDF: the first token whose cumulative probability passes u (scaled by the row's
-        # total, which rounding keeps from being exactly 1)
-        targets = uniform.to(cumulative.device, cumulative.dtype).unsqueeze(-1) * cumulative[:, -1:]
-        tokens = torch.searchsorted(cumulative, targets, right=True).squeeze(-1).clamp_max(vocab - 1)
-        return tokens.tolist()
+        uniform = torch.rand(max(depths) + 1, generator=self.generator)[depths]
+        return inverse_cdf(self.probabilities(scores), uniform).tolist()
 
     def pick(self, logits: torch.Tensor, history: list[int]) -> int:
         """The token one row of logits (vocab,) picks."""
         if self.plain_argmax:
             return int(logits.argmax())
         return self.pick_rows(logits.unsqueeze(0), history, [[]], [0])[0]
+
+
+def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Per row of `probs` (rows, vocab), the token drawn by the uniform number in [0, 1) of that
+    row: the first whose cumulative probability passes it (scaled by the row's total, which rounding
+    keeps from being exactly 1). A product that rounds up to the total falls to the last token that
+    can be drawn, never to a filtered one."""
+    cumulative = probs.cumsum(-1)
+    targets = uniform.to(cumulative.device, cumulative.dtype).unsqueeze(-1) * cumulative[:, -1:]
+    tokens = torch.searchsorted(cumulative, targets, right=True).squeeze(-1)
+    last_possible = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(-1)
+    return torch.minimum(tokens, last_possible)
