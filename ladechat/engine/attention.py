@@ -4,7 +4,7 @@ Given a 4D mask, transformers' SDPA path repeats every key/value head once per q
 group (`repeat_kv`) before attending: a copy of the whole KV cache in every layer, every step that
 has a mask, i.e. every lookahead step (its one-row steps without a mask are spared). On this CPU
 the copy costs more than the attention itself once a few thousand tokens are cached (the embedded
-model, 4 rows over 3k cached tokens: ~285 -> ~200 ms a step); on a GPU it reads every slot of a
+model, 4 rows over 3k cached tokens: ~205 -> ~148 ms a step); on a GPU it reads every slot of a
 static cache, free ones too.
 
 Here the query heads that share a key/value head are stacked as extra rows instead, and the
