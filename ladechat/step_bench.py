@@ -64,8 +64,9 @@ def random_model(shape: str, dtype: torch.dtype, device: torch.device):
             model = LlamaForCausalLM._from_config(config, dtype=dtype).eval()
     except torch.OutOfMemoryError:
         gigabytes = _parameters(shape) * torch.finfo(dtype).bits / 8 / 2**30
+        dtype_name = str(dtype).removeprefix("torch.")
         raise StepBenchError(f"out of memory building the random {shape} model on {device} "
-                             f"(its weights alone take {gigabytes:.1f} GiB in {str(dtype).removeprefix('torch.')})") from None
+                             f"(its weights alone take {gigabytes:.1f} GiB in {dtype_name})") from None
     model.generation_config.eos_token_id = None
     use_grouped_sdpa(model)  # as loading does: what the chat would run
     return model
@@ -144,8 +145,8 @@ def run(model, name: str, sizes=SIZES, context: int = 512, reps: int = 10, compi
     curves = {"dynamic": _time_steps(DynamicRunner(model), sizes, context, reps, device),
               "static": _time_steps(StaticRunner(model, la, context_length), sizes, context, reps, device)}
     if compile:
-        curves["compiled"] = _time_steps(StaticRunner(model, la, context_length, compiled=CompiledForward(model)), sizes, context,
-                                         reps, device)
+        compiled = StaticRunner(model, la, context_length, compiled=CompiledForward(model))
+        curves["compiled"] = _time_steps(compiled, sizes, context, reps, device)
     return {"model": name, "device": str(device), "dtype": str(model.dtype).removeprefix("torch."),
             "context": context, "reps": reps, "hf_generate_per_token_s": _hf_per_token(model, context),
             "curves": {kind: {str(s): t for s, t in curve.items()} for kind, curve in curves.items()}}

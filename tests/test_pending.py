@@ -64,12 +64,17 @@ def test_nothing_waits_for_the_load_until_the_model_is_needed():
     assert pending.settings == SETTINGS and pending.name == "tiny"
 
 
-def test_a_question_typed_during_the_load_is_answered_once_it_ends():
+def chat_while_loading(seconds: float):
+    """(PendingBot, ChatApp) over a tiny model whose load ends `seconds` from now."""
     loaded = tiny_loaded()
     load, release, _ = gated(lambda: Bot(loaded, SETTINGS))
     pending = PendingBot(load, label="tiny", err=quiet())
-    app = ChatApp(pending, None, False, quiet(), quiet())
-    threading.Timer(0.5, release.set).start()
+    threading.Timer(seconds, release.set).start()
+    return pending, ChatApp(pending, None, False, quiet(), quiet())
+
+
+def test_a_question_typed_during_the_load_is_answered_once_it_ends():
+    _, app = chat_while_loading(0.5)
     app.ask("hello there")
     assert [m["role"] for m in app.conversation.messages] == ["user", "assistant"]
     assert not app.conversation.messages[1]["interrupted"] and app.conversation.messages[1]["content"]
@@ -98,10 +103,6 @@ def test_a_load_that_fails_with_a_bug_raises_the_bug():
 
 
 def test_a_setting_changed_during_the_load_waits_for_the_model_and_reaches_it():
-    loaded = tiny_loaded()
-    load, release, _ = gated(lambda: Bot(loaded, SETTINGS))
-    pending = PendingBot(load, label="tiny", err=quiet())
-    app = ChatApp(pending, None, False, quiet(), quiet())
-    threading.Timer(0.3, release.set).start()
+    pending, app = chat_while_loading(0.3)
     assert app.command("/set W=3 G=2") is True
     assert pending.bot().settings.window == 3 and pending.bot().session.lookahead.candidates == 2

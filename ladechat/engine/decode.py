@@ -257,7 +257,7 @@ class Session:
         if chooser.plain_argmax:
             pick = lambda row, path: argmax[row]  # noqa: E731
         elif logits.device.type == "cpu":  # nothing to transfer: penalize and sample only the rows visited
-            pick = lambda row, path: chooser.pick_rows(logits[row : row + 1], history, [path], [0])[0]  # noqa: E731
+            pick = lambda row, path: chooser.pick(logits[row], history + path)  # noqa: E731
         else:  # every row verify could visit at once, one transfer instead of one wait per row
             pick = batched_pick(layout, logits, chooser, history)
         block, matched, source = verify(layout, pick)
@@ -404,11 +404,9 @@ def batched_pick(layout: StepLayout, logits: torch.Tensor, chooser: Chooser, his
     penalty and draw can be settled at once, with one transfer to the host."""
     rows = [0, *range(layout.window_rows, layout.size)]
     paths: dict[int, list[int]] = {0: []}
-    depths = {0: 0}
     for row in rows[1:]:  # parents come before their children
-        parent = layout.parents[row]
-        paths[row] = paths[parent] + [layout.tokens[row]]
-        depths[row] = depths[parent] + 1
-    picked = chooser.pick_rows(logits[rows], history, [paths[r] for r in rows], [depths[r] for r in rows])
+        paths[row] = paths[layout.parents[row]] + [layout.tokens[row]]
+    # a row's depth in the tree is its path's length
+    picked = chooser.pick_rows(logits[rows], history, [paths[r] for r in rows], [len(paths[r]) for r in rows])
     chosen = dict(zip(rows, picked, strict=True))
     return lambda row, path: chosen[row]

@@ -134,13 +134,11 @@ class StaticRunner(DynamicRunner):
     def __init__(self, model, lookahead: LookaheadConfig, context_length: int,
                  compiled: CompiledForward | None = None, first_length: int = FIRST_LENGTH) -> None:
         """compiled: the model's CompiledForward (None: eager fixed-shape steps)."""
-        self.model = model
-        self.rows_device = rows_device(model)
+        super().__init__(model)
         # Every step attends over the whole static cache (masked slots included), so it starts
         # short and doubles as the conversation grows, up to the model's context (each new
         # length compiles new graphs once).
         self.context_length = context_length
-        self.appended = 0
         self.length = min(first_length, context_length) + MAX_FIXED_STEP
         self.cache = kv.new_static_cache(model.config, self.length)
         if any(getattr(layer, "is_sliding", False) for layer in self.cache.layers):
@@ -190,16 +188,19 @@ class StaticRunner(DynamicRunner):
         self.length = length
         return True
 
-    def grows_for(self, tokens: int) -> int | None:
+    def _turn_end(self, tokens: int) -> int:
         # the last step of the turn starts at most at `tokens` and writes a full step's rows
-        end = min(tokens, self.context_length) + self.step_size
+        return min(tokens, self.context_length) + self.step_size
+
+    def grows_for(self, tokens: int) -> int | None:
+        end = self._turn_end(tokens)
         return self._length_for(end) if end > self.length else None
 
     def reserve(self, tokens: int, committed: int) -> None:
         """Grow the cache for a whole turn before it starts, and compile the steps for the new
         length there: growing mid-answer would stall the answer for a compile (and a CUDA-graph
         capture) with no sign of why."""
-        grew = self._make_room(min(tokens, self.context_length) + self.step_size, committed)
+        grew = self._make_room(self._turn_end(tokens), committed)
         if self.compiled and (grew or not self.warm):
             self.warm = False  # until the warm-up ends: a Ctrl-C during it leaves it for the next turn
             self.warm_up(committed)

@@ -31,6 +31,7 @@ def measure(model, sizes=SIZES, context: int = 192, reps: int = 5) -> dict[int, 
     device, dtype = model.device, model.dtype
     vocab = model.config.get_text_config().vocab_size
     prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0))
+    rows_at = rows_device(model)
     cache = kv.new_cache()
     with torch.inference_mode():
         model(input_ids=prompt.to(device), past_key_values=cache, use_cache=True, logits_to_keep=1)
@@ -46,7 +47,7 @@ def measure(model, sizes=SIZES, context: int = 192, reps: int = 5) -> dict[int, 
             with torch.inference_mode():
                 out = model(input_ids=ids, position_ids=positions, attention_mask=mask if size > 1 else None,
                             past_key_values=cache, use_cache=True,
-                            logits_to_keep=torch.arange(size, device=rows_device(model)) if size > 1 else 1)
+                            logits_to_keep=torch.arange(size, device=rows_at) if size > 1 else 1)
                 out.logits[0].topk(min(TOP_K, out.logits.shape[-1]), dim=-1).indices.cpu()
             times.append(time.perf_counter() - start)
             kv.truncate(cache, context)
