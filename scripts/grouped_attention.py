@@ -4,8 +4,8 @@
     python scripts/grouped_attention.py [--dtype float32] [--steps 24]
 
 Prints, per cached length and step size, the median seconds of a step under each attention and
-their ratio. A one-row step has no mask and runs transformers' own path under both (a check on
-the noise)."""
+their ratio. A one-row step has no mask: transformers' SDPA asks for `enable_gqa` there, ladechat's
+stacks the group's query heads without a mask."""
 
 import argparse
 import statistics

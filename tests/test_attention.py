@@ -40,6 +40,28 @@ def test_grouped_attention_matches_transformers_sdpa(groups, rows, cached, boole
     torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("groups,cached", [(3, 0), (3, 200), (4, 33)])
+def test_one_row_without_a_mask_is_stacked_and_matches_transformers_sdpa(groups, cached, dtype, monkeypatch):
+    # plain decoding (and HF generate) feeds one row and no mask: transformers would ask SDPA for
+    # enable_gqa, which is slow on a CPU in bf16; stacked, it is one plain SDPA over each group
+    torch.manual_seed(groups + cached)
+    kv_heads, dim = 3, 16
+    query = torch.randn(1, kv_heads * groups, 1, dim, dtype=dtype)
+    key, value = (torch.randn(1, kv_heads, cached + 1, dim, dtype=dtype) for _ in range(2))
+    module = Heads(groups)
+    theirs, _ = sdpa_attention_forward(module, query, key, value, None, scaling=dim**-0.5)
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: seen.append((q.shape, kw)) or sdpa(q, k, v, **kw))
+    ours, _ = grouped_sdpa(module, query, key, value, None, scaling=dim**-0.5)
+    assert seen == [((1, kv_heads, groups, dim), {"attn_mask": None, "scale": dim**-0.5})]  # no enable_gqa
+    assert ours.shape == theirs.shape == (1, 1, kv_heads * groups, dim)
+    tolerance = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    torch.testing.assert_close(ours, theirs, **tolerance)
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_lookahead_on_grouped_attention_equals_hf_greedy_on_the_unchanged_model(family):
     plain = tiny_model(family)

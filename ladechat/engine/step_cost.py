@@ -57,7 +57,9 @@ def measure(model, sizes=SIZES, context: int = 192, reps: int = 5) -> dict[int, 
 
 def cached_curve(model, name: str, context: int = 192) -> dict[int, float]:
     sizes = GPU_SIZES if model.device.type == "cuda" else SIZES
-    key = json.dumps(["v3", name, str(model.device), str(model.dtype), torch.__version__, torch.get_num_threads(),
+    # the version moves when our own code changes what a step costs (v4: one-row steps stacked in
+    # attention.py), so a curve measured before is not trusted after
+    key = json.dumps(["v4", name, str(model.device), str(model.dtype), torch.__version__, torch.get_num_threads(),
                       list(sizes), context])
     path = cache_root() / "step-cost" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     try:
