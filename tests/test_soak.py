@@ -6,7 +6,8 @@ must stay within the bounds its design gives:
   prompt is cut to context - min(max_new_tokens, context / 2) tokens, the answer to what is left);
 - the conversation index (context matches): the same tokens as the prompt, at most the context;
 - n-gram pool: at most G continuations per key and one key per token id, so <= G x vocab;
-- recycled successors: one row of top-8 per token id, so <= vocab rows;
+- recycled successors: one row of top-8 per token id, so <= vocab rows, and one per pair of
+  tokens in a fixed hash table, so <= PAIR_SLOTS pairs;
 - resident memory: flat once the caches have reached their working size (no per-turn growth).
 
 Run with `pytest -s tests/test_soak.py` to see the figures (BENCHMARKS.md has a run)."""
@@ -21,6 +22,7 @@ from test_properties import send
 
 from ladechat.bot import Bot
 from ladechat.engine import kv
+from ladechat.engine.recycle import PAIR_SLOTS
 from ladechat.settings import Settings
 from ladechat.ui.chat import ChatApp
 
@@ -98,7 +100,7 @@ def test_soak_100_turns(embedded_fp32):
     app = ChatApp(Bot(loaded, Settings(window=2, ngram=3, candidates=1, max_new_tokens=8)), None, False,
                   Console(file=out), Console(file=err, width=10_000))
     session = app.bot.session
-    figures = {"rss": [], "kv": [], "pool": [], "recycled": [], "context": []}
+    figures = {"rss": [], "kv": [], "pool": [], "recycled": [], "pairs": [], "context": []}
     answered = 0
     for line, is_answer in script():
         if line == "INTERRUPT":
@@ -114,6 +116,7 @@ def test_soak_100_turns(embedded_fp32):
         figures["kv"].append(kv.cache_length(session.cache))
         figures["pool"].append(len(session.pool))
         figures["recycled"].append(len(session.recycled))
+        figures["pairs"].append(session.recycled.pairs())
         figures["context"].append(len(session.context))
         assert kv.cache_length(session.cache) == len(session.cached) <= CONTEXT
         assert len(session.context) <= CONTEXT
@@ -132,7 +135,7 @@ def test_soak_100_turns(embedded_fp32):
     assert max(figures["kv"]) <= CONTEXT and max(figures["context"]) <= CONTEXT
     assert max(len(session.pool.get(token)) for token in range(vocab)) <= g
     assert max(figures["pool"]) <= 2 * vocab  # G <= 2 throughout the soak
-    assert max(figures["recycled"]) <= vocab
+    assert max(figures["recycled"]) <= vocab and max(figures["pairs"]) <= PAIR_SLOTS
     warm = figures["rss"][10]
     assert max(figures["rss"][10:]) - warm < RSS_GROWTH_LIMIT
 
@@ -152,4 +155,5 @@ def test_soak_100_turns(embedded_fp32):
           f"  KV cache positions: max {max(figures['kv'])} (bound {CONTEXT}); context index max "
           f"{max(figures['context'])}\n"
           f"  n-gram pool: max {max(figures['pool'])}, end {figures['pool'][-1]} (bound G x vocab = {g} x {vocab})\n"
-          f"  recycled successor rows: max {max(figures['recycled'])} (bound vocab = {vocab})")
+          f"  recycled successor rows: max {max(figures['recycled'])} (bound vocab = {vocab}); pairs max "
+          f"{max(figures['pairs'])} (bound {PAIR_SLOTS})")

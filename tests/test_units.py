@@ -144,6 +144,24 @@ def test_successor_table_keeps_the_latest_top_k_per_token():
     assert table.successors(70000) == [1, 2, 3] and len(table) == 3
 
 
+def test_successor_table_prefers_the_pair_of_tokens_and_falls_back_to_the_token():
+    import numpy as np
+
+    from ladechat.engine.recycle import SuccessorTable
+
+    table = SuccessorTable(k=2)
+    table.update([5, 5, 9], np.array([[1, 2], [3, 4], [6, 7]]), [8, 2, -1])
+    assert table.lookup(8, 5) == ([1, 2], True)  # after "8 5"
+    assert table.lookup(2, 5) == ([3, 4], True)  # after "2 5", also the latest after 5 alone
+    assert table.lookup(7, 5) == ([3, 4], False) and table.lookup(-1, 5) == ([3, 4], False)
+    assert table.lookup(1, 9) == ([6, 7], False)  # 9 came with no previous token: no pair
+    assert table.lookup(3, 4) == ([], False) and table.pairs() == 2
+    small = SuccessorTable(k=2, pair_slots=1 << 4)
+    for prev in range(100):  # more pairs than slots: the table stays its size, the newest pairs win
+        small.update([5], np.array([[prev, prev + 1]]), [prev + 1000])
+    assert small.pairs() <= 16 and small.lookup(1099, 5) == ([99, 100], True)
+
+
 def test_acceptance_starts_at_the_prior_and_learns():
     from ladechat.engine.draft import Acceptance
 
@@ -165,7 +183,7 @@ def test_draft_tree_merges_sources_and_choose_weighs_cost():
     tree = DraftTree(Acceptance())
     tree.add_chain((10, 11, 12), "context", 4)
     successors = {7: [10, 20], 10: [11, 30], 11: [12], 20: [21]}
-    tree.add_recycled(7, lambda tok: successors.get(tok, []), limit=10)
+    tree.add_recycled(7, -1, lambda prev, tok: (successors.get(tok, []), False), limit=10)
     first = [n for n in tree.nodes if n.parent == -1]
     assert sorted(n.token for n in first) == [10, 20]  # 10 proposed twice, kept once
     flat = choose(tree, lambda size: 1.0)

@@ -148,7 +148,8 @@ class Session:
             top = self.runner.prefill(todo, keep, ranked=ranked)
             self.cached = list(prompt[:-1])
             if ranked:  # the model's own ranking of what follows each prompt token
-                self.recycled.update(todo[len(todo) - len(top) :], top)
+                first = len(prompt) - 1 - len(top)  # position of the first ranked token
+                self.recycled.update(prompt[first:-1], top, [prompt[i - 1] if i else -1 for i in range(first, len(prompt) - 1)])
         seen = _common_prefix(self.history, prompt)
         self.history[seen:] = prompt[seen:]
         self.context.truncate(seen)
@@ -167,11 +168,11 @@ class Session:
             # window then starts near the model's own trajectory), else conversation tokens.
             # Its n-grams are junk until each level has been recomputed once, so harvesting
             # waits N-2 steps (window_age).
-            chain, tok = [], t
+            chain, prev, tok = [], self._before_t(), t
             source = self.history or [t]
             for _ in range(la.window + la.ngram - 2):
-                nxt = self.recycled.successors(tok)
-                tok = nxt[0] if nxt else source[int(torch.randint(len(source), (1,), generator=self.rng))]
+                nxt, _ = self.recycled.lookup(prev, tok)
+                prev, tok = tok, nxt[0] if nxt else source[int(torch.randint(len(source), (1,), generator=self.rng))]
                 chain.append(tok)
             self.window = [[t] + chain[: la.window - 1]] + [chain[level - 1 : level - 1 + la.window]
                                                             for level in range(1, la.ngram - 1)]
@@ -206,8 +207,12 @@ class Session:
         for gram in self.pool.get(t)[: la.candidates]:
             tree.add_chain(gram, "pool", 0)
         if la.recycle:
-            tree.add_recycled(t, self.recycled.successors, la.recycle)
+            tree.add_recycled(t, self._before_t(), self.recycled.lookup, la.recycle)
         return tree
+
+    def _before_t(self) -> int:
+        """The token before the step's input t (history ends with t), -1 if none."""
+        return self.history[-2] if len(self.history) >= 2 else -1
 
     def plan(self, t: int) -> StepLayout:
         """The step's layout.
@@ -282,7 +287,9 @@ class Session:
             if parent_row in on_path:  # its parent was accepted: a fair trial of its bucket
                 self.acceptance.record(node.bucket, first + i in on_path)
         order = [row for row in range(layout.size) if row not in on_path] + [0, *matched]
-        self.recycled.update([layout.tokens[row] for row in order], top[order])
+        tokens = layout.tokens
+        before = [tokens[layout.parents[row]] if row else self._before_t() for row in order]
+        self.recycled.update([tokens[row] for row in order], top[order], before)
         if layout.window_rows > 1:
             # The window always advances by argmax, as in the paper, also when sampling.
             self._harvest_and_shift([int(top[row, 0]) for row in layout.last_level])

@@ -4,9 +4,11 @@ Sources propose continuations of the step's input token t:
   context  - text that followed the conversation's last tokens earlier in the conversation
   store    - text that followed them in the model's past answers (store.py)
   pool     - n-grams the lookahead window produced (Jacobi iterations)
-  recycle  - the model's own top-k after each token, from earlier forward passes (recycle.py)
+  recycle  - the model's own top-k after each token (or pair of tokens), from earlier forward
+             passes (recycle.py)
 They are merged into one trie. Each node carries q = P(accepted | its parent accepted), learned
-online per bucket (source, match length or rank, depth), and p = the product of q along its path,
+online per bucket (source, match length or rank, depth, and the share of textual hits that agree
+or whether a recycled guess followed the same pair), and p = the product of q along its path,
 the probability that verification reaches it. A step of nodes T then yields 1 + sum(p) tokens on
 average and costs cost(1 + |T|): `choose` keeps the most likely nodes while that ratio improves,
 and nothing at all (a plain step) when no node is worth its cost.
@@ -44,12 +46,13 @@ def share_bucket(share: float) -> int:
 
 
 def _prior(bucket: tuple) -> float:
-    source, first, depth, *share = bucket
-    if source in ("context", "store"):  # first: length of the textual match behind the node
+    source, first, depth, *extra = bucket
+    if source in ("context", "store"):  # first: length of the textual match; extra: the share bucket
         base = min(0.75, 0.15 * first) if depth == 1 else 0.7
-        return base * (SHARE_PRIOR[share[0]] if share else 1.0) * (1.0 if source == "context" else 0.8)
-    if source == "recycle":  # first: the token's rank in the model's recycled top-k
-        return (0.35, 0.12, 0.06)[first] if first < 3 else 0.03
+        return base * (SHARE_PRIOR[extra[0]] if extra else 1.0) * (1.0 if source == "context" else 0.8)
+    if source == "recycle":  # first: the token's rank in the model's recycled top-k; extra: whether
+        ranks = (0.5, 0.15, 0.07) if extra and extra[0] else (0.35, 0.12, 0.06)  # it followed the same pair
+        return ranks[first] if first < 3 else 0.03
     return 0.2 if depth == 1 else 0.5  # pool n-grams
 
 
@@ -144,36 +147,43 @@ class DraftTree:
             node = self.add(up, tok, source, (source, min(longest[at], 8), min(depth, 4), share_bucket(share)))
             placed.append(node if self.nodes[node].p >= MIN_PATH_P else -2)
 
-    def add_recycled(self, t: int, successors: Callable[[int], list[int]], limit: int) -> None:
-        """Best-first expansion of the model's recycled top-k below t, and below every node already
-        in the tree (a recycled guess can continue a textual one), up to `limit` nodes."""
-        heap: list[tuple[float, int, int, int, int]] = []  # (-p, order, parent, token, rank)
+    def add_recycled(self, t: int, before_t: int, lookup: Callable[[int, int], tuple[list[int], bool]],
+                     limit: int) -> None:
+        """Best-first expansion of the model's recycled top-k below t (whose previous token is
+        `before_t`, -1 if none), and below every node already in the tree (a recycled guess can
+        continue a textual one), up to `limit` nodes. lookup(prev, token) -> (successors, whether
+        they were recorded after that same pair)."""
+        heap: list[tuple[float, int, int, int, tuple]] = []  # (-p, order, parent, token, bucket)
         order = 0
 
-        def push_children(parent: int, token: int) -> None:
+        def push_children(parent: int, token: int, prev: int) -> None:
             nonlocal order
             depth = self.depth(parent) + 1
             if depth > MAX_DEPTH:
                 return
-            for rank, nxt in enumerate(successors(token)):
-                p = self.path_p(parent) * self.acceptance.q(("recycle", rank, min(depth, 3)))
+            following, paired = lookup(prev, token)
+            for rank, nxt in enumerate(following):
+                bucket = ("recycle", rank, min(depth, 3), int(paired))
+                p = self.path_p(parent) * self.acceptance.q(bucket)
                 if p < MIN_PATH_P:
                     break
-                heapq.heappush(heap, (-p, order, parent, nxt, rank))
+                heapq.heappush(heap, (-p, order, parent, nxt, bucket))
                 order += 1
 
-        push_children(-1, t)
+        def token_of(node: int) -> int:
+            return t if node < 0 else self.nodes[node].token
+
+        push_children(-1, t, before_t)
         for i, node in enumerate(list(self.nodes)):
-            push_children(i, node.token)
+            push_children(i, node.token, token_of(node.parent))
         added = 0
         while heap and added < limit:
-            _, _, parent, token, rank = heapq.heappop(heap)
-            depth = self.depth(parent) + 1
+            _, _, parent, token, bucket = heapq.heappop(heap)
             known = (parent, token) in self._index
-            at = self.add(parent, token, "recycle", ("recycle", rank, min(depth, 3)))
+            at = self.add(parent, token, "recycle", bucket)
             if not known:
                 added += 1
-                push_children(at, token)
+                push_children(at, token, token_of(parent))
 
     def by_probability(self) -> list[int]:
         """Node indices, most likely first. A parent always comes first: every q is below 1 and a

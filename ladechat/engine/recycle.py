@@ -1,10 +1,17 @@
-"""The model's own top-k, recycled: per token id, the next tokens the model last ranked highest.
+"""The model's own top-k, recycled: per token, the next tokens the model last ranked highest.
 
 Every forward step already computes a row of logits for each token it feeds (the input token,
 window guesses, candidates). Their top-k are free by-products: a row fed token x says which tokens
 the model expects after x in that context. Kept per token id (a vocab x k table, ~1.5 MB for a
 49k vocabulary at k=8) they draft continuations when the conversation offers no textual match
 (Token Recycling, Luo et al., ACL 2025). The table only proposes; verification decides.
+
+Each row is also kept under the pair (previous token, token): two tokens of context pick the
+model's next token far more often than one. Measured on the tuning prompts (the embedded model's
+greedy answers, each position predicted from the rows of earlier positions): top-1 right 43% of
+the time keyed by the token, 55% keyed by the pair (falling back to the token); and after a right
+guess the next one right 61% against 77%. Pairs live in a fixed hash table (PAIR_SLOTS slots, a
+newer pair overwrites an older one in its slot), so memory stays bounded whatever the vocabulary.
 """
 
 from __future__ import annotations
@@ -12,16 +19,28 @@ from __future__ import annotations
 import numpy as np
 
 TOP_K = 8
+PAIR_SLOTS = 1 << 17  # ~5 MB at k=8; a long chat sees fewer distinct pairs than this
+_MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing: the top bits of key * this (mod 2^64) pick the slot
 
 
 class SuccessorTable:
-    def __init__(self, k: int = TOP_K) -> None:
+    def __init__(self, k: int = TOP_K, pair_slots: int = PAIR_SLOTS) -> None:
         self.k = k
         self._table: np.ndarray | None = None  # (vocab, k) int32, -1 = nothing seen yet
+        self._shift = 64 - (pair_slots.bit_length() - 1)
+        self._pair_keys = np.full(pair_slots, -1, dtype=np.int64)  # (prev << 32 | token) per slot, -1: empty
+        self._pair_rows = np.full((pair_slots, k), -1, dtype=np.int32)
 
-    def update(self, tokens: list[int], top: np.ndarray) -> None:
-        """top[i]: the model's top-k next tokens (best first) computed for the row fed tokens[i].
-        Later rows win where a token repeats, so callers put the rows they trust most last."""
+    def _slots(self, keys: np.ndarray) -> np.ndarray:
+        return ((keys.astype(np.uint64) * np.uint64(_MIX)) >> np.uint64(self._shift)).astype(np.int64)
+
+    def _slot(self, key: int) -> int:  # _slots for one key, without numpy's per-call overhead
+        return ((key * _MIX) & 0xFFFFFFFFFFFFFFFF) >> self._shift
+
+    def update(self, tokens: list[int], top: np.ndarray, prevs: list[int] | None = None) -> None:
+        """top[i]: the model's top-k next tokens (best first) computed for the row fed tokens[i],
+        whose previous token was prevs[i] (-1: none). Later rows win where a token (or pair)
+        repeats, so callers put the rows they trust most last."""
         if self._table is None:
             self._table = np.full((0, self.k), -1, dtype=np.int32)
         last = {tok: i for i, tok in enumerate(tokens)}  # the last row of each token id
@@ -33,6 +52,15 @@ class SuccessorTable:
             grown[: len(self._table)] = self._table
             self._table = grown
         self._table[ids, : top.shape[1]] = top[rows, : self.k]
+        if prevs is None:
+            return
+        pairs = {(prev << 32) | tok: i for i, (prev, tok) in enumerate(zip(prevs, tokens, strict=True)) if prev >= 0}
+        if pairs:
+            keys = np.fromiter(pairs.keys(), dtype=np.int64, count=len(pairs))
+            rows = np.fromiter(pairs.values(), dtype=np.int64, count=len(pairs))
+            slots = self._slots(keys)
+            self._pair_keys[slots] = keys  # two pairs in one slot: the later one stays (numpy keeps the last write)
+            self._pair_rows[slots, : top.shape[1]] = top[rows, : self.k]
 
     def successors(self, token: int) -> list[int]:
         """The model's latest top-k after `token`, best first (empty if never seen)."""
@@ -41,6 +69,20 @@ class SuccessorTable:
         row = self._table[token]
         return [int(x) for x in row if x >= 0]
 
+    def lookup(self, prev: int, token: int) -> tuple[list[int], bool]:
+        """The latest top-k after the pair (prev, token) if on record, else after `token` alone;
+        and whether it was the pair's."""
+        if prev >= 0:
+            key = (prev << 32) | token
+            slot = self._slot(key)
+            if self._pair_keys[slot] == key:
+                return [int(x) for x in self._pair_rows[slot] if x >= 0], True
+        return self.successors(token), False
+
     def __len__(self) -> int:
         """Token ids with successors on record."""
         return 0 if self._table is None else int((self._table[:, 0] >= 0).sum())
+
+    def pairs(self) -> int:
+        """Pairs on record (at most PAIR_SLOTS)."""
+        return int((self._pair_keys >= 0).sum())

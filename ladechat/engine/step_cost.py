@@ -26,8 +26,13 @@ CONTEXTS = (192, 1536)  # cached tokens: a fresh question, and a conversation a 
 GPU_SIZES = (1, 8, 16, 32, 64, 96, 128, 160, 192, 256)  # a GPU's curve stays flat much longer
 
 
-def measure(model, sizes=SIZES, context: int = 192, reps: int = 5) -> dict[int, float]:
-    """Median seconds of one step feeding `s` tokens after `context` cached tokens, per size s."""
+def measure(model, sizes=SIZES, context: int = 192, reps: int = 7) -> dict[int, float]:
+    """Median seconds of one step feeding `s` tokens after `context` cached tokens, per size s.
+
+    The sizes take turns (1, 2, 4, ..., then 1, 2, 4, ... again) rather than running each size's
+    repetitions back to back: a busy spell of the machine then inflates one repetition of every
+    size instead of all repetitions of one, and the medians keep the curve's shape, which is all
+    the planner looks at."""
     device, dtype = model.device, model.dtype
     vocab = model.config.get_text_config().vocab_size
     prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0))
@@ -35,30 +40,30 @@ def measure(model, sizes=SIZES, context: int = 192, reps: int = 5) -> dict[int, 
     cache = kv.new_cache()
     with torch.inference_mode():
         model(input_ids=prompt.to(device), past_key_values=cache, use_cache=True, logits_to_keep=1)
-    curve: dict[int, float] = {}
-    for size in sizes:
-        # a chain of `size` tokens; the timing covers what a real step does around the forward
-        # pass: building its mask, the logits of every row and their top-k back on the host
-        layout = build_layout([list(range(1, size + 1))], [])
-        times = []
-        for _ in range(reps + 1):
+    # a chain of `size` tokens per step
+    layouts = {size: build_layout([list(range(1, size + 1))], []) for size in sizes}
+    times: dict[int, list[float]] = {size: [] for size in sizes}
+    for rep in range(reps + 1):
+        for size in sizes:
+            # the timing covers what a real step does around the forward pass: building its mask,
+            # the logits of every row and their top-k back on the host
             start = time.perf_counter()
-            ids, positions, mask = step_inputs(layout, context, dtype, device)
+            ids, positions, mask = step_inputs(layouts[size], context, dtype, device)
             with torch.inference_mode():
                 out = model(input_ids=ids, position_ids=positions, attention_mask=mask if size > 1 else None,
                             past_key_values=cache, use_cache=True,
                             logits_to_keep=torch.arange(size, device=rows_at) if size > 1 else 1)
                 out.logits[0].topk(min(TOP_K, out.logits.shape[-1]), dim=-1).indices.cpu()
-            times.append(time.perf_counter() - start)
+            if rep:  # the first round is a warm-up
+                times[size].append(time.perf_counter() - start)
             kv.truncate(cache, context)
-        curve[size] = statistics.median(times[1:])
-    return curve
+    return {size: statistics.median(times[size]) for size in sizes}
 
 
 def cached_curve(model, name: str, context: int = 192) -> dict[int, float]:
     sizes = GPU_SIZES if model.device.type == "cuda" else SIZES
     # the version moves when our own code changes what a step costs (v4: one-row steps stacked in
-    # attention.py), so a curve measured before is not trusted after
+    # attention.py, sizes measured in turns), so a curve measured before is not trusted after
     key = json.dumps(["v4", name, str(model.device), str(model.dtype), torch.__version__, torch.get_num_threads(),
                       list(sizes), context])
     path = cache_root() / "step-cost" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
