@@ -126,6 +126,38 @@ def test_static_cache_grows_and_keeps_the_conversation():
     assert kv.cache_length(session.cache) == len(prompt) + 59
 
 
+def test_a_commit_moves_every_layer_in_one_gather():
+    # GPU readiness: per-layer index_select/copy/fill would be ~100 kernel launches a step
+    model = model_for("llama")
+    la = LookaheadConfig(window=2, ngram=3, candidates=2)
+    runner = StaticRunner(model, la, context_length=2048, first_length=16)
+    assert runner.packed is None  # no layer exists before the first forward pass
+    ours, _, session = static_run(model, repetitive_prompt(random.Random(3), model.config.vocab_size, 30), la, 40,
+                                  runner=runner)
+    packed = runner.packed
+    assert packed is not None and packed.states.shape[0] == model.config.num_hidden_layers
+    base = packed.states.untyped_storage().data_ptr()
+    assert all(layer.keys.untyped_storage().data_ptr() == layer.values.untyped_storage().data_ptr() == base
+               for layer in runner.cache.layers)
+    past = len(session.cached)
+    runner.step(build_layout([[5, 6, 7, 8, 9]], []), past, [0, 1, 2, 3, 4])
+    expected = [layer.keys[..., [past, past + 2, past + 4], :].clone() for layer in runner.cache.layers]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        runner.commit(past, [0, 2, 4])
+    counts = {event.key: event.count for event in prof.key_averages()}
+    assert counts.get("aten::index_select") == 1 and counts.get("aten::fill_") == 1
+    assert counts.get("aten::copy_") == 1
+    for layer, rows in zip(runner.cache.layers, expected, strict=True):  # the rows moved, in every layer
+        assert torch.equal(layer.keys[..., past : past + 3, :], rows)
+    assert kv.cache_length(runner.cache) == past + 3
+    runner.truncate(past)  # one fill for all layers too
+    assert {int(layer.cumulative_length) for layer in runner.cache.layers} == {past}
+    grown = runner.length
+    runner.reserve(grown + 10, past)  # a grown cache is packed again
+    assert runner.length > grown and runner.packed is not packed and runner.packed is not None
+    assert kv.cache_length(runner.cache) == past
+
+
 class RecordingRunner(StaticRunner):
     """A StaticRunner that notes the cache length every step sees and every warm-up."""
 

@@ -141,6 +141,7 @@ class StaticRunner(DynamicRunner):
         self.context_length = context_length
         self.length = min(first_length, context_length) + MAX_FIXED_STEP
         self.cache = kv.new_static_cache(model.config, self.length)
+        self.packed: kv.PackedStatic | None = None  # the cache's layers packed, once they exist
         if any(getattr(layer, "is_sliding", False) for layer in self.cache.layers):
             raise ConfigError("fixed-shape steps (--compile) do not support this model's sliding-window layers")
         self.compiled = compiled is not None
@@ -185,6 +186,7 @@ class StaticRunner(DynamicRunner):
             return False
         length = self._length_for(end)
         self.cache = kv.grow_static(self.cache, self.model.config, length, committed)
+        self.packed = kv.pack_static(self.cache)
         self.length = length
         return True
 
@@ -216,7 +218,22 @@ class StaticRunner(DynamicRunner):
             self.truncate(past + start)
             tops.append(prefill_top_k(self.model, len(chunk) if ranked else 1, input_ids=ids, position_ids=positions,
                                       attention_mask=mask, past_key_values=self.cache))
+            if self.packed is None:  # the first forward pass made the layers: pack them now
+                self.packed = kv.pack_static(self.cache)
         return np.concatenate(tops)[-PREFILL_TOP_K:]
+
+    def commit(self, past: int, keep_rows: list[int]) -> None:
+        if self.packed is None:
+            super().commit(past, keep_rows)
+        else:
+            kv.commit_packed(self.packed, past, keep_rows, self.appended)
+
+    def truncate(self, length: int) -> None:
+        if self.packed is None:
+            super().truncate(length)
+        else:
+            with torch.inference_mode():
+                self.packed.lengths.fill_(length)
 
     def step(self, layout: StepLayout, past: int, rows: list[int]) -> torch.Tensor:
         size, keep = (1, 1) if layout.size == 1 else (self.step_size, self.rows_size)
