@@ -153,9 +153,30 @@ def test_a_commit_moves_every_layer_in_one_gather():
     runner.truncate(past)  # one fill for all layers too
     assert {int(layer.cumulative_length) for layer in runner.cache.layers} == {past}
     grown = runner.length
-    runner.reserve(grown + 10, past)  # a grown cache is packed again
+    kept = [layer.values[..., :past, :].clone() for layer in runner.cache.layers]
+    runner.reserve(grown + 10, past)  # a grown cache is packed from the start
     assert runner.length > grown and runner.packed is not packed and runner.packed is not None
+    assert all(layer.keys.untyped_storage().data_ptr() == runner.packed.states.untyped_storage().data_ptr()
+               for layer in runner.cache.layers)
     assert kv.cache_length(runner.cache) == past
+    for layer, rows in zip(runner.cache.layers, kept, strict=True):  # the committed positions came along
+        assert torch.equal(layer.values[..., :past, :], rows)
+
+
+def test_a_grow_that_runs_out_of_memory_leaves_the_old_cache_in_use(monkeypatch):
+    model = model_for("llama")
+    la = LookaheadConfig(window=2, ngram=3, candidates=2)
+    runner = StaticRunner(model, la, context_length=2048, first_length=16)
+    runner.prefill([1, 2, 3, 4], 0)
+    before = (runner.cache, runner.packed, runner.length)
+
+    def no_memory(*args):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(kv, "grow_packed", no_memory)
+    with pytest.raises(RuntimeError):
+        runner.reserve(runner.length + 10, 4)
+    assert (runner.cache, runner.packed, runner.length) == before
 
 
 class RecordingRunner(StaticRunner):

@@ -112,7 +112,8 @@ class PackedStatic:
 def pack_static(cache) -> PackedStatic | None:
     """Move every layer of an initialised static cache into one PackedStatic (the layers keep
     working as before, on views of it). None when that cannot be done: layers not all initialised
-    or not all alike (then commit and truncate work layer by layer)."""
+    or not all alike (then commit and truncate work layer by layer). While it runs, the packed
+    copy and the layers' own tensors both exist: the first cache a runner fills is its smallest."""
     layers = _layers(cache)
     if not layers or len(layers) != len(cache.layers) or not all(_is_static(layer) for layer in layers):
         return None
@@ -121,17 +122,42 @@ def pack_static(cache) -> PackedStatic | None:
            or layer.keys.dtype != first.keys.dtype or layer.keys.device != first.keys.device for layer in layers):
         return None
     with torch.inference_mode():  # the forward pass made the layers' tensors in inference mode
-        states = torch.empty((len(layers), 2, *first.keys.shape), dtype=first.keys.dtype, device=first.keys.device)
-        lengths = torch.empty(len(layers), dtype=first.cumulative_length.dtype, device=first.keys.device)
-        for i, layer in enumerate(layers):  # one layer at a time: at most one layer's copy in flight
-            states[i, 0].copy_(layer.keys)
-            states[i, 1].copy_(layer.values)
-            lengths[i] = layer.cumulative_length
-            layer.keys, layer.values, layer.cumulative_length = states[i, 0], states[i, 1], lengths[i]
-            # as transformers does for its own tensors: fixed addresses, so CUDA graphs may keep them
-            for tensor in (layer.keys, layer.values, layer.cumulative_length):
-                torch._dynamo.mark_static_address(tensor)
-    return PackedStatic(states, lengths)
+        packed = _allocate(len(layers), first.keys, first.keys.shape[-2])
+        for i, layer in enumerate(layers):
+            packed.states[i, 0].copy_(layer.keys)
+            packed.states[i, 1].copy_(layer.values)
+            packed.lengths[i] = layer.cumulative_length
+            _attach(layer, packed, i)
+    return packed
+
+
+def grow_packed(packed: PackedStatic, config, length: int, committed: int) -> tuple[StaticCache, PackedStatic]:
+    """grow_static for a packed cache: the longer cache is packed from the start, so growing holds
+    the old cache and the new one, nothing more."""
+    bigger = new_static_cache(config, length)
+    with torch.inference_mode():
+        new = _allocate(len(bigger.layers), packed.states[0, 0], length)
+        for i, layer in enumerate(bigger.layers):
+            # transformers' own initialisation (dtype, device, shapes), with the layer's own zeros
+            # dropped at once for views of the packed tensor
+            layer.lazy_initialization(new.states[i, 0, ..., :1, :], new.states[i, 1, ..., :1, :])
+            _attach(layer, new, i)
+        new.states[..., :committed, :] = packed.states[..., :committed, :]
+        new.lengths.fill_(committed)
+    return bigger, new
+
+
+def _allocate(layers: int, like: torch.Tensor, length: int) -> PackedStatic:
+    batch, heads, _, dim = like.shape
+    states = torch.zeros((layers, 2, batch, heads, length, dim), dtype=like.dtype, device=like.device)
+    return PackedStatic(states, torch.zeros(layers, dtype=torch.long, device=like.device))
+
+
+def _attach(layer, packed: PackedStatic, i: int) -> None:
+    layer.keys, layer.values, layer.cumulative_length = packed.states[i, 0], packed.states[i, 1], packed.lengths[i]
+    # as transformers does for its own tensors: fixed addresses, so CUDA graphs may keep them
+    for tensor in (layer.keys, layer.values, layer.cumulative_length):
+        torch._dynamo.mark_static_address(tensor)
 
 
 def commit_packed(packed: PackedStatic, past: int, keep_rows: list[int], appended: int) -> None:

@@ -54,12 +54,17 @@ class SuccessorTable:
         self._table[ids, : top.shape[1]] = top[rows, : self.k]
         if prevs is None:
             return
-        pairs = {(prev << 32) | tok: i for i, (prev, tok) in enumerate(zip(prevs, tokens, strict=True)) if prev >= 0}
+        pairs: dict[int, int] = {}  # pair key -> its last row, in the order of those last rows
+        for i, (prev, tok) in enumerate(zip(prevs, tokens, strict=True)):
+            if prev >= 0:
+                key = (prev << 32) | tok
+                pairs.pop(key, None)
+                pairs[key] = i
         if pairs:
             keys = np.fromiter(pairs.keys(), dtype=np.int64, count=len(pairs))
             rows = np.fromiter(pairs.values(), dtype=np.int64, count=len(pairs))
             slots = self._slots(keys)
-            self._pair_keys[slots] = keys  # two pairs in one slot: the later one stays (numpy keeps the last write)
+            self._pair_keys[slots] = keys  # two pairs in one slot: the later row's stays (numpy's last write)
             self._pair_rows[slots, : top.shape[1]] = top[rows, : self.k]
 
     def successors(self, token: int) -> list[int]:

@@ -185,9 +185,13 @@ class StaticRunner(DynamicRunner):
         if end <= self.length:
             return False
         length = self._length_for(end)
-        self.cache = kv.grow_static(self.cache, self.model.config, length, committed)
-        self.packed = kv.pack_static(self.cache)
-        self.length = length
+        if self.packed is None:
+            cache, packed = kv.grow_static(self.cache, self.model.config, length, committed), None
+        else:
+            cache, packed = kv.grow_packed(self.packed, self.model.config, length, committed)
+        # all three together, after the allocations: running out of memory above leaves the old
+        # cache whole and in use
+        self.cache, self.packed, self.length = cache, packed, length
         return True
 
     def _turn_end(self, tokens: int) -> int:
