@@ -154,7 +154,8 @@ class Session:
             self.cached = list(prompt[:-1])
             if ranked:  # the model's own ranking of what follows each prompt token
                 first = len(prompt) - 1 - len(top)  # position of the first ranked token
-                self.recycled.update(prompt[first:-1], top, [prompt[i - 1] if i else -1 for i in range(first, len(prompt) - 1)])
+                before = [prompt[i - 1] if i else -1 for i in range(first, len(prompt) - 1)]
+                self.recycled.update(prompt[first:-1], top, before)
         seen = _common_prefix(self.history, prompt)
         self.history[seen:] = prompt[seen:]
         self.context.truncate(seen)

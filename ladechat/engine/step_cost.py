@@ -26,7 +26,7 @@ CONTEXTS = (192, 1536)  # cached tokens: a fresh question, and a conversation a 
 GPU_SIZES = (1, 8, 16, 32, 64, 96, 128, 160, 192, 256)  # a GPU's curve stays flat much longer
 
 
-def measure(model, sizes=SIZES, context: int = 192, reps: int = 7) -> dict[int, float]:
+def measure(model, sizes=SIZES, context: int = 192, reps: int = 5) -> dict[int, float]:
     """Median seconds of one step feeding `s` tokens after `context` cached tokens, per size s.
 
     The sizes take turns (1, 2, 4, ..., then 1, 2, 4, ... again) rather than running each size's
