@@ -127,13 +127,14 @@ def test_static_cache_grows_and_keeps_the_conversation():
 
 
 def test_a_commit_moves_every_layer_in_one_gather():
-    # GPU readiness: per-layer index_select/copy/fill would be ~100 kernel launches a step
+    # GPU readiness: per-layer index_select/copy/fill would be ~160 kernel launches a step
     model = model_for("llama")
     la = LookaheadConfig(window=2, ngram=3, candidates=2)
     runner = StaticRunner(model, la, context_length=2048, first_length=16)
     assert runner.packed is None  # no layer exists before the first forward pass
-    ours, _, session = static_run(model, repetitive_prompt(random.Random(3), model.config.vocab_size, 30), la, 40,
-                                  runner=runner)
+    prompt = repetitive_prompt(random.Random(3), model.config.vocab_size, 30)
+    ours, _, session = static_run(model, prompt, la, 40, runner=runner)
+    assert ours == hf_greedy(model, prompt, 40)  # exact on the packed cache
     packed = runner.packed
     assert packed is not None and packed.states.shape[0] == model.config.num_hidden_layers
     base = packed.states.untyped_storage().data_ptr()
@@ -168,7 +169,7 @@ def test_a_grow_that_runs_out_of_memory_leaves_the_old_cache_in_use(monkeypatch)
     la = LookaheadConfig(window=2, ngram=3, candidates=2)
     runner = StaticRunner(model, la, context_length=2048, first_length=16)
     runner.prefill([1, 2, 3, 4], 0)
-    before = (runner.cache, runner.packed, runner.length)
+    cache, packed, length = runner.cache, runner.packed, runner.length
 
     def no_memory(*args):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
@@ -176,7 +177,7 @@ def test_a_grow_that_runs_out_of_memory_leaves_the_old_cache_in_use(monkeypatch)
     monkeypatch.setattr(kv, "grow_packed", no_memory)
     with pytest.raises(RuntimeError):
         runner.reserve(runner.length + 10, 4)
-    assert (runner.cache, runner.packed, runner.length) == before
+    assert runner.cache is cache and runner.packed is packed and runner.length == length
 
 
 class RecordingRunner(StaticRunner):
