@@ -63,9 +63,13 @@ def cache_length(cache) -> int:
     return layers[0].keys.shape[-2]
 
 
-def truncate(cache, length: int) -> None:
-    """Keep the first `length` positions of every layer (layers a broken step left longer, too)."""
+def truncate(cache, length: int, packed: PackedStatic | None = None) -> None:
+    """Keep the first `length` positions of every layer (layers a broken step left longer, too).
+    `packed`: the cache's layers packed (pack_static), whose lengths are reset in one go."""
     with torch.inference_mode():  # a static cache's tensors were made in inference mode
+        if packed is not None:
+            packed.lengths.fill_(length)
+            return
         for layer in _layers(cache):
             if _is_static(layer):
                 layer.cumulative_length.fill_(length)
@@ -74,9 +78,10 @@ def truncate(cache, length: int) -> None:
                 layer.values = layer.values[..., :length, :]
 
 
-def commit_kv(cache, past: int, keep_rows: list[int], appended: int | None = None) -> None:
+def commit_kv(cache, past: int, keep_rows: list[int], appended: int | None = None,
+              packed: PackedStatic | None = None) -> None:
     """After a step that appended `appended` rows at `past`, keep only `keep_rows` (ascending, row 0
-    first).
+    first). `packed`: the cache's layers packed (pack_static), gathered in one go.
 
     Accepted rows are gathered down to past, past+1, ... so the cache again holds exactly the
     committed sequence. When the kept rows are already a prefix, this is a plain crop, and when they
@@ -87,17 +92,20 @@ def commit_kv(cache, past: int, keep_rows: list[int], appended: int | None = Non
     if appended is not None and kept == appended:
         return
     if keep_rows != list(range(kept)):
-        indices: dict[torch.device, torch.Tensor] = {}  # one copy per device (layers may be spread)
         with torch.inference_mode():  # the forward pass made these inference tensors
-            for layer in _layers(cache):
-                device = layer.keys.device
-                if device not in indices:
-                    indices[device] = torch.tensor([past + row for row in keep_rows], device=device)
-                index = indices[device]
-                for states in (layer.keys, layer.values):
-                    states[..., past : past + kept, :] = states.index_select(-2, index)
-    truncate(cache, past + kept)
-
+            if packed is not None:  # every layer's keys and values in one tensor: one gather
+                index = torch.tensor([past + row for row in keep_rows], device=packed.states.device)
+                packed.states[..., past : past + kept, :] = packed.states.index_select(-2, index)
+            else:
+                indices: dict[torch.device, torch.Tensor] = {}  # one copy per device (layers may be spread)
+                for layer in _layers(cache):
+                    device = layer.keys.device
+                    if device not in indices:
+                        indices[device] = torch.tensor([past + row for row in keep_rows], device=device)
+                    index = indices[device]
+                    for states in (layer.keys, layer.values):
+                        states[..., past : past + kept, :] = states.index_select(-2, index)
+    truncate(cache, past + kept, packed)
 
 @dataclass(frozen=True)
 class PackedStatic:
@@ -159,14 +167,3 @@ def _attach(layer, packed: PackedStatic, i: int) -> None:
     for tensor in (layer.keys, layer.values, layer.cumulative_length):
         torch._dynamo.mark_static_address(tensor)
 
-
-def commit_packed(packed: PackedStatic, past: int, keep_rows: list[int], appended: int) -> None:
-    """commit_kv for a packed static cache: the accepted rows of every layer in one gather."""
-    kept = len(keep_rows)
-    if kept == appended:
-        return
-    with torch.inference_mode():
-        if keep_rows != list(range(kept)):
-            index = torch.tensor([past + row for row in keep_rows], device=packed.states.device)
-            packed.states[..., past : past + kept, :] = packed.states.index_select(-2, index)
-        packed.lengths.fill_(past + kept)

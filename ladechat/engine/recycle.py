@@ -71,8 +71,7 @@ class SuccessorTable:
         """The model's latest top-k after `token`, best first (empty if never seen)."""
         if self._table is None or token >= len(self._table):
             return []
-        row = self._table[token]
-        return [int(x) for x in row if x >= 0]
+        return _listed(self._table[token])
 
     def lookup(self, prev: int, token: int) -> tuple[list[int], bool]:
         """The latest top-k after the pair (prev, token) if on record, else after `token` alone;
@@ -81,7 +80,7 @@ class SuccessorTable:
             key = (prev << 32) | token
             slot = self._slot(key)
             if self._pair_keys[slot] == key:
-                return [int(x) for x in self._pair_rows[slot] if x >= 0], True
+                return _listed(self._pair_rows[slot]), True
         return self.successors(token), False
 
     def __len__(self) -> int:
@@ -91,3 +90,7 @@ class SuccessorTable:
     def pairs(self) -> int:
         """Pairs on record (at most PAIR_SLOTS)."""
         return int((self._pair_keys >= 0).sum())
+
+
+def _listed(row: np.ndarray) -> list[int]:
+    return [int(x) for x in row if x >= 0]  # -1: no successor of that rank on record

@@ -227,17 +227,10 @@ class StaticRunner(DynamicRunner):
         return np.concatenate(tops)[-PREFILL_TOP_K:]
 
     def commit(self, past: int, keep_rows: list[int]) -> None:
-        if self.packed is None:
-            super().commit(past, keep_rows)
-        else:
-            kv.commit_packed(self.packed, past, keep_rows, self.appended)
+        kv.commit_kv(self.cache, past, keep_rows, self.appended, self.packed)
 
     def truncate(self, length: int) -> None:
-        if self.packed is None:
-            super().truncate(length)
-        else:
-            with torch.inference_mode():
-                self.packed.lengths.fill_(length)
+        kv.truncate(self.cache, length, self.packed)
 
     def step(self, layout: StepLayout, past: int, rows: list[int]) -> torch.Tensor:
         size, keep = (1, 1) if layout.size == 1 else (self.step_size, self.rows_size)
