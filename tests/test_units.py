@@ -360,6 +360,24 @@ def test_mask_probe_verdict_is_remembered_per_folder(tmp_path, monkeypatch):
     (folder / "config.json").write_text((folder / "config.json").read_text() + " ")
     assert honours_tree_mask(model, str(folder), attn) and len(list(verdicts.iterdir())) == 2  # asked again
     assert honours_tree_mask(model, None, attn) and len(list(verdicts.iterdir())) == 2  # hub ids: never kept
+    # our mask and attention code is part of every kept verdict: an upgraded ladechat asks again
+    from ladechat.engine import attention, layout
+    from ladechat.engine.gguf import source_digest
+
+    ours = source_digest(attention.__file__, layout.__file__)
+    assert all(ours in verdict.read_text() for verdict in verdicts.iterdir())
+
+
+def test_source_digest_follows_the_files_content(tmp_path):
+    from ladechat.engine.gguf import source_digest
+
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("x = 1\n")
+    b.write_text("y = 2\n")
+    before = source_digest(str(a), str(b))
+    assert source_digest(str(a), str(b)) == before and len(before) == 16
+    a.write_text("x = 1  # edited\n")
+    assert source_digest(str(a), str(b)) != before
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -66,6 +66,16 @@ def cache_root() -> Path:
     return Path(base) / "ladechat"
 
 
+def source_digest(*files: str) -> str:
+    """A short digest of these source files (modules' __file__), for the key of a cached verdict or measurement that
+    depends on what our own code does: after an upgrade (or an edit) of that code it is asked or
+    measured again instead of trusted from the old code."""
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(Path(file).read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def converted_dir(gguf: Path) -> Path:
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{int(stat.st_mtime)}".encode()).hexdigest()[:12]

@@ -321,8 +321,9 @@ def context_length(config) -> int:
 
 def honours_tree_mask(model, folder: str | None, attn: str) -> bool:
     """mask_probe(model), remembered for a local model folder: a yes is kept per folder (its files'
-    sizes and times), dtype, device type, attention kernel and library versions, since the probe's
-    three forward passes are a noticeable part of every start on a small CPU."""
+    sizes and times), dtype, device type, attention kernel, library versions and our own code that
+    builds the mask and attends under it, since the probe's three forward passes are a noticeable
+    part of every start on a small CPU."""
     if folder is None:
         return mask_probe(model)
     import hashlib
@@ -330,9 +331,11 @@ def honours_tree_mask(model, folder: str | None, attn: str) -> bool:
 
     import transformers
 
+    from ladechat.engine import attention, layout
+
     files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in Path(folder).iterdir() if f.is_file())
     key = json.dumps(["v1", str(Path(folder).resolve()), files, str(model.dtype), model.device.type, attn,
-                      torch.__version__, transformers.__version__])
+                      torch.__version__, transformers.__version__, gguf.source_digest(attention.__file__, layout.__file__)])
     path = gguf.cache_root() / "mask-probe" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     if path.is_file():
         return True

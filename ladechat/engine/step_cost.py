@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ladechat.engine import kv
-from ladechat.engine.gguf import cache_root
+from ladechat.engine import attention, kv, layout
+from ladechat.engine.gguf import cache_root, source_digest
 from ladechat.engine.layout import build_layout, rows_device, step_inputs
 from ladechat.engine.recycle import TOP_K
 
@@ -62,9 +62,10 @@ def measure(model, sizes=SIZES, context: int = 192, reps: int = 5) -> dict[int, 
 
 def cached_curve(model, name: str, context: int = 192) -> dict[int, float]:
     sizes = GPU_SIZES if model.device.type == "cuda" else SIZES
-    # the version moves when our own code changes what a step costs (v4: one-row steps stacked in
-    # attention.py, sizes measured in turns), so a curve measured before is not trusted after
-    key = json.dumps(["v4", name, str(model.device), str(model.dtype), torch.__version__, torch.get_num_threads(),
+    # our code that a step runs is part of the key (the attention function, the mask, this
+    # measurement), so a change to it measures afresh rather than trusting a curve of the old code
+    code = source_digest(attention.__file__, layout.__file__, __file__)
+    key = json.dumps([code, name, str(model.device), str(model.dtype), torch.__version__, torch.get_num_threads(),
                       list(sizes), context])
     path = cache_root() / "step-cost" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     try:
