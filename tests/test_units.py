@@ -307,6 +307,23 @@ def test_cost_model_interpolates_in_cached_length():
     assert model.cost(8, 0) == 2.0  # never below the shortest measured context
 
 
+def test_step_cost_curve_is_measured_once_then_read_back(tmp_path, monkeypatch):
+    from tiny_models import tiny_model
+
+    from ladechat.engine.gguf import cache_root
+    from ladechat.engine.step_cost import cached_curve
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    model = tiny_model("llama")
+    first = cached_curve(model, "tiny-llama", context=16)
+    curves = list((cache_root() / "step-cost").iterdir())
+    assert len(curves) == 1 and set(first) >= {1, 2, 8}
+    assert cached_curve(model, "tiny-llama", context=16) == first  # read back: a new measurement would differ
+    assert len(list((cache_root() / "step-cost").iterdir())) == 1
+    cached_curve(model, "tiny-llama", context=32)  # another cache length is another curve
+    assert len(list((cache_root() / "step-cost").iterdir())) == 2
+
+
 @pytest.mark.parametrize("name,device_type,native,expected", [
     ("auto", "cuda", True, torch.bfloat16), ("auto", "cuda", False, torch.float16),
     ("auto", "cpu", True, torch.bfloat16), ("auto", "cpu", False, torch.float32), ("auto", "mps", True, torch.float32),

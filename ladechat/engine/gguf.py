@@ -67,12 +67,15 @@ def cache_root() -> Path:
 
 
 def source_digest(*files: str) -> str:
-    """A short digest of these source files (modules' __file__), for the key of a cached verdict or measurement that
-    depends on what our own code does: after an upgrade (or an edit) of that code it is asked or
-    measured again instead of trusted from the old code."""
+    """A short digest of these source files (modules' __file__), for the key of a cached verdict or
+    measurement that depends on what our own code does: after an upgrade (or an edit) of that code
+    it is asked or measured again instead of trusted from the old code."""
     digest = hashlib.sha256()
-    for file in files:
-        digest.update(Path(file).read_bytes())
+    try:
+        for file in files:
+            digest.update(Path(file).read_bytes())
+    except OSError:  # no source files to read (a zip import, a frozen build): the release says it
+        digest.update(importlib.metadata.version("ladechat").encode())
     return digest.hexdigest()[:16]
 
 

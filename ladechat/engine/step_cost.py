@@ -62,9 +62,9 @@ def measure(model, sizes=SIZES, context: int = 192, reps: int = 5) -> dict[int, 
 
 def cached_curve(model, name: str, context: int = 192) -> dict[int, float]:
     sizes = GPU_SIZES if model.device.type == "cuda" else SIZES
-    # our code that a step runs is part of the key (the attention function, the mask, this
-    # measurement), so a change to it measures afresh rather than trusting a curve of the old code
-    code = source_digest(attention.__file__, layout.__file__, __file__)
+    # our code that a step runs is part of the key (the attention function, the mask, the cache,
+    # this measurement), so a change to it measures afresh rather than trusting a curve of the old code
+    code = source_digest(attention.__file__, layout.__file__, kv.__file__, __file__)
     key = json.dumps([code, name, str(model.device), str(model.dtype), torch.__version__, torch.get_num_threads(),
                       list(sizes), context])
     path = cache_root() / "step-cost" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"

