@@ -69,9 +69,9 @@ for stage in "$@"; do
         mkdir -p "$STATE/bin"
         printf '#!/bin/sh\nexec %s -m ladechat "$@"\n' "$(command -v python3)" > "$STATE/bin/ladechat"
         chmod +x "$STATE/bin/ladechat"
-        run setup 120 bash -c 'nvidia-smi; python3 -c "import sys, torch, transformers, ladechat;
+        run setup 120 bash -c 'set -e; nvidia-smi; python3 -c "import sys, torch, transformers, ladechat;
 print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name());
-print(\"transformers\", transformers.__version__)"; python3 -m pip list 2>/dev/null | grep -i -E "flash|triton|torch"'
+print(\"transformers\", transformers.__version__)"; python3 -m pip list 2>/dev/null | grep -i -E "flash|triton|torch" || true'
         ;;
     model1)  # carry .gpu/model1
         need .gpu/model1/gguf.part1 "the model's first part (.gpu/model1)"
