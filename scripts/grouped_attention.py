@@ -30,7 +30,7 @@ def main() -> None:
         prompt = torch.randint(0, vocab, (1, cached), generator=torch.Generator().manual_seed(0))
         cache = kv.new_cache()
         with torch.inference_mode():
-            model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=prompt, **{kv.cache_argument(model): cache}, use_cache=True, logits_to_keep=1)
         for size in (1, 4, 8, 16):
             layout = build_layout([list(range(1, size + 1))], [])
             times: dict[str, list[float]] = {"sdpa": [], NAME: []}
@@ -41,7 +41,7 @@ def main() -> None:
                 ids, positions, mask = step_inputs(layout, cached, model.dtype, model.device)
                 with torch.inference_mode():
                     model(input_ids=ids, position_ids=positions, attention_mask=mask if size > 1 else None,
-                          past_key_values=cache, use_cache=True,
+                          **{kv.cache_argument(model): cache}, use_cache=True,
                           logits_to_keep=torch.arange(size) if size > 1 else 1)
                 if i >= 2:  # the first of each is a warm-up
                     times[attention].append(time.perf_counter() - start)

@@ -133,6 +133,25 @@ def test_lookahead_off_is_plain_decoding():
     assert stats.compression == 1.0
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_steps_pass_the_cache_as_the_model_names_it(family):
+    """No deprecation warning from transformers on any step (since 5.24 `past_key_values` warns on
+    every call, which a user would see under every answer), and the answer is still exact."""
+    import inspect
+    import warnings
+
+    from ladechat.engine.kv import cache_argument
+
+    model = model_for(family)
+    assert cache_argument(model) in inspect.signature(model.forward).parameters
+    prompt = repetitive_prompt(random.Random(5), model.config.vocab_size, 24)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails the test
+        ours, _, _ = run(model, prompt, LookaheadConfig(window=3, ngram=3, candidates=2), 20)
+        plain, _, _ = run(model, prompt, LookaheadConfig(enabled=False), 20)
+    assert ours == plain == hf_greedy(model, prompt, 20)
+
+
 def test_session_reuses_cache_across_turns():
     """A second prompt that extends the first prefills only the new tokens and stays exact."""
     model = model_for("qwen2")

@@ -19,6 +19,15 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 
+def cache_argument(model) -> str:
+    """The keyword under which the model's forward takes the KV cache: `cache` since transformers
+    5.24, which deprecates `past_key_values` (removed in 5.40) with a warning a user would see on
+    every answer; `past_key_values` before."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def new_cache() -> DynamicCache:
     # Plain full-attention layers: lookahead passes its own 4D mask, so every layer sees the
     # same explicit mask and the cache must keep every position the mask can point at.

@@ -47,6 +47,7 @@ class DynamicRunner:
     def __init__(self, model) -> None:
         self.model = model
         self.rows_device = rows_device(model)  # where a step's row indices go (fixed once loaded)
+        self.cache_arg = kv.cache_argument(model)  # the forward's name for the KV cache
         self.cache = kv.new_cache()
         self.appended = 0  # rows the last step wrote into the cache
 
@@ -65,7 +66,7 @@ class DynamicRunner:
         positions = torch.arange(past, past + len(tokens), device=device).unsqueeze(0)
         count = min(len(tokens), PREFILL_TOP_K) if ranked else 1
         return prefill_top_k(self.model, count, input_ids=ids, position_ids=positions,
-                             past_key_values=self.cache)
+                             **{self.cache_arg: self.cache})
 
     def step(self, layout: StepLayout, past: int, rows: list[int]) -> torch.Tensor:
         """Logits (len(rows), vocab) of the given rows after feeding the step's tokens."""
@@ -75,11 +76,11 @@ class DynamicRunner:
             if layout.size == 1:  # no mask needed: the one row sees everything committed
                 out = self.model(input_ids=torch.tensor([layout.tokens], device=device),
                                  position_ids=torch.tensor([[past]], device=device),
-                                 past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+                                 **{self.cache_arg: self.cache}, use_cache=True, logits_to_keep=1)
             else:
                 ids, positions, mask = step_inputs(layout, past, self.model.dtype, device)
                 out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
-                                 past_key_values=self.cache, use_cache=True,
+                                 **{self.cache_arg: self.cache}, use_cache=True,
                                  logits_to_keep=torch.tensor(rows, device=self.rows_device))
         return out.logits[0]
 
@@ -221,7 +222,7 @@ class StaticRunner(DynamicRunner):
                                                      self.length, self.model.dtype, self.model.device)
             self.truncate(past + start)
             tops.append(prefill_top_k(self.model, len(chunk) if ranked else 1, input_ids=ids, position_ids=positions,
-                                      attention_mask=mask, past_key_values=self.cache))
+                                      attention_mask=mask, **{self.cache_arg: self.cache}))
             if self.packed is None:  # the first forward pass made the layers: pack them now
                 self.packed = kv.pack_static(self.cache)
         return np.concatenate(tops)[-PREFILL_TOP_K:]
@@ -247,6 +248,6 @@ class StaticRunner(DynamicRunner):
         # launches per layer on the hot path).
         with torch.inference_mode():
             out = self.forward(input_ids=ids, position_ids=positions, attention_mask=mask,
-                               past_key_values=self.cache, use_cache=True, logits_to_keep=padded_rows)
+                               **{self.cache_arg: self.cache}, use_cache=True, logits_to_keep=padded_rows)
         # A CUDA-graph replay reuses its output buffer: copy the rows out before the next step.
         return out.logits[0, : len(rows)].clone()

@@ -37,9 +37,9 @@ def measure(model, sizes=SIZES, context: int = 192, reps: int = 5) -> dict[int, 
     vocab = model.config.get_text_config().vocab_size
     prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0))
     rows_at = rows_device(model)
-    cache = kv.new_cache()
+    cache, cache_arg = kv.new_cache(), kv.cache_argument(model)
     with torch.inference_mode():
-        model(input_ids=prompt.to(device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=prompt.to(device), **{cache_arg: cache}, use_cache=True, logits_to_keep=1)
     # a chain of `size` tokens per step
     layouts = {size: build_layout([list(range(1, size + 1))], []) for size in sizes}
     times: dict[int, list[float]] = {size: [] for size in sizes}
@@ -51,7 +51,7 @@ def measure(model, sizes=SIZES, context: int = 192, reps: int = 5) -> dict[int, 
             ids, positions, mask = step_inputs(layouts[size], context, dtype, device)
             with torch.inference_mode():
                 out = model(input_ids=ids, position_ids=positions, attention_mask=mask if size > 1 else None,
-                            past_key_values=cache, use_cache=True,
+                            **{cache_arg: cache}, use_cache=True,
                             logits_to_keep=torch.arange(size, device=rows_at) if size > 1 else 1)
                 out.logits[0].topk(min(TOP_K, out.logits.shape[-1]), dim=-1).indices.cpu()
             if rep:  # the first round is a warm-up
