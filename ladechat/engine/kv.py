@@ -116,6 +116,7 @@ def commit_kv(cache, past: int, keep_rows: list[int], appended: int | None = Non
                         states[..., past : past + kept, :] = states.index_select(-2, index)
     truncate(cache, past + kept, packed)
 
+
 @dataclass(frozen=True)
 class PackedStatic:
     """A static cache's layers in two tensors: states (layers, 2, batch, heads, length, dim), with
@@ -175,4 +176,3 @@ def _attach(layer, packed: PackedStatic, i: int) -> None:
     # as transformers does for its own tensors: fixed addresses, so CUDA graphs may keep them
     for tensor in (layer.keys, layer.values, layer.cumulative_length):
         torch._dynamo.mark_static_address(tensor)
-
