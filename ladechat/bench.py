@@ -10,6 +10,7 @@ import json
 import math
 import statistics
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import torch
 
 from ladechat import templates
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
+from ladechat.engine import packing
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.events import Done
 from ladechat.engine.runner import StaticRunner
@@ -28,6 +30,10 @@ from ladechat.settings import Settings
 # step-cost curve), as on a GPU; its compression is what a GPU run would see, on any machine.
 # hf-lookup-K: HF prompt lookup proposing K tokens after a match (hf-lookup: K = 10, HF's usual)
 LOOKUP = {"hf-lookup-3": 3, "hf-lookup-5": 5, "hf-lookup": 10}
+# HF's methods run on the model as transformers loads it (Linear weights unpacked, engine/packing.py),
+# as a user of transformers would run them; hf-packed: HF greedy on ladechat's packed weights, which
+# splits ladechat's gain into the weights' layout (hf-packed over hf) and the decoding (the rest).
+HF_METHODS = ("hf", *LOOKUP, "hf-packed")
 # only-X: lookahead with one draft source alone (the ablation): the conversation's suffix matches,
 # the store of past answers, the Jacobi window and its n-gram pool, the recycled top-k.
 ONLY = {
@@ -36,7 +42,7 @@ ONLY = {
     "only-window": {"context_candidates": 0, "recycle": 0, "store": False},
     "only-recycle": {"window": 1, "ngram": 2, "candidates": 0, "context_candidates": 0, "store": False},
 }
-METHODS = ("hf", *LOOKUP, "plain", "lookahead", "lookahead-full", *ONLY)
+METHODS = (*HF_METHODS, "plain", "lookahead", "lookahead-full", *ONLY)
 STORE_MODES = ("cold", "warm", "off")
 DATASETS = {"mtbench": "mtbench-dev.jsonl", "humaneval": "humaneval-dev.jsonl", "gsm8k": "gsm8k-dev.jsonl"}
 
@@ -116,10 +122,12 @@ def method_config(method: str, la: LookaheadConfig) -> LookaheadConfig:
 
 def run_item(loaded, item: dict, method: str, la: LookaheadConfig, sampling: SamplingConfig,
              template: str | None, step_cost: dict[int, float] | None = None, runner=None,
-             store: AnswerStore | None = None):
+             store: AnswerStore | None = None, layouts: packing.LayoutSwitch | None = None):
     """Answer every turn of `item` with `method`. Returns (all answer ids, seconds, steps, guesses
     accepted per depth). runner: a fixed-shape runner to reuse (its compiled graphs) instead of the
-    default one. store: the method's store of past answers (None: no store)."""
+    default one. store: the method's store of past answers (None: no store). layouts: the loaded
+    model's two weight layouts, for HF's methods on the model as transformers loads it (None: the
+    model as it is)."""
     tok = loaded.tokenizer
     eos = sorted(loaded.eos_ids)
     messages: list[dict] = []
@@ -132,10 +140,11 @@ def run_item(loaded, item: dict, method: str, la: LookaheadConfig, sampling: Sam
     for turn in item["turns"]:
         messages.append({"role": "user", "content": turn})
         ids = templates.encode(tok, messages, template)
-        if method == "hf" or method in LOOKUP:
+        if method in HF_METHODS:
             if sampling.seed is not None:
                 torch.manual_seed(sampling.seed)
-            answer, took = _hf_answer(loaded.model, ids, sampling, eos, LOOKUP.get(method, 0))
+            with nullcontext() if method == "hf-packed" or layouts is None else layouts.as_loaded():
+                answer, took = _hf_answer(loaded.model, ids, sampling, eos, LOOKUP.get(method, 0))
             steps = None  # HF does not report its forward passes
         else:
             start = time.perf_counter()
@@ -204,7 +213,7 @@ def run(loaded, datasets: list[str], methods: list[str], settings: Settings, lim
         raise BenchError(f"unknown store mode {store!r} (choose from {', '.join(STORE_MODES)})")
     if (store == "warm") != bool(warm_from):
         raise BenchError("--store warm needs --warm-from (a prompt set to build it from), and only it")
-    ours = [m for m in methods if m != "hf" and m not in LOOKUP]
+    ours = [m for m in methods if m not in HF_METHODS]
     stores = {m: AnswerStore() for m in ours} if store != "off" else {}
     if store == "off":
         la = LookaheadConfig(**{**la.__dict__, "store": False})
@@ -212,14 +221,17 @@ def run(loaded, datasets: list[str], methods: list[str], settings: Settings, lim
                      "device": str(loaded.device), **settings.as_dict(), "single_turn": single_turn,
                      "store": store, "datasets": {}}  # store: the mode (cold, warm, off), not the setting
     results["compiled"] = compile
+    results["packed_weights"] = packing.is_packed(loaded.model)  # ladechat's methods; HF's run unpacked
     step_cost = loaded.cost_model()
+    layouts = packing.LayoutSwitch(loaded.model)
     runners = {m: StaticRunner(loaded.model, method_config(m, la), loaded.context_length,
                                compiled=loaded.compiled_forward) if compile else None
                for m in ours}
     # warm-up: first calls allocate and pick kernels (and compile)
     warm = {"turns": ["Hello"]}
     for m in methods:
-        run_item(loaded, warm, m, la, SamplingConfig(max_new_tokens=8), template, step_cost, runners.get(m))
+        run_item(loaded, warm, m, la, SamplingConfig(max_new_tokens=8), template, step_cost, runners.get(m),
+                 layouts=layouts)
     measured = {name: load_items(name, limit) for name in datasets}
     if single_turn:
         measured = {name: [{**item, "turns": item["turns"][:1]} for item in items] for name, items in measured.items()}
@@ -235,7 +247,7 @@ def run(loaded, datasets: list[str], methods: list[str], settings: Settings, lim
             reference = None
             for m in methods:
                 answer, seconds, steps, by_depth = run_item(loaded, item, m, la, sampling, template, step_cost,
-                                                            runners.get(m), stores.get(m))
+                                                            runners.get(m), stores.get(m), layouts)
                 if m == "hf":
                     reference = answer
                 t = tallies[m]

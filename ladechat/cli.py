@@ -100,20 +100,25 @@ def _print_notices(notices, err: Console) -> None:
         err.print(f"[yellow]notice:[/] {escape(notice)}", highlight=False, soft_wrap=True)
 
 
-def _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, progress, max_memory=None):
-    """The model, loaded with progress(message) shown during slow phases; its notices are the caller's."""
+def _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, progress, max_memory=None,
+          compile: bool = False):
+    """The model, loaded with progress(message) shown during slow phases; its notices are the caller's.
+    compile: the steps will be compiled, which takes the model's own Linear modules (no packing)."""
     from ladechat.engine.loading import LoadSpec, load, parse_max_memory, resolve_device, resolve_dtype
 
     spec = LoadSpec(model=model, dtype=dtype, device=device, attn=attn, load_in_4bit=load_in_4bit,
                     load_in_8bit=load_in_8bit, device_map=device_map,
-                    max_memory=parse_max_memory(max_memory) if max_memory is not None else ())
+                    max_memory=parse_max_memory(max_memory) if max_memory is not None else (),
+                    pack_weights=not compile)
     resolve_dtype(dtype, resolve_device(device))  # flag errors before any slow import
     return load(spec, progress)
 
 
-def _load_here(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, err: Console, max_memory=None):
+def _load_here(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, err: Console, max_memory=None,
+               compile: bool = False):
     """_load in the foreground: a spinner on stderr while it runs, then its notices."""
-    loaded = _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, _spinner(err), max_memory)
+    loaded = _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, _spinner(err), max_memory,
+                   compile)
     _print_notices(loaded.notices, err)
     return loaded
 
@@ -213,7 +218,7 @@ def _chat_bot(flags: dict, progress):
     device, the model's own temperature when it samples. The load's notices are the bot's first."""
     _quiet_libraries()
     loaded = _load(flags["model"], flags["dtype"], flags["device"], flags["attn"], flags["load_in_4bit"],
-                   flags["load_in_8bit"], flags["device_map"], progress, flags["max_memory"])
+                   flags["load_in_8bit"], flags["device_map"], progress, flags["max_memory"], flags["compile"])
     settings = _settings(flags, loaded, default_temperature=_model_temperature(loaded))
     bot = _bot(loaded, settings, flags["compile"], progress)
     bot.notices[:0] = loaded.notices
@@ -254,7 +259,8 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
     else:
         _settings(flags)  # every flag checked before the (slow) model load
         _quiet_libraries()
-        loaded = _load_here(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, err, max_memory)
+        loaded = _load_here(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, err, max_memory,
+                            compile)
         settings = _settings(flags, loaded)
         bot = _bot(loaded, settings, compile, _spinner(err))
     conversation = Conversation(system=system, messages=[{"role": "user", "content": text}])
@@ -368,7 +374,7 @@ def templates() -> None:
 
 @app.command()
 def bench(dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Prompt set: mtbench, humaneval, gsm8k (from ../shared/data) or a JSONL path; repeatable.")] = ["mtbench"],
-          methods: Annotated[str, typer.Option("--methods", help="Comma-separated: hf (always run, the reference), hf-lookup-3, hf-lookup-5, hf-lookup (10 tokens), plain, lookahead, lookahead-full.")] = "hf,hf-lookup-3,hf-lookup-5,hf-lookup,plain,lookahead",
+          methods: Annotated[str, typer.Option("--methods", help="Comma-separated: hf (always run, the reference), hf-lookup-3, hf-lookup-5, hf-lookup (10 tokens), hf-packed (HF greedy on ladechat's packed weights), plain, lookahead, lookahead-full.")] = "hf,hf-lookup-3,hf-lookup-5,hf-lookup,plain,lookahead",
           single_turn: Annotated[bool, typer.Option("--single-turn", help="Only the first turn of each item.")] = False,
           store: Annotated[str, typer.Option("--store", help="Each ladechat method's store of past answers: cold (empty at the start, filled as the run goes), warm (first filled with the answers to --warm-from) or off. Never the store of your chats.")] = "cold",
           warm_from: Annotated[Optional[list[str]], typer.Option("--warm-from", help="With --store warm: prompt set(s) whose answers fill the store first; must not share prompts with --dataset.")] = None,
@@ -414,7 +420,7 @@ def bench(dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Pr
         raise Fail(f"--limit must be >= 1, got {limit}")
     _settings(flags)  # every flag checked before the (slow) model load
     _quiet_libraries()
-    loaded = _load_here(model, dtype, device, attn, False, False, None, err)
+    loaded = _load_here(model, dtype, device, attn, False, False, None, err, compile=compile)
     settings = _settings(flags, loaded)
     results = benchmark.run(loaded, dataset, method_list, settings, limit, compile=compile, single_turn=single_turn,
                             store=store, warm_from=warm_from, warm_limit=warm_limit,
@@ -462,7 +468,7 @@ def _step_cost(model, shape, sizes, context, reps, compile, dtype, device, attn,
         with err.status(f"building a random {shape} model on {dev}", spinner="dots"):
             net, name = step_bench.random_model(shape, resolve_dtype(dtype, dev), dev), f"random {shape}"
     else:
-        loaded = _load_here(model, dtype, device, attn, False, False, None, err)
+        loaded = _load_here(model, dtype, device, attn, False, False, None, err, compile=compile)
         net, name = loaded.model, loaded.name
     with err.status("timing steps" + (" (compiling first)" if compile else ""), spinner="dots"):
         result = step_bench.run(net, name, size_list, context, reps, compile)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ladechat.engine import gguf
+from ladechat.engine import gguf, packing
 from ladechat.engine.attention import use_grouped_sdpa
 from ladechat.engine.gguf import ModelNotFound
 from ladechat.errors import UserError
@@ -38,6 +38,9 @@ class LoadSpec:
     load_in_8bit: bool = False
     device_map: str | None = None
     max_memory: tuple[tuple[str, str], ...] = ()  # (device, size) pairs for device_map, e.g. ("cpu", "8GiB")
+    # Linear weights in oneDNN's packed layout where measured to pay (x86-64 CPUs, fp32/bf16;
+    # engine/packing.py). Off for --compile, whose graphs take the model's own Linear modules.
+    pack_weights: bool = True
 
 
 @dataclass(frozen=True)
@@ -256,6 +259,10 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
         else:
             raise LoadError(f"{name} does not honour a 4D attention mask with position ids, "
                             "so lookahead cannot run on it")
+    # Not with quantized weights or a device map: accelerate's hooks sit on the modules packing replaces.
+    if (spec.pack_weights and "device_map" not in kwargs and "quantization_config" not in kwargs
+            and packing.supported(model.device, model.dtype)):
+        packing.pack(model)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, device=model.device, dtype=model.dtype,
                        eos_ids=eos_ids(model, tokenizer), context_length=context_length(model.config),
                        notices=tuple(notices))

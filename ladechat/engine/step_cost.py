@@ -1,8 +1,9 @@
 """How much a forward step costs as a function of how many tokens it feeds, on this device.
 
 Lookahead pays off only when the tokens a step accepts outweigh what the extra rows cost, and on a
-CPU that cost curve is far from flat (fp32 on a 2-core EPYC: 1 token ~60 ms, 2-4 tokens 85-105 ms,
-16 tokens ~90 ms). The curve is measured once per model, device and dtype (a second or two) and
+CPU that cost curve is far from flat and differs between machines and weight layouts (the embedded
+model in fp32 on a 2-core EPYC, 192 cached tokens: with the weights as transformers loads them 1
+token ~68 ms, 2-8 tokens 90-120 ms; packed for oneDNN (packing.py) ~45 ms up to 8 tokens, 57 at 16). The curve is measured once per model, device and dtype (a second or two) and
 cached, so the decoder can size its steps from it.
 """
 
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ladechat.engine import attention, kv, layout
+from ladechat.engine import attention, kv, layout, packing
 from ladechat.engine.gguf import cache_root, source_digest
 from ladechat.engine.layout import build_layout, rows_device, step_inputs
 from ladechat.engine.recycle import TOP_K
@@ -64,9 +65,9 @@ def cached_curve(model, name: str, context: int = 192) -> dict[int, float]:
     sizes = GPU_SIZES if model.device.type == "cuda" else SIZES
     # our code that a step runs is part of the key (the attention function, the mask, the cache,
     # this measurement), so a change to it measures afresh rather than trusting a curve of the old code
-    code = source_digest(attention.__file__, layout.__file__, kv.__file__, __file__)
-    key = json.dumps([code, name, str(model.device), str(model.dtype), torch.__version__, torch.get_num_threads(),
-                      list(sizes), context])
+    code = source_digest(attention.__file__, layout.__file__, kv.__file__, packing.__file__, __file__)
+    key = json.dumps([code, name, str(model.device), str(model.dtype), packing.is_packed(model), torch.__version__,
+                      torch.get_num_threads(), list(sizes), context])
     path = cache_root() / "step-cost" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     try:
         return {int(k): float(v) for k, v in json.loads(path.read_text()).items()}

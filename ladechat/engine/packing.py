@@ -1,0 +1,122 @@
+"""Linear weights stored in oneDNN's packed layout, for CPU steps of a few rows.
+
+On a CPU, `torch.nn.Linear` hands its weight to the BLAS as it lies in memory (out x in, row-major)
+on every call: bf16 matmuls are reordered into oneDNN's blocked layout each time, fp32 ones go to
+MKL, whose kernels for 2-16 rows cost up to 3x its one-row kernel. Reordering each weight once, at
+load, into the layout oneDNN's kernels read (`torch.ops.mkldnn._reorder_linear_weight`, what
+inductor's weight freezing does) and calling the packed kernel (`_linear_pointwise`) removes both.
+The embedded model on this 2-core EPYC, 192 cached tokens, ms per step (scripts/packed_weights.py):
+
+    rows            1     2     4     8    16
+    bf16 as loaded  34.3  36.1  38.7  41.8  48.5
+    bf16 packed     27.2  30.0  28.2  31.2  37.0
+    fp32 as loaded  68.1  89.5  93.8  95.3  103.5
+    fp32 packed     45.6  44.7  39.3  45.6  56.9
+
+A plain step gets cheaper, and in fp32 a step of 8 rows costs what one row does, which is what
+lookahead needs. bf16 results are bit for bit those of `nn.Linear` (the same oneDNN kernel, minus
+the per-call reorder); fp32 ones differ in the last bits (oneDNN's sums instead of MKL's), and a
+row's result does not depend on the other rows of its step.
+
+The model's code is untouched: each plain `nn.Linear` module is replaced by a `PackedLinear` that
+computes the same product, as transformers' own quantizers replace Linear modules. Subclasses of
+Linear (bitsandbytes' quantized layers) are left alone. `unpack` restores plain Linear modules with
+the same values (the bench times HF `generate` on the model as transformers loads it).
+"""
+
+from __future__ import annotations
+
+import platform
+from contextlib import contextmanager
+
+import torch
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+class PackedLinear(torch.nn.Module):
+    """y = x W^T + b with W reordered once for oneDNN. Inference only: the packed weight is a
+    buffer (no gradient, not saved in a state dict)."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        # batch size hint None: a layout for any number of rows (a hint of 1 makes 2+ rows slower in fp32)
+        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None),
+                             persistent=False)
+        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def supported(device: torch.device, dtype: torch.dtype, machine: str | None = None) -> bool:
+    """Whether weights of this dtype on this device are packed: on an x86-64 CPU with oneDNN
+    (measured there; on other CPUs torch's oneDNN runs through other backends, unmeasured)."""
+    machine = (machine or platform.machine()).lower()
+    return (device.type == "cpu" and dtype in DTYPES and machine in ("x86_64", "amd64")
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def _linears(model, kind) -> list[tuple[str, torch.nn.Module]]:
+    # a list, not a generator: the modules are replaced while walking
+    return [(name, m) for name, m in model.named_modules() if type(m) is kind]
+
+
+def pack(model) -> int:
+    """Replace every plain nn.Linear on the CPU whose weight is fp32 or bf16 by a PackedLinear.
+    Returns how many were replaced."""
+    count = 0
+    with torch.no_grad():
+        for name, linear in _linears(model, torch.nn.Linear):
+            if linear.weight.device.type == "cpu" and linear.weight.dtype in DTYPES:
+                model.set_submodule(name, PackedLinear(linear))
+                count += 1
+    return count
+
+
+def unpack(model) -> int:
+    """Replace every PackedLinear by a plain nn.Linear with the same weight and bias. Returns how
+    many were replaced."""
+    replaced = _linears(model, PackedLinear)
+    for name, packed in replaced:
+        model.set_submodule(name, _as_linear(packed))
+    return len(replaced)
+
+
+def _as_linear(packed: PackedLinear) -> torch.nn.Linear:
+    with torch.no_grad():
+        linear = torch.nn.Linear(packed.in_features, packed.out_features, bias=packed.bias is not None, device="meta")
+        linear.weight = torch.nn.Parameter(packed.packed_weight.to_dense(), requires_grad=False)
+        if packed.bias is not None:
+            linear.bias = packed.bias
+    return linear
+
+
+def is_packed(model) -> bool:
+    return any(type(m) is PackedLinear for m in model.modules())
+
+
+class LayoutSwitch:
+    """A packed model and plain Linear twins of its packed modules, to run it either way without
+    reordering weights at each switch (~0.5 s for the embedded model; the bench switches for every
+    turn it gives HF). Holds a second copy of the Linear weights."""
+
+    def __init__(self, model):
+        self.model = model
+        self.packed = dict(_linears(model, PackedLinear))
+        self.plain = {name: _as_linear(packed) for name, packed in self.packed.items()}
+
+    @contextmanager
+    def as_loaded(self):
+        """The model with plain Linear modules for the duration (as transformers loads it)."""
+        for name, linear in self.plain.items():
+            self.model.set_submodule(name, linear)
+        try:
+            yield self.model
+        finally:
+            for name, packed in self.packed.items():
+                self.model.set_submodule(name, packed)

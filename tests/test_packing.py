@@ -1,0 +1,121 @@
+"""Linear weights packed for oneDNN (engine/packing.py): the same products, exact greedy decoding on
+the packed model, and the way back to the model as transformers loads it."""
+
+import random
+import zlib
+
+import pytest
+import torch
+from test_exactness import hf_greedy, repetitive_prompt, run
+from tiny_models import FAMILIES, tiny_model
+
+from ladechat.engine import packing
+from ladechat.engine.config import LookaheadConfig
+from ladechat.engine.loading import LoadSpec, load
+
+pytestmark = pytest.mark.skipif(not packing.supported(torch.device("cpu"), torch.float32),
+                                reason="packing needs an x86-64 CPU with oneDNN (every machine the tests run on has one)")
+
+
+def packed_twin(family: str, dtype=torch.float32):
+    """(the tiny model as built, the same model packed)"""
+    plain, packed = tiny_model(family).to(dtype), tiny_model(family).to(dtype)
+    assert packing.pack(packed) == sum(type(m) is torch.nn.Linear for m in plain.modules())
+    return plain, packed
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_packed_model_computes_the_same_logits(family):
+    plain, packed = packed_twin(family)
+    ids = torch.tensor([repetitive_prompt(random.Random(1), plain.config.vocab_size, 30)])
+    with torch.inference_mode():
+        want, got = plain(ids).logits, packed(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # the input embedding (tied to the output layer in gemma) stays as it was
+    assert torch.equal(packed.get_input_embeddings().weight, plain.get_input_embeddings().weight)
+
+
+def test_packed_bf16_products_are_bit_identical_to_linear():
+    """In bf16 both go through oneDNN; packing only moves the weight's reorder to load time."""
+    torch.manual_seed(0)
+    for rows in (1, 3, 8, 17):
+        linear = torch.nn.Linear(576, 1536, bias=True).to(torch.bfloat16)
+        x = torch.randn(1, rows, 576).to(torch.bfloat16)
+        with torch.inference_mode():
+            assert torch.equal(packing.PackedLinear(linear)(x), linear(x)), rows
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_lookahead_on_packed_weights_is_identical_to_hf_greedy_on_them(family):
+    _, model = packed_twin(family)
+    rng = random.Random(zlib.crc32(f"packed-{family}".encode()))
+    for w, n, g in [(1, 2, 0), (3, 3, 2), (5, 4, 5), (2, 5, 7)]:
+        prompt = repetitive_prompt(rng, model.config.vocab_size, rng.randint(5, 40))
+        max_new = rng.randint(20, 50)
+        la = LookaheadConfig(window=w, ngram=n, candidates=g, context_candidates=2, recycle=8)
+        ours, _, _ = run(model, prompt, la, max_new)
+        assert ours == hf_greedy(model, prompt, max_new), (family, w, n, g)
+
+
+def test_unpack_restores_the_weights_exactly():
+    plain, packed = packed_twin("gemma")  # tied input and output embeddings
+    assert packing.is_packed(packed) and not packing.is_packed(plain)
+    assert packing.unpack(packed) == sum(type(m) is torch.nn.Linear for m in plain.modules())
+    assert not packing.is_packed(packed)
+    want = dict(plain.named_parameters(remove_duplicate=False))
+    for name, value in packed.named_parameters(remove_duplicate=False):
+        assert torch.equal(value, want[name]), name
+    assert want.keys() == dict(packed.named_parameters(remove_duplicate=False)).keys()
+
+
+def test_pack_leaves_linear_subclasses_and_other_dtypes_alone():
+    class Quantized(torch.nn.Linear):  # as bitsandbytes' Linear4bit and Linear8bitLt are
+        pass
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), Quantized(8, 8), torch.nn.Linear(8, 8).half())
+    assert packing.pack(model) == 1
+    assert [type(m).__name__ for m in model] == ["PackedLinear", "Quantized", "Linear"]
+
+
+def test_layout_switch_runs_the_model_as_loaded_and_packs_it_again():
+    plain, packed = packed_twin("llama")
+    switch = packing.LayoutSwitch(packed)
+    prompt = repetitive_prompt(random.Random(3), plain.config.vocab_size, 20)
+    before = [m for m in packed.modules() if type(m) is packing.PackedLinear]
+    with switch.as_loaded() as model:
+        assert not packing.is_packed(model)
+        assert hf_greedy(model, prompt, 30) == hf_greedy(plain, prompt, 30)
+        with torch.inference_mode():
+            assert torch.equal(model(torch.tensor([prompt])).logits, plain(torch.tensor([prompt])).logits)
+    assert [m for m in packed.modules() if type(m) is packing.PackedLinear] == before  # the same modules back
+
+
+@pytest.mark.parametrize("device,dtype,machine,expected", [
+    ("cpu", torch.float32, "x86_64", True), ("cpu", torch.bfloat16, "AMD64", True),
+    ("cpu", torch.float16, "x86_64", False), ("cpu", torch.float32, "aarch64", False),
+    ("cuda", torch.bfloat16, "x86_64", False), ("meta", torch.float32, "x86_64", False),
+])
+def test_packing_is_for_x86_cpus_in_fp32_and_bf16(device, dtype, machine, expected):
+    assert packing.supported(torch.device(device), dtype, machine) is expected
+
+
+def test_load_packs_cpu_weights_unless_told_not_to(tmp_path):
+    from tiny_models import tiny_tokenizer
+
+    folder = tmp_path / "tiny"
+    tiny_model("llama").save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    assert packing.is_packed(load(LoadSpec(model=str(folder), dtype="float32", device="cpu")).model)
+    assert not packing.is_packed(load(LoadSpec(model=str(folder), dtype="float32", device="cpu",
+                                               pack_weights=False)).model)
+
+
+def test_step_cost_curves_of_packed_and_plain_weights_are_cached_apart(tmp_path, monkeypatch):
+    from ladechat.engine.gguf import cache_root
+    from ladechat.engine.step_cost import cached_curve
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    plain, packed = packed_twin("llama")
+    cached_curve(plain, "tiny-llama", context=16)
+    cached_curve(packed, "tiny-llama", context=16)
+    assert len(list((cache_root() / "step-cost").iterdir())) == 2
