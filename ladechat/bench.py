@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from ladechat import templates
-from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine import packing
+from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.events import Done
 from ladechat.engine.runner import StaticRunner
@@ -31,8 +31,9 @@ from ladechat.settings import Settings
 # hf-lookup-K: HF prompt lookup proposing K tokens after a match (hf-lookup: K = 10, HF's usual)
 LOOKUP = {"hf-lookup-3": 3, "hf-lookup-5": 5, "hf-lookup": 10}
 # HF's methods run on the model as transformers loads it (Linear weights unpacked, engine/packing.py),
-# as a user of transformers would run them; hf-packed: HF greedy on ladechat's packed weights, which
-# splits ladechat's gain into the weights' layout (hf-packed over hf) and the decoding (the rest).
+# as a user of transformers would run them; hf-packed: HF generate on ladechat's packed weights, which
+# splits ladechat's gain into the weights' layout (hf-packed over hf) and the decoding (the rest), and
+# is the reference ladechat's greedy answers must equal (fp32 sums differ in the last bits by layout).
 HF_METHODS = ("hf", *LOOKUP, "hf-packed")
 # only-X: lookahead with one draft source alone (the ablation): the conversation's suffix matches,
 # the store of past answers, the Jacobi window and its n-gram pool, the recycled top-k.
@@ -90,7 +91,8 @@ class Tally:
     tokens: int = 0
     seconds: float = 0.0
     steps: int = 0
-    identical: int = 0
+    identical: int = 0  # items whose answer equals the reference's (hf, or hf-packed for ladechat's methods)
+    identical_to_hf: int = 0  # items whose answer equals hf's
     items: int = 0
     per_item: list = field(default_factory=list)  # (tokens, seconds) per item
     by_depth: list = field(default_factory=list)  # steps that accepted a guess at depth 1, 2, ...
@@ -198,8 +200,9 @@ def run(loaded, datasets: list[str], methods: list[str], settings: Settings, lim
         compile: bool = False, single_turn: bool = False, store: str = "cold", warm_from: list[str] | None = None,
         warm_limit: int | None = None) -> dict:
     """Greedy runs also report whether each method's answers equal HF greedy's, token for token
-    (hf always runs, first, as the reference); sampled runs (temperature > 0) cannot, and report
-    speed and compression only. Per method: the ratio of summed tokens/s to hf's, and per item the
+    (hf always runs, first, as the reference; on packed weights hf-packed runs too, second, as the
+    reference of ladechat's methods, whose fp32 sums differ from hf's in the last bits); sampled
+    runs (temperature > 0) cannot, and report speed and compression only. Per method: the ratio of summed tokens/s to hf's, and per item the
     geometric mean and 10th percentile of its speed over hf's on the same item and the share of
     items slower than hf. compile: ladechat's methods run fixed-shape compiled steps (one runner
     per method, compiled once). single_turn: only each item's first turn. store: each ladechat
@@ -208,12 +211,18 @@ def run(loaded, datasets: list[str], methods: list[str], settings: Settings, lim
     the items of `warm_from` ("warm"), or none ("off")."""
     check_methods(methods)
     la, sampling, template = settings.lookahead_config(), settings.sampling_config(), settings.template
+    packed = packing.is_packed(loaded.model)
+    if "hf-packed" in methods and not packed:
+        raise BenchError("hf-packed needs packed weights, which ladechat uses only on an x86-64 CPU in fp32 or "
+                         "bf16 without --compile; here it would be hf again")
     methods = ["hf"] + [m for m in dict.fromkeys(methods) if m != "hf"]
+    ours = [m for m in methods if m not in HF_METHODS]
+    if packed and ours and "hf-packed" not in methods:  # the reference for ladechat's answers
+        methods.insert(1, "hf-packed")
     if store not in STORE_MODES:
         raise BenchError(f"unknown store mode {store!r} (choose from {', '.join(STORE_MODES)})")
     if (store == "warm") != bool(warm_from):
         raise BenchError("--store warm needs --warm-from (a prompt set to build it from), and only it")
-    ours = [m for m in methods if m not in HF_METHODS]
     stores = {m: AnswerStore() for m in ours} if store != "off" else {}
     if store == "off":
         la = LookaheadConfig(**{**la.__dict__, "store": False})
@@ -221,9 +230,9 @@ def run(loaded, datasets: list[str], methods: list[str], settings: Settings, lim
                      "device": str(loaded.device), **settings.as_dict(), "single_turn": single_turn,
                      "store": store, "datasets": {}}  # store: the mode (cold, warm, off), not the setting
     results["compiled"] = compile
-    results["packed_weights"] = packing.is_packed(loaded.model)  # ladechat's methods; HF's run unpacked
+    results["packed_weights"] = packed  # ladechat's methods and hf-packed; HF's others run unpacked
     step_cost = loaded.cost_model()
-    layouts = packing.LayoutSwitch(loaded.model)
+    layouts = packing.LayoutSwitch(loaded.model) if packed else None  # a second copy of the Linear weights
     runners = {m: StaticRunner(loaded.model, method_config(m, la), loaded.context_length,
                                compiled=loaded.compiled_forward) if compile else None
                for m in ours}
@@ -244,18 +253,19 @@ def run(loaded, datasets: list[str], methods: list[str], settings: Settings, lim
         items = measured[name]
         tallies = {m: Tally() for m in methods}
         for i, item in enumerate(items):
-            reference = None
+            answers: dict[str, list[int]] = {}
             for m in methods:
                 answer, seconds, steps, by_depth = run_item(loaded, item, m, la, sampling, template, step_cost,
                                                             runners.get(m), stores.get(m), layouts)
-                if m == "hf":
-                    reference = answer
+                answers[m] = answer
+                reference = answers.get("hf-packed" if packed and m in ours else "hf")
                 t = tallies[m]
                 t.tokens += len(answer)
                 t.seconds += seconds
                 t.steps += steps or 0
                 t.items += 1
-                t.identical += int(sampling.greedy and reference is not None and answer == reference)
+                t.identical += int(sampling.greedy and answer == reference)
+                t.identical_to_hf += int(sampling.greedy and answer == answers["hf"])
                 t.per_item.append((len(answer), seconds))
                 t.by_depth = _add(t.by_depth, by_depth)
             if progress:
@@ -270,6 +280,7 @@ def run(loaded, datasets: list[str], methods: list[str], settings: Settings, lim
             total[m].steps += d["steps"]
             total[m].items += d["items"]
             total[m].identical += d["identical_items"]
+            total[m].identical_to_hf += d["identical_to_hf_items"]
             total[m].per_item += d["per_item"]
             total[m].by_depth = _add(total[m].by_depth, d["accepted_by_depth"])
     results["overall"] = {m: _summary(t, total["hf"]) for m, t in total.items()}
@@ -289,7 +300,7 @@ def _summary(t: Tally, hf: Tally) -> dict:
             "compression": round(t.tokens / t.steps, 3) if t.steps else None,
             "ms_per_step": round(1000 * t.seconds / t.steps, 2) if t.steps else None,
             "accepted_by_depth": t.by_depth,
-            "identical_items": t.identical, "per_item": t.per_item}
+            "identical_items": t.identical, "identical_to_hf_items": t.identical_to_hf, "per_item": t.per_item}
 
 
 def _percentile(values: list[float], q: float) -> float:

@@ -466,7 +466,8 @@ def _step_cost(model, shape, sizes, context, reps, compile, dtype, device, attn,
     if shape is not None:
         dev = resolve_device(device)
         with err.status(f"building a random {shape} model on {dev}", spinner="dots"):
-            net, name = step_bench.random_model(shape, resolve_dtype(dtype, dev), dev), f"random {shape}"
+            net = step_bench.random_model(shape, resolve_dtype(dtype, dev), dev, pack_weights=not compile)
+            name = f"random {shape}"
     else:
         loaded = _load_here(model, dtype, device, attn, False, False, None, err, compile=compile)
         net, name = loaded.model, loaded.name

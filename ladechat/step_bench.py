@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from ladechat.engine import packing
 from ladechat.engine.attention import use_grouped_sdpa
 from ladechat.engine.config import LookaheadConfig
 from ladechat.engine.layout import build_layout
@@ -48,7 +49,7 @@ def parse_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
-def random_model(shape: str, dtype: torch.dtype, device: torch.device):
+def random_model(shape: str, dtype: torch.dtype, device: torch.device, pack_weights: bool = True):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if shape not in SHAPES:
@@ -69,6 +70,8 @@ def random_model(shape: str, dtype: torch.dtype, device: torch.device):
                              f"(its weights alone take {gigabytes:.1f} GiB in {dtype_name})") from None
     model.generation_config.eos_token_id = None
     use_grouped_sdpa(model)  # as loading does: what the chat would run
+    if pack_weights and packing.supported(model.device, model.dtype):  # and this too (not for --compile)
+        packing.pack(model)
     return model
 
 
@@ -117,6 +120,14 @@ def _time_steps(runner, sizes, context: int, reps: int, device) -> dict[int, flo
 
 
 def _hf_per_token(model, context: int, tokens: int = 32) -> float:
+    """Seconds per token of HF greedy `generate` on the model as transformers loads it."""
+    if not packing.is_packed(model):
+        return _generate_per_token(model, context, tokens)
+    with packing.LayoutSwitch(model).as_loaded():
+        return _generate_per_token(model, context, tokens)
+
+
+def _generate_per_token(model, context: int, tokens: int) -> float:
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0)).to(model.device)
     times = []
@@ -148,5 +159,5 @@ def run(model, name: str, sizes=SIZES, context: int = 512, reps: int = 10, compi
         compiled = StaticRunner(model, la, context_length, compiled=CompiledForward(model))
         curves["compiled"] = _time_steps(compiled, sizes, context, reps, device)
     return {"model": name, "device": str(device), "dtype": str(model.dtype).removeprefix("torch."),
-            "context": context, "reps": reps, "hf_generate_per_token_s": _hf_per_token(model, context),
+            "packed_weights": packing.is_packed(model), "context": context, "reps": reps, "hf_generate_per_token_s": _hf_per_token(model, context),
             "curves": {kind: {str(s): t for s, t in curve.items()} for kind, curve in curves.items()}}

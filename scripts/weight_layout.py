@@ -34,7 +34,7 @@ def transposed(model, output_layer: bool):
 
 
 def main() -> None:
-    loaded = load(LoadSpec(model=None, dtype="float32", device="cpu")).model
+    loaded = load(LoadSpec(model=None, dtype="float32", device="cpu", pack_weights=False)).model
     models = {"as loaded": loaded, "layers transposed": transposed(loaded, False),
               "all transposed": transposed(loaded, True)}
     prompt = torch.randint(0, loaded.config.vocab_size, (1, CACHED), generator=torch.Generator().manual_seed(0))

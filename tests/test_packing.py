@@ -1,7 +1,9 @@
 """Linear weights packed for oneDNN (engine/packing.py): the same products, exact greedy decoding on
 the packed model, and the way back to the model as transformers loads it."""
 
+import gc
 import random
+import weakref
 import zlib
 
 import pytest
@@ -35,6 +37,7 @@ def test_packed_model_computes_the_same_logits(family):
     assert torch.equal(packed.get_input_embeddings().weight, plain.get_input_embeddings().weight)
 
 
+@pytest.mark.skipif(not packing.supported(torch.device("cpu"), torch.bfloat16), reason="no oneDNN bf16 kernels here")
 def test_packed_bf16_products_are_bit_identical_to_linear():
     """In bf16 both go through oneDNN; packing only moves the weight's reorder to load time."""
     torch.manual_seed(0)
@@ -68,6 +71,23 @@ def test_unpack_restores_the_weights_exactly():
     assert want.keys() == dict(packed.named_parameters(remove_duplicate=False)).keys()
 
 
+def test_pack_frees_each_plain_weight_as_it_goes():
+    """A replaced Linear's weight is freed before the walk ends (holding them all until then would
+    need a second copy of the model's weights while packing); a tied input embedding is kept."""
+    model = tiny_model("gemma")  # tied input and output embeddings
+    total = sum(type(m) is torch.nn.Linear for m in model.modules())
+    packed_when_freed = []
+    for name, m in model.named_modules():
+        if type(m) is torch.nn.Linear and name != "lm_head":
+            weakref.finalize(m.weight, lambda: packed_when_freed.append(
+                sum(type(x) is packing.PackedLinear for x in model.modules())))
+    embedding = model.get_input_embeddings().weight
+    packing.pack(model)
+    gc.collect()
+    assert len(packed_when_freed) == total - 1 and min(packed_when_freed) < total
+    assert model.get_input_embeddings().weight is embedding
+
+
 def test_pack_leaves_linear_subclasses_and_other_dtypes_alone():
     class Quantized(torch.nn.Linear):  # as bitsandbytes' Linear4bit and Linear8bitLt are
         pass
@@ -91,7 +111,8 @@ def test_layout_switch_runs_the_model_as_loaded_and_packs_it_again():
 
 
 @pytest.mark.parametrize("device,dtype,machine,expected", [
-    ("cpu", torch.float32, "x86_64", True), ("cpu", torch.bfloat16, "AMD64", True),
+    ("cpu", torch.float32, "x86_64", True),
+    ("cpu", torch.bfloat16, "AMD64", torch.ops.mkldnn._is_mkldnn_bf16_supported()),
     ("cpu", torch.float16, "x86_64", False), ("cpu", torch.float32, "aarch64", False),
     ("cuda", torch.bfloat16, "x86_64", False), ("meta", torch.float32, "x86_64", False),
 ])
@@ -99,15 +120,42 @@ def test_packing_is_for_x86_cpus_in_fp32_and_bf16(device, dtype, machine, expect
     assert packing.supported(torch.device(device), dtype, machine) is expected
 
 
-def test_load_packs_cpu_weights_unless_told_not_to(tmp_path):
+@pytest.fixture()
+def tiny_folder(tmp_path):
     from tiny_models import tiny_tokenizer
 
     folder = tmp_path / "tiny"
     tiny_model("llama").save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
-    assert packing.is_packed(load(LoadSpec(model=str(folder), dtype="float32", device="cpu")).model)
-    assert not packing.is_packed(load(LoadSpec(model=str(folder), dtype="float32", device="cpu",
+    return str(folder)
+
+
+def test_load_packs_cpu_weights_unless_told_not_to(tiny_folder):
+    assert packing.is_packed(load(LoadSpec(model=tiny_folder, dtype="float32", device="cpu")).model)
+    assert not packing.is_packed(load(LoadSpec(model=tiny_folder, dtype="float32", device="cpu",
                                                pack_weights=False)).model)
+
+
+def test_compile_loads_the_weights_as_they_are_and_refuses_packed_ones(tiny_folder):
+    from ladechat.cli import _load
+    from ladechat.engine.runner import CompiledForward
+
+    def load_for(compile):
+        return _load(tiny_folder, "float32", "cpu", "sdpa", False, False, None, None, compile=compile)
+
+    assert not packing.is_packed(load_for(compile=True).model)
+    with pytest.raises(ValueError, match="compiling needs the model's own Linear modules"):
+        CompiledForward(load_for(compile=False).model)
+
+
+def test_bench_refuses_hf_packed_on_weights_that_are_not_packed(tiny_folder):
+    from ladechat.bench import BenchError
+    from ladechat.bench import run as bench_run
+    from ladechat.settings import Settings
+
+    loaded = load(LoadSpec(model=tiny_folder, dtype="float32", device="cpu", pack_weights=False))
+    with pytest.raises(BenchError, match="hf-packed needs packed weights"):
+        bench_run(loaded, ["mtbench"], ["hf-packed", "plain"], Settings(), limit=1)
 
 
 def test_step_cost_curves_of_packed_and_plain_weights_are_cached_apart(tmp_path, monkeypatch):

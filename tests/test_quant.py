@@ -2,7 +2,7 @@
 
 import pytest
 
-from ladechat.engine import gguf
+from ladechat.engine import gguf, packing
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.loading import LoadSpec, load
@@ -28,6 +28,7 @@ def answer(lm, prompt, la, max_new=40):
 def test_4bit_lookahead_identical_to_plain(folder):
     lm = load(LoadSpec(model=folder, dtype="float32", device="cpu", load_in_4bit=True))
     assert type(lm.model.model.layers[0].mlp.down_proj).__name__ == "Linear4bit"
+    assert not packing.is_packed(lm.model)  # not even its plain output layer: quantized models stay as loaded
     for prompt in PROMPTS:
         plain, _ = answer(lm, prompt, LookaheadConfig(enabled=False))
         ours, stats = answer(lm, prompt, LOOKAHEAD)
@@ -43,11 +44,14 @@ def test_8bit_loads_and_answers_with_a_notice(folder):
     assert "def" in lm.tokenizer.decode(ours) and stats.new_tokens == 24
 
 
-def test_disk_offload_through_device_map_is_exact(folder, embedded_fp32):
+def test_disk_offload_through_device_map_is_exact(folder):
     lm = load(LoadSpec(model=folder, dtype="float32", device="cpu", device_map="auto",
                        max_memory=(("cpu", "250MiB"),)))
     assert {"cpu", "disk"} <= set(lm.model.hf_device_map.values())  # some layers really live on disk
+    assert not packing.is_packed(lm.model)  # accelerate's hooks sit on the Linear modules
+    # the reference on the same kernels: a device map keeps the Linear weights as loaded (unpacked)
+    reference = load(LoadSpec(model=folder, dtype="float32", device="cpu", pack_weights=False))
     for prompt in PROMPTS:
-        plain, _ = answer(embedded_fp32, prompt, LookaheadConfig(enabled=False), max_new=32)
+        plain, _ = answer(reference, prompt, LookaheadConfig(enabled=False), max_new=32)
         ours, _ = answer(lm, prompt, LOOKAHEAD, max_new=32)
         assert ours == plain

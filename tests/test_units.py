@@ -403,7 +403,7 @@ def test_random_step_bench_model_is_built_in_its_dtype(dtype):
     the size the out-of-memory message quotes is the real parameter count."""
     from ladechat import step_bench
 
-    model = step_bench.random_model("tiny", dtype, torch.device("cpu"))
+    model = step_bench.random_model("tiny", dtype, torch.device("cpu"), pack_weights=False)  # weights as parameters
     assert {p.dtype for p in model.parameters()} == {dtype} and model.config.dtype == dtype
     assert step_bench._parameters("tiny") == sum(p.numel() for p in model.parameters())
     assert step_bench._parameters("llama-2-7b") == 6_738_415_616  # Llama-2-7b's published count

@@ -3,9 +3,10 @@
 On a CPU, `torch.nn.Linear` hands its weight to the BLAS as it lies in memory (out x in, row-major)
 on every call: bf16 matmuls are reordered into oneDNN's blocked layout each time, fp32 ones go to
 MKL, whose kernels for 2-16 rows cost up to 3x its one-row kernel. Reordering each weight once, at
-load, into the layout oneDNN's kernels read (`torch.ops.mkldnn._reorder_linear_weight`, what
-inductor's weight freezing does) and calling the packed kernel (`_linear_pointwise`) removes both.
-The embedded model on this 2-core EPYC, 192 cached tokens, ms per step (scripts/packed_weights.py):
+load, into the layout oneDNN's kernels read (`torch.ops.mkldnn._reorder_linear_weight`, as
+inductor's weight freezing does for bf16) and calling the packed kernel (`_linear_pointwise`)
+removes both. The embedded model on this 2-core EPYC, 192 cached tokens, ms per step
+(scripts/packed_weights.py):
 
     rows            1     2     4     8    16
     bf16 as loaded  34.3  36.1  38.7  41.8  48.5
@@ -15,13 +16,16 @@ The embedded model on this 2-core EPYC, 192 cached tokens, ms per step (scripts/
 
 A plain step gets cheaper, and in fp32 a step of 8 rows costs what one row does, which is what
 lookahead needs. bf16 results are bit for bit those of `nn.Linear` (the same oneDNN kernel, minus
-the per-call reorder); fp32 ones differ in the last bits (oneDNN's sums instead of MKL's), and a
-row's result does not depend on the other rows of its step.
+the per-call reorder); fp32 ones differ in the last bits (oneDNN's sums instead of MKL's). As with
+`nn.Linear`, a row's last bits can depend on how many rows its step has (the down projection's
+1536-long sums here), so greedy exactness is checked against HF greedy on the same packed weights.
 
 The model's code is untouched: each plain `nn.Linear` module is replaced by a `PackedLinear` that
 computes the same product, as transformers' own quantizers replace Linear modules. Subclasses of
-Linear (bitsandbytes' quantized layers) are left alone. `unpack` restores plain Linear modules with
-the same values (the bench times HF `generate` on the model as transformers loads it).
+Linear (bitsandbytes' quantized layers) and tensor-subclass weights are left alone. The replaced
+weights are freed, except an output layer tied to the input embedding, whose packed copy is extra
+memory (the embedded model: +113 MB in fp32). `LayoutSwitch` runs the model with plain Linear
+modules again (the bench times HF `generate` on the model as transformers loads it).
 """
 
 from __future__ import annotations
@@ -42,8 +46,8 @@ class PackedLinear(torch.nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         # batch size hint None: a layout for any number of rows (a hint of 1 makes 2+ rows slower in fp32)
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None),
-                             persistent=False)
+        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        self.register_buffer("packed_weight", packed, persistent=False)
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -55,24 +59,31 @@ class PackedLinear(torch.nn.Module):
 
 def supported(device: torch.device, dtype: torch.dtype, machine: str | None = None) -> bool:
     """Whether weights of this dtype on this device are packed: on an x86-64 CPU with oneDNN
-    (measured there; on other CPUs torch's oneDNN runs through other backends, unmeasured)."""
+    (measured there; on other CPUs torch's oneDNN runs through other backends, unmeasured), in
+    bf16 only where oneDNN has bf16 kernels (AVX-512 or AVX-NE-CONVERT; elsewhere packing fails)."""
     machine = (machine or platform.machine()).lower()
+    ops = torch.ops.mkldnn
     return (device.type == "cpu" and dtype in DTYPES and machine in ("x86_64", "amd64")
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and torch.backends.mkldnn.is_available()
+            and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
+            and (dtype != torch.bfloat16 or ops._is_mkldnn_bf16_supported()))
 
 
-def _linears(model, kind) -> list[tuple[str, torch.nn.Module]]:
-    # a list, not a generator: the modules are replaced while walking
-    return [(name, m) for name, m in model.named_modules() if type(m) is kind]
+def _names(model, kind) -> list[str]:
+    # names, not modules: holding every replaced module until the walk ends would keep a second
+    # copy of the weights alive while packing (14 GB more for a 7B model in bf16)
+    return [name for name, m in model.named_modules() if type(m) is kind]
 
 
 def pack(model) -> int:
-    """Replace every plain nn.Linear on the CPU whose weight is fp32 or bf16 by a PackedLinear.
-    Returns how many were replaced."""
+    """Replace every plain nn.Linear on the CPU whose weight is a plain fp32 or bf16 tensor by a
+    PackedLinear. Returns how many were replaced."""
     count = 0
     with torch.no_grad():
-        for name, linear in _linears(model, torch.nn.Linear):
-            if linear.weight.device.type == "cpu" and linear.weight.dtype in DTYPES:
+        for name in _names(model, torch.nn.Linear):
+            linear = model.get_submodule(name)
+            weight = linear.weight.data
+            if type(weight) is torch.Tensor and weight.device.type == "cpu" and weight.dtype in DTYPES:
                 model.set_submodule(name, PackedLinear(linear))
                 count += 1
     return count
@@ -81,10 +92,10 @@ def pack(model) -> int:
 def unpack(model) -> int:
     """Replace every PackedLinear by a plain nn.Linear with the same weight and bias. Returns how
     many were replaced."""
-    replaced = _linears(model, PackedLinear)
-    for name, packed in replaced:
-        model.set_submodule(name, _as_linear(packed))
-    return len(replaced)
+    names = _names(model, PackedLinear)
+    for name in names:
+        model.set_submodule(name, _as_linear(model.get_submodule(name)))
+    return len(names)
 
 
 def _as_linear(packed: PackedLinear) -> torch.nn.Linear:
@@ -107,7 +118,7 @@ class LayoutSwitch:
 
     def __init__(self, model):
         self.model = model
-        self.packed = dict(_linears(model, PackedLinear))
+        self.packed = {name: model.get_submodule(name) for name in _names(model, PackedLinear)}
         self.plain = {name: _as_linear(packed) for name, packed in self.packed.items()}
 
     @contextmanager

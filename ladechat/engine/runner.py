@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ladechat.engine import kv
+from ladechat.engine import kv, packing
 from ladechat.engine.config import ConfigError, LookaheadConfig
 from ladechat.engine.layout import StepLayout, build_layout, fixed_step_inputs, rows_device, step_inputs
 from ladechat.engine.recycle import TOP_K
@@ -114,6 +114,8 @@ class CompiledForward:
     """
 
     def __init__(self, model, limit: int = COMPILED_GRAPHS) -> None:
+        if packing.is_packed(model):  # load with LoadSpec(pack_weights=False), as --compile does
+            raise ValueError("compiling needs the model's own Linear modules, not packed ones")
         mode = "reduce-overhead" if model.device.type == "cuda" else None
         self.limit = limit
         self.fn = torch.compile(model.forward, dynamic=False, mode=mode)

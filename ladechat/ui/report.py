@@ -13,9 +13,12 @@ def bench_tables(results: dict) -> list[Table]:
                             f"{results['max_new_tokens']} new tokens · W={results['W']} N={results['N']} "
                             f"G={results['G']}"
                             + (f" · T={results['temperature']}" if results.get("temperature") else "")
-                            + (" · first turns only" if results.get("single_turn") else ""))
+                            + (" · first turns only" if results.get("single_turn") else ""),
+                      caption="hf and HF's prompt lookup run the weights as transformers loads them; ladechat's "
+                              "methods and hf-packed run them packed, and their answers are compared with "
+                              "hf-packed's" if results.get("packed_weights") else None)
         for col in ("method", "items", "tokens", "tok/s", "vs hf", "per item: geomean", "p10", "slower",
-                    "tokens/step", "identical to hf"):
+                    "tokens/step", "identical"):
             table.add_column(col, justify="left" if col == "method" else "right")
         for method, r in rows.items():
             speed = f"{r['speedup_vs_hf']:.2f}x" if r["speedup_vs_hf"] else "-"
@@ -53,7 +56,8 @@ def step_cost_table(result: dict) -> Table:
     curves = result["curves"]
     table = Table(title=f"step cost · {result['model']} · {result['dtype']} on {result['device']} · "
                         f"{result['context']} tokens cached · median of {result['reps']} · HF generate "
-                        f"{result['hf_generate_per_token_s'] * 1000:.1f} ms/token")
+                        f"{result['hf_generate_per_token_s'] * 1000:.1f} ms/token"
+                        + (" (weights as loaded; the steps' packed)" if result.get("packed_weights") else ""))
     table.add_column("tokens fed", justify="right")
     for kind in curves:
         table.add_column(f"{kind} ms", justify="right")
