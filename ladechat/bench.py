@@ -202,7 +202,8 @@ def run(loaded, datasets: list[str], methods: list[str], settings: Settings, lim
     """Greedy runs also report whether each method's answers equal HF greedy's, token for token
     (hf always runs, first, as the reference; on packed weights hf-packed runs too, second, as the
     reference of ladechat's methods, whose fp32 sums differ from hf's in the last bits); sampled
-    runs (temperature > 0) cannot, and report speed and compression only. Per method: the ratio of summed tokens/s to hf's, and per item the
+    runs (temperature > 0) cannot, and report speed and compression only (and run hf-packed only
+    if asked). Per method: the ratio of summed tokens/s to hf's, and per item the
     geometric mean and 10th percentile of its speed over hf's on the same item and the share of
     items slower than hf. compile: ladechat's methods run fixed-shape compiled steps (one runner
     per method, compiled once). single_turn: only each item's first turn. store: each ladechat
@@ -217,7 +218,7 @@ def run(loaded, datasets: list[str], methods: list[str], settings: Settings, lim
                          "bf16 without --compile; here it would be hf again")
     methods = ["hf"] + [m for m in dict.fromkeys(methods) if m != "hf"]
     ours = [m for m in methods if m not in HF_METHODS]
-    if packed and ours and "hf-packed" not in methods:  # the reference for ladechat's answers
+    if packed and ours and sampling.greedy and "hf-packed" not in methods:  # the reference for ladechat's answers
         methods.insert(1, "hf-packed")
     if store not in STORE_MODES:
         raise BenchError(f"unknown store mode {store!r} (choose from {', '.join(STORE_MODES)})")

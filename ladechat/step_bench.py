@@ -120,11 +120,10 @@ def _time_steps(runner, sizes, context: int, reps: int, device) -> dict[int, flo
 
 
 def _hf_per_token(model, context: int, tokens: int = 32) -> float:
-    """Seconds per token of HF greedy `generate` on the model as transformers loads it."""
-    if not packing.is_packed(model):
-        return _generate_per_token(model, context, tokens)
-    with packing.LayoutSwitch(model).as_loaded():
-        return _generate_per_token(model, context, tokens)
+    """Seconds per token of HF greedy `generate` on the model as transformers loads it. Runs last:
+    it unpacks a packed model in place (one layer at a time, not a second copy of a 7B model)."""
+    packing.unpack(model)
+    return _generate_per_token(model, context, tokens)
 
 
 def _generate_per_token(model, context: int, tokens: int) -> float:
@@ -158,6 +157,8 @@ def run(model, name: str, sizes=SIZES, context: int = 512, reps: int = 10, compi
     if compile:
         compiled = StaticRunner(model, la, context_length, compiled=CompiledForward(model))
         curves["compiled"] = _time_steps(compiled, sizes, context, reps, device)
+    packed = packing.is_packed(model)
     return {"model": name, "device": str(device), "dtype": str(model.dtype).removeprefix("torch."),
-            "packed_weights": packing.is_packed(model), "context": context, "reps": reps, "hf_generate_per_token_s": _hf_per_token(model, context),
+            "packed_weights": packed, "context": context, "reps": reps,
+            "hf_generate_per_token_s": _hf_per_token(model, context),  # last: it unpacks the model
             "curves": {kind: {str(s): t for s, t in curve.items()} for kind, curve in curves.items()}}

@@ -7,8 +7,13 @@ import subprocess
 
 import pytest
 import torch
-
 from conftest import ladechat_bin
+
+from ladechat.engine import packing
+
+# whether ladechat packs fp32 CPU weights here (x86-64 with oneDNN), so hf-packed joins greedy benches
+PACKED = packing.supported(torch.device("cpu"), torch.float32)
+HF_REFERENCES = ["hf", "hf-packed"] if PACKED else ["hf"]
 
 
 def ladechat(*args, stdin=None, env_extra=None, timeout=240):
@@ -201,7 +206,7 @@ def test_step_cost_bench_on_a_random_model():
     assert r.returncode == 0, r.stderr.decode()
     result = json.loads(r.stdout)
     assert result["model"] == "random tiny" and result["context"] == 64 and result["hf_generate_per_token_s"] > 0
-    assert result["packed_weights"] is True  # as the chat would load it on this x86-64 CPU
+    assert result["packed_weights"] is PACKED  # as the chat would load it here
     assert set(result["curves"]) == {"dynamic", "static"}
     for curve in result["curves"].values():
         assert set(curve) == {"1", "8", "16"} and all(t > 0 for t in curve.values())
@@ -313,11 +318,13 @@ def test_bench_runs_every_method_against_hf(tmp_path):
     assert r.returncode == 0, r.stderr
     results = json.loads(r.stdout)
     overall = results["overall"]
-    assert results["packed_weights"] is True
-    assert list(overall) == ["hf", "hf-packed", "lookahead", "plain", "hf-lookup-3"]
+    assert results["packed_weights"] is PACKED
+    assert list(overall) == HF_REFERENCES + ["lookahead", "plain", "hf-lookup-3"]
     for method, row in overall.items():
         assert row["items"] == 2 and row["tokens"] == overall["hf"]["tokens"]
-        assert row["identical_items"] == row["identical_to_hf_items"] == 2, method
+        assert row["identical_items"] == 2, method
+        if method in ("hf", "hf-lookup-3"):  # on the weights as loaded (packed fp32 sums differ in the last bits)
+            assert row["identical_to_hf_items"] == 2, method
         assert row["item_geomean_vs_hf"] > 0 and row["item_p10_vs_hf"] <= row["item_geomean_vs_hf"] * 1.0001
         assert 0 <= row["items_slower_than_hf"] <= 2
     assert overall["hf"]["item_geomean_vs_hf"] == 1.0
@@ -341,9 +348,9 @@ def test_bench_ablation_and_warm_store(tmp_path):
     results = json.loads(r.stdout)
     assert results["store"] == "warm" and results["warm_answers"] == 1
     overall = results["overall"]
-    # on packed weights (this x86-64 CPU) hf-packed joins second, the reference of ladechat's answers
-    assert list(overall) == ["hf", "hf-packed", "lookahead", "only-context", "only-store", "only-window",
-                             "only-recycle"]
+    # on packed weights (an x86-64 CPU) hf-packed joins second, the reference of ladechat's answers
+    assert list(overall) == HF_REFERENCES + ["lookahead", "only-context", "only-store", "only-window",
+                                             "only-recycle"]
     for method, row in overall.items():
         assert row["identical_items"] == 2, method
         if method not in ("hf", "hf-packed"):

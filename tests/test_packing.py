@@ -16,7 +16,9 @@ from ladechat.engine.config import LookaheadConfig
 from ladechat.engine.loading import LoadSpec, load
 
 pytestmark = pytest.mark.skipif(not packing.supported(torch.device("cpu"), torch.float32),
-                                reason="packing needs an x86-64 CPU with oneDNN (every machine the tests run on has one)")
+                                reason="packing needs an x86-64 CPU with oneDNN (every machine the tests run on "
+                                "has one)")
+BF16 = packing.supported(torch.device("cpu"), torch.bfloat16)
 
 
 def packed_twin(family: str, dtype=torch.float32):
@@ -37,15 +39,34 @@ def test_packed_model_computes_the_same_logits(family):
     assert torch.equal(packed.get_input_embeddings().weight, plain.get_input_embeddings().weight)
 
 
-@pytest.mark.skipif(not packing.supported(torch.device("cpu"), torch.bfloat16), reason="no oneDNN bf16 kernels here")
-def test_packed_bf16_products_are_bit_identical_to_linear():
-    """In bf16 both go through oneDNN; packing only moves the weight's reorder to load time."""
+@pytest.mark.skipif(not BF16, reason="no oneDNN bf16 kernels here")
+@pytest.mark.parametrize("features", [(576, 1536), (1536, 576), (576, 49152)], ids=["up", "down", "vocabulary"])
+def test_packed_bf16_products_are_bit_identical_to_linear(features):
+    """In bf16 both go through oneDNN; packing only moves the weight's reorder to load time. The
+    embedded model's shapes: up/gate projection, down projection (1536-long sums), output layer."""
     torch.manual_seed(0)
+    linear = torch.nn.Linear(*features, bias=True).to(torch.bfloat16)
+    packed = packing.PackedLinear(linear)
     for rows in (1, 3, 8, 17):
-        linear = torch.nn.Linear(576, 1536, bias=True).to(torch.bfloat16)
-        x = torch.randn(1, rows, 576).to(torch.bfloat16)
+        x = torch.randn(1, rows, features[0]).to(torch.bfloat16)
         with torch.inference_mode():
-            assert torch.equal(packing.PackedLinear(linear)(x), linear(x)), rows
+            assert torch.equal(packed(x), linear(x)), rows
+
+
+def test_a_packed_model_saves_as_built_and_refuses_to_move():
+    """Its state dict loads into the model as built (the same keys, nn.Linear's `weight`), and
+    `.to()`/`.half()` fail with a message instead of handing oneDNN's tensor to a cast."""
+    plain, packed = packed_twin("llama")
+    saved = packed.state_dict()
+    assert saved.keys() == plain.state_dict().keys()
+    fresh = tiny_model("llama")
+    fresh.load_state_dict(saved)
+    ids = torch.tensor([repetitive_prompt(random.Random(2), plain.config.vocab_size, 12)])
+    with torch.inference_mode():
+        assert torch.equal(fresh(ids).logits, plain(ids).logits)
+    for move in (lambda m: m.to(torch.float64), lambda m: m.half()):
+        with pytest.raises(TypeError, match="load with pack_weights=False to move or cast the model"):
+            move(packed)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -112,7 +133,7 @@ def test_layout_switch_runs_the_model_as_loaded_and_packs_it_again():
 
 @pytest.mark.parametrize("device,dtype,machine,expected", [
     ("cpu", torch.float32, "x86_64", True),
-    ("cpu", torch.bfloat16, "AMD64", torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+    ("cpu", torch.bfloat16, "AMD64", BF16),  # where oneDNN has bf16 kernels (this AVX-512 CPU does)
     ("cpu", torch.float16, "x86_64", False), ("cpu", torch.float32, "aarch64", False),
     ("cuda", torch.bfloat16, "x86_64", False), ("meta", torch.float32, "x86_64", False),
 ])

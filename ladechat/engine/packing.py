@@ -39,8 +39,10 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 
 class PackedLinear(torch.nn.Module):
-    """y = x W^T + b with W reordered once for oneDNN. Inference only: the packed weight is a
-    buffer (no gradient, not saved in a state dict)."""
+    """y = x W^T + b with W reordered once for oneDNN. Inference only, fixed to the CPU and its
+    dtype: the packed weight is a buffer without gradient; a state dict holds it as a plain
+    `weight` again, and moving or casting the model (`.to`, `.half`) is refused with a clear error
+    (load with `pack_weights=False` to do that)."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
@@ -48,13 +50,25 @@ class PackedLinear(torch.nn.Module):
         # batch size hint None: a layout for any number of rows (a hint of 1 makes 2+ rows slower in fp32)
         packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         self.register_buffer("packed_weight", packed, persistent=False)
-        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(),
+                                                                         requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # saved as nn.Linear's `weight`, so a state dict of a packed model loads into the model as built
+        destination[prefix + "weight"] = self.packed_weight.to_dense()
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _apply(self, fn, recurse=True):
+        # .to(), .half(), .cuda() and the like would hand the opaque oneDNN tensor to `fn`
+        raise TypeError("packed Linear weights stay on the CPU in their dtype; "
+                        "load with pack_weights=False to move or cast the model")
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        bias = self.bias is not None
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
 
 
 def supported(device: torch.device, dtype: torch.dtype, machine: str | None = None) -> bool:
@@ -76,14 +90,14 @@ def _names(model, kind) -> list[str]:
 
 
 def pack(model) -> int:
-    """Replace every plain nn.Linear on the CPU whose weight is a plain fp32 or bf16 tensor by a
-    PackedLinear. Returns how many were replaced."""
+    """Replace every plain nn.Linear whose weight is a plain tensor of a device and dtype
+    `supported` packs by a PackedLinear. Returns how many were replaced."""
     count = 0
     with torch.no_grad():
         for name in _names(model, torch.nn.Linear):
             linear = model.get_submodule(name)
             weight = linear.weight.data
-            if type(weight) is torch.Tensor and weight.device.type == "cpu" and weight.dtype in DTYPES:
+            if type(weight) is torch.Tensor and supported(weight.device, weight.dtype):
                 model.set_submodule(name, PackedLinear(linear))
                 count += 1
     return count
@@ -100,7 +114,8 @@ def unpack(model) -> int:
 
 def _as_linear(packed: PackedLinear) -> torch.nn.Linear:
     with torch.no_grad():
-        linear = torch.nn.Linear(packed.in_features, packed.out_features, bias=packed.bias is not None, device="meta")
+        linear = torch.nn.Linear(packed.in_features, packed.out_features, bias=packed.bias is not None,
+                                 device="meta")
         linear.weight = torch.nn.Parameter(packed.packed_weight.to_dense(), requires_grad=False)
         if packed.bias is not None:
             linear.bias = packed.bias
@@ -114,7 +129,8 @@ def is_packed(model) -> bool:
 class LayoutSwitch:
     """A packed model and plain Linear twins of its packed modules, to run it either way without
     reordering weights at each switch (~0.5 s for the embedded model; the bench switches for every
-    turn it gives HF). Holds a second copy of the Linear weights."""
+    turn it gives HF). Holds a second copy of the Linear weights. It swaps the modules of the one
+    model, so no other forward pass may run on it while `as_loaded` is open."""
 
     def __init__(self, model):
         self.model = model
