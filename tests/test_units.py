@@ -425,3 +425,19 @@ def test_step_rows_go_where_every_device_accepts_them():
     assert rows_device(model) == torch.device("meta")
     model.hf_device_map = {"model.embed_tokens": 0, "model.layers.0": 1, "model.norm": 1, "lm_head": 0}
     assert rows_device(model) == torch.device("cpu")
+
+
+def test_bench_tables_say_which_weights_each_method_ran_on():
+    """On packed weights the tables name the two layouts, and only a greedy run claims to compare
+    answers with hf-packed's (a sampled run compares none)."""
+    from ladechat.ui.report import bench_tables
+
+    row = {"items": 1, "tokens": 8, "tokens_per_s": 10.0, "speedup_vs_hf": 1.0, "compression": None,
+           "item_geomean_vs_hf": 1.0, "item_p10_vs_hf": 1.0, "items_slower_than_hf": 0, "identical_items": 1}
+    results = {"model": "m", "dtype": "float32", "device": "cpu", "max_new_tokens": 8, "W": 2, "N": 3, "G": 1,
+               "datasets": {"set": {"hf": row}}, "overall": {"hf": row}}
+    assert [t.caption for t in bench_tables({**results, "packed_weights": False})] == [None, None]
+    greedy = bench_tables({**results, "packed_weights": True, "temperature": 0.0})[0].caption
+    sampled = bench_tables({**results, "packed_weights": True, "temperature": 0.7})[0].caption
+    assert greedy.startswith("hf and HF's prompt lookup run the weights as transformers loads them")
+    assert greedy.endswith("compared with hf-packed's") and "compared" not in sampled

@@ -14,9 +14,7 @@ def bench_tables(results: dict) -> list[Table]:
                             f"G={results['G']}"
                             + (f" · T={results['temperature']}" if results.get("temperature") else "")
                             + (" · first turns only" if results.get("single_turn") else ""),
-                      caption="hf and HF's prompt lookup run the weights as transformers loads them; ladechat's "
-                              "methods and hf-packed run them packed, and their answers are compared with "
-                              "hf-packed's" if results.get("packed_weights") else None)
+                      caption=_layout_caption(results))
         for col in ("method", "items", "tokens", "tok/s", "vs hf", "per item: geomean", "p10", "slower",
                     "tokens/step", "identical"):
             table.add_column(col, justify="left" if col == "method" else "right")
@@ -33,6 +31,15 @@ def bench_tables(results: dict) -> list[Table]:
     if any(m.startswith("only-") for m in ablation):
         tables.append(ablation_table(results, ablation))
     return tables
+
+
+def _layout_caption(results: dict) -> str | None:
+    """Which weight layout each method ran on, when ladechat's were packed (engine/packing.py)."""
+    if not results.get("packed_weights"):
+        return None
+    caption = ("hf and HF's prompt lookup run the weights as transformers loads them; ladechat's methods "
+               "and hf-packed run them packed")
+    return caption if results.get("temperature") else caption + ", and their answers are compared with hf-packed's"
 
 
 def ablation_table(results: dict, rows: dict) -> Table:
