@@ -216,10 +216,11 @@ def run(loaded, datasets: list[str], methods: list[str], settings: Settings, lim
     if "hf-packed" in methods and not packed:
         raise BenchError("hf-packed needs packed weights, which ladechat uses only on an x86-64 CPU in fp32 or "
                          "bf16 without --compile; here it would be hf again")
-    methods = ["hf"] + [m for m in dict.fromkeys(methods) if m != "hf"]
-    ours = [m for m in methods if m not in HF_METHODS]
-    if packed and ours and sampling.greedy and "hf-packed" not in methods:  # the reference for ladechat's answers
-        methods.insert(1, "hf-packed")
+    others = [m for m in dict.fromkeys(methods) if m not in ("hf", "hf-packed")]
+    ours = [m for m in others if m not in HF_METHODS]
+    # hf-packed, the reference of ladechat's answers, runs second: before any answer compared with it
+    wants_packed = "hf-packed" in methods or (packed and ours and sampling.greedy)
+    methods = ["hf"] + (["hf-packed"] if wants_packed else []) + others
     if store not in STORE_MODES:
         raise BenchError(f"unknown store mode {store!r} (choose from {', '.join(STORE_MODES)})")
     if (store == "warm") != bool(warm_from):

@@ -314,7 +314,8 @@ def test_bench_runs_every_method_against_hf(tmp_path):
     data.write_text('{"turns": ["Hello there, how are you?", "And then?"]}\n{"turns": ["def f(x): return x"]}\n')
     common = ("--dataset", str(data), "--model", str(folder), "--dtype", "float32", "--max-new-tokens", "12",
               "--json")
-    r = ladechat("bench", "--methods", "lookahead,plain,hf-lookup-3", *common)
+    # hf-packed listed last still runs second, before the answers compared with it
+    r = ladechat("bench", "--methods", "lookahead,plain,hf-lookup-3" + (",hf-packed" if PACKED else ""), *common)
     assert r.returncode == 0, r.stderr
     results = json.loads(r.stdout)
     overall = results["overall"]
