@@ -188,3 +188,14 @@ def test_step_cost_curves_of_packed_and_plain_weights_are_cached_apart(tmp_path,
     cached_curve(plain, "tiny-llama", context=16)
     cached_curve(packed, "tiny-llama", context=16)
     assert len(list((cache_root() / "step-cost").iterdir())) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not BF16, reason="no oneDNN bf16 kernels here"))])
+def test_a_packed_linear_still_shows_its_weight(dtype):
+    """Some families' layers read a Linear's `.weight` themselves (its dtype, or a product with it):
+    a packed one gives the same values, dense, in its dtype."""
+    linear = torch.nn.Linear(24, 40, bias=False).to(dtype)
+    packed = packing.PackedLinear(linear)
+    assert packed.weight.dtype == dtype and torch.equal(packed.weight, linear.weight)
+    assert "weight" not in dict(packed.named_parameters())  # the packed buffer is what it computes with

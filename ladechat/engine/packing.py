@@ -8,14 +8,14 @@ inductor's weight freezing does for bf16) and calling the packed kernel (`_linea
 removes both. The embedded model on this 2-core EPYC, 192 cached tokens, ms per step
 (scripts/packed_weights.py):
 
-    rows            1     2     4     8    16
-    bf16 as loaded  34.3  36.1  38.7  41.8  48.5
-    bf16 packed     27.2  30.0  28.2  31.2  37.0
-    fp32 as loaded  68.1  89.5  93.8  95.3  103.5
-    fp32 packed     45.6  44.7  39.3  45.6  56.9
+    rows            1      2      4      8      16
+    bf16 as loaded  33.7   34.9   37.6   45.5   51.1
+    bf16 packed     26.4   29.1   27.4   33.0   39.6
+    fp32 as loaded  54.5   89.4   84.0   77.2   92.3
+    fp32 packed     36.6   42.1   38.4   42.4   51.9
 
-A plain step gets cheaper, and in fp32 a step of 8 rows costs what one row does, which is what
-lookahead needs. bf16 results are bit for bit those of `nn.Linear` (the same oneDNN kernel, minus
+A plain step gets cheaper, and a step of up to 6 rows costs about what one row does (8 rows: 1.16x
+in fp32, 1.25x in bf16), which is what lookahead needs. bf16 results are bit for bit those of `nn.Linear` (the same oneDNN kernel, minus
 the per-call reorder); fp32 ones differ in the last bits (oneDNN's sums instead of MKL's). As with
 `nn.Linear`, a row's last bits can depend on how many rows its step has (the down projection's
 1536-long sums here), so greedy exactness is checked against HF greedy on the same packed weights.
@@ -40,9 +40,9 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 class PackedLinear(torch.nn.Module):
     """y = x W^T + b with W reordered once for oneDNN. Inference only, fixed to the CPU and its
-    dtype: the packed weight is a buffer without gradient; a state dict holds it as a plain
-    `weight` again, and moving or casting the model (`.to`, `.half`) is refused with a clear error
-    (load with `pack_weights=False` to do that)."""
+    dtype: the packed weight is a buffer without gradient; `.weight` and a state dict give it as a
+    plain dense tensor again, and moving or casting the model (`.to`, `.half`) is refused with a
+    clear error (load with `pack_weights=False` to do that)."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
@@ -55,6 +55,12 @@ class PackedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    @property
+    def weight(self) -> torch.Tensor:
+        # for model code that reads a Linear's weight itself (its dtype, or a product with it, as a
+        # few families' layers do): a dense copy at each read, none kept beside the packed one
+        return self.packed_weight.to_dense()
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         # saved as nn.Linear's `weight`, so a state dict of a packed model loads into the model as built
