@@ -15,10 +15,11 @@ removes both. The embedded model on this 2-core EPYC, 192 cached tokens, ms per 
     fp32 packed     36.6   42.1   38.4   42.4   51.9
 
 A plain step gets cheaper, and a step of up to 6 rows costs about what one row does (8 rows: 1.16x
-in fp32, 1.25x in bf16), which is what lookahead needs. bf16 results are bit for bit those of `nn.Linear` (the same oneDNN kernel, minus
-the per-call reorder); fp32 ones differ in the last bits (oneDNN's sums instead of MKL's). As with
-`nn.Linear`, a row's last bits can depend on how many rows its step has (the down projection's
-1536-long sums here), so greedy exactness is checked against HF greedy on the same packed weights.
+in fp32, 1.25x in bf16), which is what lookahead needs. bf16 results are bit for bit those of
+`nn.Linear` (the same oneDNN kernel, minus the per-call reorder); fp32 ones differ in the last bits
+(oneDNN's sums instead of MKL's). As with `nn.Linear`, a row's last bits can depend on how many
+rows its step has (the down projection's 1536-long sums here), so greedy exactness is checked
+against HF greedy on the same packed weights.
 
 The model's code is untouched: each plain `nn.Linear` module is replaced by a `PackedLinear` that
 computes the same product, as transformers' own quantizers replace Linear modules. Subclasses of
