@@ -70,7 +70,7 @@ def random_model(shape: str, dtype: torch.dtype, device: torch.device, pack_weig
                              f"(its weights alone take {gigabytes:.1f} GiB in {dtype_name})") from None
     model.generation_config.eos_token_id = None
     use_grouped_sdpa(model)  # as loading does: what the chat would run
-    if pack_weights and packing.supported(model.device, model.dtype):  # and this too (not for --compile)
+    if pack_weights:  # and this too where it packs (not for --compile)
         packing.pack(model)
     return model
 

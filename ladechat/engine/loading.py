@@ -261,8 +261,9 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
                             "so lookahead cannot run on it")
     # Not with quantized weights (ours, or a checkpoint's own quantization_config) or a device map:
     # accelerate's hooks sit on the modules packing replaces.
+    # pack() itself leaves weights on devices and in dtypes it does not pack.
     if (spec.pack_weights and "device_map" not in kwargs and getattr(model, "hf_quantizer", None) is None
-            and "quantization_config" not in kwargs and packing.supported(model.device, model.dtype)):
+            and "quantization_config" not in kwargs):
         packing.pack(model)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, device=model.device, dtype=model.dtype,
                        eos_ids=eos_ids(model, tokenizer), context_length=context_length(model.config),

@@ -65,7 +65,7 @@ class PackedLinear(torch.nn.Module):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         # saved as nn.Linear's `weight`, so a state dict of a packed model loads into the model as built
-        destination[prefix + "weight"] = self.packed_weight.to_dense()
+        destination[prefix + "weight"] = self.weight
         super()._save_to_state_dict(destination, prefix, keep_vars)
 
     def _apply(self, fn, recurse=True):
@@ -123,7 +123,7 @@ def _as_linear(packed: PackedLinear) -> torch.nn.Linear:
     with torch.no_grad():
         linear = torch.nn.Linear(packed.in_features, packed.out_features, bias=packed.bias is not None,
                                  device="meta")
-        linear.weight = torch.nn.Parameter(packed.packed_weight.to_dense(), requires_grad=False)
+        linear.weight = torch.nn.Parameter(packed.weight, requires_grad=False)
         if packed.bias is not None:
             linear.bias = packed.bias
     return linear
