@@ -1,0 +1,368 @@
+"""A GGUF file's 4-bit weights kept at 4 bits and multiplied by torch's int4 kernel on the CPU.
+
+GGUF's Q4_0, Q4_1 and Q4_K blocks store, for every 32 weights along a row, 4-bit codes q (0..15)
+and one scale and offset. That is exactly the layout of torch's int4 packed format with groups of
+32 ("tinygemm": w = (q - 8) * scale + zero):
+
+    Q4_0  w = d * (q - 8)             scale d,       zero 0
+    Q4_1  w = d * q + m               scale d,       zero m + 8 d
+    Q4_K  w = d sc_j * q - dmin m_j   scale d sc_j,  zero 8 d sc_j - dmin m_j   (per 32-weight sub-block j)
+
+So each such tensor is read from the file as it is (the `gguf` package's reader, no dequantized
+fp32 copy), its codes packed once into the kernel's layout (`_convert_weight_to_int4pack_for_cpu`)
+and multiplied by `_weight_int4pack_mm_for_cpu`. The kernel's scales and zeros are bf16 (the fp16
+scales round to 8 bits of mantissa) and its vectorized path takes bf16 activations (fp32 ones run
+a scalar loop, ~20x slower), so `Int4Linear` casts a step's activations to bf16 at the product
+and its result back. Everything else (norms, attention, the residual stream) stays in the model's
+dtype, and tensors of other types (the embedded model's Q8_0 embedding and the output layer tied
+to it; Q5/Q6/Q8/F16 tensors) keep the path they had: dense, packed for oneDNN where that applies.
+
+Each row's result is independent of how many rows a step has (the kernel accumulates every row on
+its own, in the same order), so lookahead's answers equal plain decoding's on these weights.
+
+Reading a GGUF's metadata takes seconds on a small CPU, so the first load writes the 4-bit codes,
+scales and zeros in the model's own row order (llama.cpp permutes the rows of q and k; transformers'
+GGUF tensor processor says how) into one safetensors file next to the converted model; later loads
+read that and pack (well under a second for the embedded model). The model's code is untouched:
+Linear modules are replaced, as transformers' quantizers do.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+GROUP = 32  # weights per scale and zero
+KINDS = ("Q4_0", "Q4_1", "Q4_K")  # GGUF block types with an exact int4 form
+CACHE_PREFIX = "int4-"
+KERNEL = "_weight_int4pack_mm_for_cpu"
+
+
+class Int4Error(ValueError):
+    """A tensor's blocks cannot run on the int4 kernel (the message says why, one line)."""
+
+
+def supported(device: torch.device, machine: str | None = None) -> bool:
+    """Whether int4 weights run here: a CPU with torch's int4 kernel, measured on x86-64 (on
+    other CPUs torch has other int4 paths, unmeasured here)."""
+    machine = (machine or platform.machine()).lower()
+    ops = torch.ops.aten
+    return (device.type == "cpu" and machine in ("x86_64", "amd64")
+            and hasattr(ops, "_convert_weight_to_int4pack_for_cpu") and hasattr(ops, KERNEL))
+
+
+# -- the blocks --------------------------------------------------------------------------------
+
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The fp16 at byte `start` of every block, as float64: (rows, blocks, 1)."""
+    return np.ascontiguousarray(blocks[..., start:start + 2]).view(np.float16).astype(np.float64)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """Bytes (..., 16) of a 32-weight group: weights 0-15 in the low nibbles, 16-31 in the high."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def decode(kind: str, data: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The int4 form of a GGUF tensor's blocks: codes q (rows, cols) uint8 in 0..15, and per group
+    of 32 weights along a row the scale and zero (rows, cols / 32) float32, such that
+    w = (q - 8) * scale + zero is the weight `gguf.dequantize` gives (exactly, before the kernel
+    rounds scale and zero to bf16). `data` is the tensor's bytes, (rows, bytes per row)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import Q4_K
+
+    qtype = GGMLQuantizationType[kind]
+    block, size = GGML_QUANT_SIZES[qtype]
+    if cols % block or data.shape != (rows, cols // block * size):
+        raise Int4Error(f"{kind} blocks of {data.shape[-1]} bytes a row do not make {rows}x{cols} weights")
+    blocks = np.asarray(data, dtype=np.uint8).reshape(rows, cols // block, size)
+    if kind == "Q4_0":
+        scale = _f16(blocks, 0)
+        zero = np.zeros_like(scale)
+        q = _nibbles(blocks[..., 2:])
+    elif kind == "Q4_1":
+        scale = _f16(blocks, 0)
+        zero = _f16(blocks, 2) + 8 * scale
+        q = _nibbles(blocks[..., 4:])
+    elif kind == "Q4_K":
+        n = rows * (cols // block)
+        d, dmin = _f16(blocks, 0).reshape(n, 1), _f16(blocks, 2).reshape(n, 1)
+        sc, m = Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(n, 12))
+        scale = d * sc  # (n, 8): one per 32-weight sub-block
+        zero = 8 * scale - dmin * m
+        # 4 chunks of 32 bytes: the low nibbles are sub-block 2j, the high ones 2j + 1
+        qs = blocks[..., 16:].reshape(n, 4, 1, 32)
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=2)
+    else:
+        raise Int4Error(f"{kind} has no exact int4 form (only {', '.join(KINDS)})")
+    return (q.reshape(rows, cols), scale.reshape(rows, cols // GROUP).astype(np.float32),
+            zero.reshape(rows, cols // GROUP).astype(np.float32))
+
+
+def pack_codes(q: np.ndarray) -> np.ndarray:
+    """Codes (rows, cols) in 0..15 -> bytes (rows, cols / 2), even columns in the low nibble."""
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
+
+
+def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
+    """pack_codes undone, as the int32 (rows, cols) the kernel's packing takes."""
+    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], -1).to(torch.int32)
+
+
+def check_shape(rows: int, cols: int) -> None:
+    # the kernel works on blocks of 16 (or 32, 64) output features and groups of 32 inputs
+    if rows % 16 or cols % GROUP:
+        raise Int4Error(f"a {rows}x{cols} weight does not fit the int4 kernel (output features a multiple of 16, "
+                        f"input features of {GROUP})")
+
+
+# -- the module --------------------------------------------------------------------------------
+
+class Int4Linear(torch.nn.Module):
+    """y = x W^T + b with W as 4-bit codes and a bf16 scale and zero per 32 weights, multiplied by
+    torch's int4 CPU kernel with bf16 activations (the result is cast back to x's dtype). Inference
+    only, fixed to the CPU: `.weight` (and a state dict) give W dense in fp32, computed from the
+    codes at each read; moving or casting the model is refused (load with --weights dense to do that)."""
+
+    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tensor | None = None,
+                 kind: str = "Q4"):
+        """packed, scales_and_zeros: the kernel's buffers, as from_codes makes them."""
+        super().__init__()
+        groups, self.out_features, _ = scales_and_zeros.shape
+        self.in_features = groups * GROUP
+        check_shape(self.out_features, self.in_features)
+        if packed.dtype != torch.uint8 or packed.numel() * 2 != self.out_features * self.in_features \
+                or scales_and_zeros.dtype != torch.bfloat16 or scales_and_zeros.shape[-1] != 2:
+            raise Int4Error(f"int4 buffers {packed.dtype} {tuple(packed.shape)} and {scales_and_zeros.dtype} "
+                            f"{tuple(scales_and_zeros.shape)} do not make a {self.out_features}x{self.in_features} weight")
+        self.kind = kind
+        self.register_buffer("packed_weight", packed, persistent=False)
+        self.register_buffer("scales_and_zeros", scales_and_zeros, persistent=False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                   bias: torch.Tensor | None = None, kind: str = "Q4") -> Int4Linear:
+        """codes: (out, in / 2) uint8 as pack_codes makes them; scales, zeros: (out, in / 32)."""
+        rows, cols = codes.shape[0], codes.shape[1] * 2
+        check_shape(rows, cols)
+        if scales.shape != (rows, cols // GROUP) or zeros.shape != scales.shape:
+            raise Int4Error(f"scales {tuple(scales.shape)} and zeros {tuple(zeros.shape)} do not fit "
+                            f"a {rows}x{cols} weight")
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_codes(codes.cpu()), 1)
+        # (in / 32, out, 2): the kernel's order
+        groups = torch.stack([scales.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous()
+        return cls(packed, groups, bias, kind)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed_weight, GROUP, self.scales_and_zeros)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def weight(self) -> torch.Tensor:
+        # The kernel's scalar fp32 path over an identity matrix: each output is one code times its
+        # scale plus its zero, so this is W exactly as the kernel sees it (a dense copy per read).
+        eye = torch.eye(self.in_features, dtype=torch.float32)
+        with torch.no_grad():
+            dense = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed_weight, GROUP,
+                                                               self.scales_and_zeros.float())
+        return dense.t().contiguous()
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        destination[prefix + "weight"] = self.weight
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _apply(self, fn, recurse=True):
+        raise TypeError("int4 weights stay on the CPU; load with --weights dense to move or cast the model")
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"{self.kind} blocks as int4, groups of {GROUP}")
+
+
+# -- reading a GGUF file once ------------------------------------------------------------------
+
+def cache_path(folder: Path) -> Path:
+    """The file of a converted GGUF's 4-bit weights in the kernel's layout, which depends on the
+    torch version and the CPU's vector width (AVX2, AVX-512), and named for this module's code too
+    (a change to how blocks are read is read afresh)."""
+    from ladechat.engine.gguf import source_digest
+
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    return Path(folder) / f"{CACHE_PREFIX}{source_digest(__file__)}-{torch.__version__}-{capability}.safetensors"
+
+
+def row_order(processor, name: str, rows: int, cols: int) -> np.ndarray | None:
+    """The GGUF row each of the model's rows comes from, as transformers' GGUF tensor processor
+    reorders a tensor (llama.cpp permutes q and k for its rotary layout); None when the
+    processor does more than reorder rows (then the tensor stays dense)."""
+    index = np.repeat(np.arange(rows, dtype=np.float32)[:, None], cols, axis=1)
+    try:
+        result = processor.process(weights=index, name=name, tensor_key_mapping={}, parsed_parameters={"tensors": {}})
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):  # one that needs more than one tensor
+        return None
+    out = np.asarray(result.weights)
+    if result.name != name or out.shape != (rows, cols) or not (out == out[:, :1]).all():
+        return None
+    order = out[:, 0].astype(np.int64)
+    return order if np.array_equal(np.sort(order), np.arange(rows)) else None
+
+
+def read_gguf(gguf_path: Path, model) -> tuple[dict[str, torch.Tensor], list[str], dict[str, str]]:
+    """The int4 form of every 4-bit tensor of `gguf_path` that is a plain Linear weight of `model`
+    (a model loaded from its converted copy): ({module.packed|scales_and_zeros: the kernel's
+    buffers}, notices, {module: block type}). A tensor that cannot run as int4 keeps its dense weight, with a notice
+    when that is a surprise (a corrupt block, a mismatch with the converted weights), none for
+    the types that have no int4 form."""
+    from gguf import GGUFReader, dequantize
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    reader = GGUFReader(gguf_path)
+    arch = str(reader.fields["general.architecture"].contents())
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=model.config.to_dict())
+    names = get_gguf_hf_weights_map(model, processor)
+    arrays: dict[str, torch.Tensor] = {}
+    kinds: dict[str, str] = {}
+    notices: list[str] = []
+    for tensor in reader.tensors:
+        kind = tensor.tensor_type.name
+        target = names.get(tensor.name, "")
+        if kind not in KINDS or not target.endswith(".weight"):
+            continue
+        module_name = target.removesuffix(".weight")
+        try:
+            linear = model.get_submodule(module_name)
+        except AttributeError:
+            continue
+        if type(linear) is not torch.nn.Linear:
+            continue
+        rows, cols = linear.out_features, linear.in_features
+        try:
+            check_shape(rows, cols)
+            q, scale, zero = decode(kind, np.asarray(tensor.data), rows, cols)
+            if not (np.isfinite(scale).all() and np.isfinite(zero).all()):
+                raise Int4Error("some of its scales are not finite numbers (a corrupt block)")
+            order = row_order(processor, tensor.name, rows, cols)
+            if order is None:
+                raise Int4Error("its rows are transformed on loading, not only reordered")
+            q, scale, zero = q[order], scale[order], zero[order]
+            # the converted model's weight must be these blocks: a few of its rows, compared exactly
+            dense = linear.weight.detach()
+            for row in sorted({0, rows // 2, rows - 1}):
+                expected = torch.from_numpy(dequantize(np.asarray(tensor.data)[order[row]][None], tensor.tensor_type))
+                if not torch.equal(dense[row].float(), expected[0].to(dense.dtype).float()):
+                    raise Int4Error(f"its blocks do not match the converted weights (row {row})")
+        except Int4Error as exc:
+            notices.append(f"{tensor.name} ({kind}) runs dense: {exc}")
+            continue
+        module = Int4Linear.from_codes(torch.from_numpy(pack_codes(q)), torch.from_numpy(scale),
+                                       torch.from_numpy(zero))
+        arrays[f"{module_name}.packed"] = module.packed_weight
+        arrays[f"{module_name}.scales_and_zeros"] = module.scales_and_zeros
+        kinds[module_name] = kind
+    return arrays, notices, kinds
+
+
+@dataclass(frozen=True)
+class Applied:
+    replaced: int  # Linear modules now int4
+    kinds: tuple[str, ...]  # their GGUF block types
+    notices: tuple[str, ...]
+
+
+def apply(model, gguf_path: Path, folder: Path,
+          progress: Callable[[str], AbstractContextManager] | None = None) -> Applied:
+    """Replace every plain Linear of `model` (loaded from `folder`, the converted copy of
+    `gguf_path`) whose GGUF weight is Q4_0, Q4_1 or Q4_K by an Int4Linear of the same blocks.
+    The first time reads the GGUF (seconds) and keeps the 4-bit form in `folder`. A file that
+    cannot be read leaves the model as it is, with a one-line notice."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = cache_path(folder)
+    if not path.is_file():
+        status = progress(f"Reading the 4-bit weights of {Path(gguf_path).name} (one time, ~10 s)") if progress \
+            else nullcontext()
+        with status:
+            try:
+                arrays, notices, kinds = read_gguf(Path(gguf_path), model)
+            except (ValueError, KeyError, IndexError, OSError, EOFError) as exc:
+                detail = " ".join(str(exc).split()) or type(exc).__name__
+                notice = f"cannot read the 4-bit blocks of {Path(gguf_path).name} ({detail}); running its dense weights"
+                return Applied(0, (), (notice,))
+            meta = {"notices": json.dumps(notices), "kinds": json.dumps(kinds)}
+            for stale in Path(folder).glob(f"{CACHE_PREFIX}*.safetensors"):
+                stale.unlink(missing_ok=True)
+            partial = path.with_name(path.name + ".partial")
+            try:
+                save_file(arrays, str(partial), metadata=meta)
+                partial.rename(path)
+            except OSError:  # a read-only cache: the same weights, read again next time
+                partial.unlink(missing_ok=True)
+                return _replace(model, arrays.__getitem__, kinds, notices)
+    with safe_open(str(path), framework="pt") as fh:
+        meta = fh.metadata() or {}
+        kinds, notices = json.loads(meta.get("kinds", "{}")), json.loads(meta.get("notices", "[]"))
+        return _replace(model, fh.get_tensor, kinds, notices)
+
+
+def _replace(model, get: Callable[[str], torch.Tensor], kinds: dict[str, str], notices: list[str]) -> Applied:
+    count = 0
+    with torch.no_grad():
+        for name, kind in kinds.items():
+            linear = model.get_submodule(name)
+            if type(linear) is not torch.nn.Linear:
+                continue
+            module = Int4Linear(get(f"{name}.packed"), get(f"{name}.scales_and_zeros"), linear.bias, kind)
+            if (module.out_features, module.in_features) != (linear.out_features, linear.in_features):
+                continue
+            model.set_submodule(name, module)
+            count += 1
+    return Applied(count, tuple(sorted(set(kinds.values()))), tuple(notices))
+
+
+# -- what runs -----------------------------------------------------------------------------------
+
+def weight_layout(model) -> str:
+    """Which kernels the model's Linear weights run on, e.g. 'int4:210,packed:1' (a key of the
+    step-cost cache: each layout has its own cost curve)."""
+    from ladechat.engine.packing import PackedLinear
+
+    counts = {"int4": 0, "packed": 0, "dense": 0}
+    for module in model.modules():
+        if type(module) is Int4Linear:
+            counts["int4"] += 1
+        elif type(module) is PackedLinear:
+            counts["packed"] += 1
+        elif isinstance(module, torch.nn.Linear):
+            counts["dense"] += 1
+    return ",".join(f"{k}:{v}" for k, v in counts.items() if v) or "none"
+
+
+def describe(model) -> str:
+    """The Linear weights and their kernels in words (for the banner, /show and --debug); empty for
+    a model whose Linear modules are all as transformers loads them."""
+    from ladechat.engine.packing import PackedLinear
+
+    int4 = [m for m in model.modules() if type(m) is Int4Linear]
+    packed = [m for m in model.modules() if type(m) is PackedLinear]
+    dense = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    parts = []
+    if int4:
+        kinds = "/".join(sorted({m.kind for m in int4}))
+        parts.append(f"{len(int4)} Linear int4 from {kinds} blocks (torch {KERNEL}, bf16 activations)")
+    if packed:
+        dtype = str(packed[0].packed_weight.dtype).removeprefix("torch.")
+        parts.append(f"{len(packed)} packed {dtype} (oneDNN)")
+    if parts and dense:
+        parts.append(f"{dense} dense")
+    return ", ".join(parts)
