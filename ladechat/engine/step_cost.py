@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ladechat.engine import attention, kv, layout, packing
+from ladechat.engine import attention, int4, kv, layout, packing
 from ladechat.engine.gguf import cache_root, source_digest
 from ladechat.engine.layout import build_layout, rows_device, step_inputs
 from ladechat.engine.recycle import TOP_K
@@ -66,8 +66,9 @@ def cached_curve(model, name: str, context: int = 192) -> dict[int, float]:
     sizes = GPU_SIZES if model.device.type == "cuda" else SIZES
     # our code that a step runs is part of the key (the attention function, the mask, the cache,
     # this measurement), so a change to it measures afresh rather than trusting a curve of the old code
-    code = source_digest(attention.__file__, layout.__file__, kv.__file__, packing.__file__, __file__)
-    key = json.dumps([code, name, str(model.device), str(model.dtype), packing.is_packed(model), torch.__version__,
+    code = source_digest(attention.__file__, layout.__file__, kv.__file__, packing.__file__, int4.__file__,
+                         __file__)
+    key = json.dumps([code, name, str(model.device), str(model.dtype), int4.weight_layout(model), torch.__version__,
                       torch.get_num_threads(), list(sizes), context])
     path = cache_root() / "step-cost" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     try:
