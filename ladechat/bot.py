@@ -66,9 +66,10 @@ class Bot:
     lookahead step is then a full one, so it suits a GPU, where a full step costs about one token's."""
 
     def __init__(self, loaded: LoadedModel, settings: Settings, compile: bool = False,
-                 store_root: Path | None = None) -> None:
+                 store_root: Path | None = None, step_cost=None) -> None:
         """store_root: the folder of the persistent answer stores (the cache folder); None keeps
-        this bot's store in memory only."""
+        this bot's store in memory only. step_cost: the step costs to plan with (a
+        step_cost.CostModel, fixed); None: the model's, as measured here and learned from its steps."""
         from ladechat.engine.decode import Session
         from ladechat.engine.runner import StaticRunner
 
@@ -83,7 +84,7 @@ class Bot:
             runner = StaticRunner(loaded.model, la, loaded.context_length, compiled=loaded.compiled_forward)
             self.session = Session(loaded.model, la, runner=runner, store=store)
         else:
-            self.session = Session(loaded.model, la, step_cost=loaded.cost_model(), store=store)
+            self.session = Session(loaded.model, la, step_cost=step_cost or loaded.cost_model(), store=store)
 
     def _open_store(self):
         from ladechat.engine.store import AnswerStore, StoreError, store_path

@@ -25,9 +25,9 @@ def test_ask_piped_is_plain_text():
     r = ladechat("ask", "--max-new-tokens", "24", stdin=b"What is the capital of France?")
     assert r.returncode == 0, r.stderr
     out = r.stdout.decode()
-    assert "Paris" in out
+    assert out.strip() and out.endswith("\n") and out.count("\n") >= 1  # the answer, whatever it says
     assert "\x1b[" not in out  # no ANSI codes when stdout is a pipe
-    assert "tokens/step" in r.stderr.decode()  # the footer is a diagnostic: stderr
+    assert "tokens/step" in r.stderr.decode() and "tokens/step" not in out  # the footer is a diagnostic: stderr
 
 
 def test_ask_json_fields(embedded_fp32):
@@ -165,12 +165,18 @@ def test_gguf_file_model():
 
 
 def test_stop_string_ends_the_answer():
-    r = ladechat("ask", "--json", "--stop", "5", "--max-new-tokens", "60",
-                 "Count from 1 to 10, separated by commas.")
+    """A stop string taken from the answer itself ends it there. Plain fp32 decoding: both runs take
+    the same steps, so they answer alike on any machine."""
+    args = ["ask", "--json", "--dtype", "float32", "--no-lookahead", "--max-new-tokens", "40",
+            "Count from 1 to 10, separated by commas."]
+    whole = json.loads(ladechat(*args).stdout)["text"]
+    stop = whole[len(whole) // 2:][:3]  # three characters from the middle
+    assert len(stop) == 3, whole
+    r = ladechat(*args, "--stop", stop)
     assert r.returncode == 0, r.stderr
     record = json.loads(r.stdout)
     assert record["stats"]["finish_reason"] == "stop"
-    assert record["text"].rstrip().endswith("5") and "6" not in record["text"]
+    assert record["text"] == whole[:whole.index(stop) + len(stop)]  # up to and with the stop string, as asked
 
 
 def test_chat_rejects_bad_flags_before_loading():
@@ -233,7 +239,8 @@ def test_missing_bitsandbytes_is_one_line(tmp_path):
     (tmp_path / "bitsandbytes").mkdir()
     (tmp_path / "bitsandbytes" / "__init__.py").write_text("raise ImportError(\"No module named 'bitsandbytes'\")\n")
     for flag in ("--load-in-4bit", "--load-in-8bit"):
-        r = ladechat("ask", flag, "hi", env_extra={"PYTHONPATH": str(tmp_path)})
+        path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))  # first, not alone
+        r = ladechat("ask", flag, "hi", env_extra={"PYTHONPATH": path})
         err = r.stderr.decode().strip()
         assert r.returncode == 1 and "\n" not in err and "Traceback" not in err
         assert f"ladechat: error: {flag} needs bitsandbytes" in err and "pip install 'ladechat[quant]'" in err

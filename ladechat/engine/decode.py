@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
+from ladechat.engine.cost_envelope import CostEnvelope
 from ladechat.engine.draft import Acceptance, DraftTree, choose
 from ladechat.engine.events import Done, Stats, Step
 from ladechat.engine.layout import StepLayout, tree_layout
@@ -81,9 +82,13 @@ class Session:
     forward call (runner.py); with a fixed-shape runner every lookahead step is a full one.
     """
 
-    def __init__(self, model, lookahead: LookaheadConfig, step_cost: CostModel | dict[int, float] | None = None,
-                 runner=None, store: AnswerStore | None = None) -> None:
+    def __init__(self, model, lookahead: LookaheadConfig,
+                 step_cost: CostEnvelope | CostModel | dict[int, float] | None = None, runner=None,
+                 store: AnswerStore | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+        """step_cost: a CostEnvelope learns from the steps it times with `clock`; a CostModel (or one
+        curve) plans every step from the same fixed costs."""
         self.model = model
+        self.clock = clock
         self.store = store
         self.runner = runner or DynamicRunner(model)
         self.runner.configure(lookahead)
@@ -91,7 +96,7 @@ class Session:
             step_cost = None  # every step is padded to full size anyway
         if isinstance(step_cost, dict):
             step_cost = CostModel({192: step_cost})
-        self.step_cost: CostModel | None = step_cost  # None: every lookahead step is a full one
+        self.step_cost: CostEnvelope | CostModel | None = step_cost  # None: every lookahead step is a full one
         self.skipped = 0  # steps in a row that fed no draft node
         self.cached: list[int] = []
         self.history: list[int] = []  # the conversation's tokens: the prompt and what was committed
@@ -120,7 +125,7 @@ class Session:
         """Forget the conversation (cache, context, pool, window, recycled successors) but keep the
         settings."""
         self.runner.reset()
-        self.__init__(self.model, self.lookahead, self.step_cost, self.runner, self.store)
+        self.__init__(self.model, self.lookahead, self.step_cost, self.runner, self.store, self.clock)
 
     @property
     def cache(self):
@@ -220,7 +225,13 @@ class Session:
         """The token before the step's input t (history ends with t), -1 if none."""
         return self.history[-2] if len(self.history) >= 2 else -1
 
-    def plan(self, t: int) -> StepLayout:
+    def probe_size(self) -> int | None:
+        """The size of step the cost envelope wants run now to test the measured costs, if any."""
+        if not isinstance(self.step_cost, CostEnvelope) or not self.lookahead.enabled:
+            return None
+        return self.step_cost.probe_size(max_step_size(self.lookahead))
+
+    def plan(self, t: int, probe: int | None = None) -> StepLayout:
         """The step's layout.
 
         Full steps (no cost model: a GPU or fixed-shape runner): the whole window and the likeliest
@@ -228,6 +239,7 @@ class Session:
         expected tokens per second under the measured step-cost curve at the current cache length,
         and window columns only where they add (nearly) nothing to its cost (WINDOW_SLACK). On a small
         CPU that is often a handful of nodes, and a plain step when nothing is worth feeding.
+        probe: a step of about this many rows instead, the likeliest nodes first (probe_size()).
         """
         la = self.lookahead
         tree = self.draft(t)
@@ -238,6 +250,8 @@ class Session:
             return tree_layout(window, choose(tree, None, limit=room))
         cached = len(self.cached)
         cost = lambda size: self.step_cost.cost(size, cached)  # noqa: E731
+        if probe is not None:
+            return probe_layout(window, choose(tree, None, limit=probe - 1), probe)
         nodes = choose(tree, cost)
         if nodes:
             self.skipped = 0
@@ -259,10 +273,14 @@ class Session:
         the block's tokens to keep and whether generation stops there (stop rules)."""
         la = self.lookahead
         past = len(self.cached)
-        layout = self.plan(t) if la.enabled else tree_layout([[t]], [])
+        probe = self.probe_size()
+        layout = self.plan(t, probe) if la.enabled else tree_layout([[t]], [])
         rows = list(range(layout.size))
+        start = self.clock()
         logits = self.runner.step(layout, past, rows)
         top = logits.topk(min(TOP_K, logits.shape[-1]), dim=-1).indices.cpu().numpy()  # one host sync
+        if isinstance(self.step_cost, CostEnvelope):  # timed as step_cost.measure times a step
+            self.step_cost.observe(layout.size, past, self.clock() - start, probe)
         argmax = top[:, 0].tolist()
         history = self.history
         if chooser.plain_argmax:
@@ -364,6 +382,8 @@ def generate(session: Session, prompt: list[int], sampling: SamplingConfig, eos_
         raise OutOfMemory(f"out of memory on {device} after {len(generated)} new tokens, with "
                           f"{len(session.cached)} tokens in the KV cache") from None
     total = time.perf_counter() - start
+    if isinstance(session.step_cost, CostEnvelope):
+        session.step_cost.persist()
     if session.store is not None and la.store:
         session.store.add(generated)  # an answer cut short is still the model's own text
     acc = session.acceptance
@@ -401,6 +421,15 @@ def verify(layout: StepLayout, choose) -> tuple[list[int], list[int], str]:
         node = child
     source = layout.sources[matched[0] - layout.window_rows] if matched else "none"
     return accepted, matched, source
+
+
+def probe_layout(window: list[list[int]], nodes: list, size: int) -> StepLayout:
+    """A step of about `size` rows: the draft nodes given, then as many window columns as fit."""
+    levels = len(window)
+    for columns in range(len(window[0]), 0, -1):
+        if columns * levels + len(nodes) <= size:
+            return tree_layout([level[:columns] for level in window], nodes)
+    return tree_layout([window[0][:1]], nodes)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -69,11 +69,12 @@ class LoadedModel:
         return cached_curve(self.model, self.name)
 
     def cost_model(self):
-        """Step cost against tokens fed and cached (step_cost.CostModel), measured once per model,
-        device and dtype, then read from the cache."""
-        from ladechat.engine.step_cost import cached_cost_model
+        """Step cost against tokens fed and cached (a cost_envelope.CostEnvelope): measured once per
+        model, device and dtype, then read from the cache, and lowered by what the steps it plans
+        really cost."""
+        from ladechat.engine.step_cost import learned_cost_model
 
-        return cached_cost_model(self.model, self.name)
+        return learned_cost_model(self.model, self.name)
 
 
 def cpu_has_native_bf16() -> bool:

@@ -15,6 +15,7 @@ import json
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -62,15 +63,21 @@ def measure(model, sizes=SIZES, context: int = 192, reps: int = 5) -> dict[int, 
     return {size: statistics.median(times[size]) for size in sizes}
 
 
-def cached_curve(model, name: str, context: int = 192) -> dict[int, float]:
-    sizes = GPU_SIZES if model.device.type == "cuda" else SIZES
+def cache_path(model, name: str, *what) -> Path:
+    """The cache file of this model's step costs on this device: `what` says which (a measured
+    curve's sizes and cache length, or the envelope learned from real steps)."""
     # our code that a step runs is part of the key (the attention function, the mask, the cache,
     # this measurement), so a change to it measures afresh rather than trusting a curve of the old code
     code = source_digest(attention.__file__, layout.__file__, kv.__file__, packing.__file__, int4.__file__,
                          __file__)
     key = json.dumps([code, name, str(model.device), str(model.dtype), int4.weight_layout(model), torch.__version__,
-                      torch.get_num_threads(), list(sizes), context])
-    path = cache_root() / "step-cost" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+                      torch.get_num_threads(), *what])
+    return cache_root() / "step-cost" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def cached_curve(model, name: str, context: int = 192) -> dict[int, float]:
+    sizes = GPU_SIZES if model.device.type == "cuda" else SIZES
+    path = cache_path(model, name, list(sizes), context)
     try:
         return {int(k): float(v) for k, v in json.loads(path.read_text()).items()}
     except (OSError, ValueError):
@@ -104,8 +111,16 @@ class CostModel:
 
 
 def cached_cost_model(model, name: str) -> CostModel:
-    """This model's cost model on this device: measured once per context length, then cached."""
+    """This model's cost model on this device as measured: once per context length, then cached."""
     return CostModel({context: cached_curve(model, name, context) for context in CONTEXTS})
+
+
+def learned_cost_model(model, name: str):
+    """The cost model a chat plans with: the measured one, lowered by what real steps cost on this
+    machine (cost_envelope.py), saved beside it."""
+    from ladechat.engine.cost_envelope import CostEnvelope
+
+    return CostEnvelope.load(cached_cost_model(model, name), cache_path(model, name, "envelope", list(CONTEXTS)))
 
 
 def cost(curve: dict[int, float], size: int) -> float:
