@@ -131,14 +131,21 @@ def test_layout_switch_runs_the_model_as_loaded_and_packs_it_again():
     assert [m for m in packed.modules() if type(m) is packing.PackedLinear] == before  # the same modules back
 
 
-@pytest.mark.parametrize("device,dtype,machine,expected", [
-    ("cpu", torch.float32, "x86_64", True),
-    ("cpu", torch.bfloat16, "AMD64", BF16),  # where oneDNN has bf16 kernels (this AVX-512 CPU does)
-    ("cpu", torch.float16, "x86_64", False), ("cpu", torch.float32, "aarch64", False),
-    ("cuda", torch.bfloat16, "x86_64", False), ("meta", torch.float32, "x86_64", False),
+@pytest.mark.parametrize("device,dtype,machine,bf16_kernels,expected", [
+    ("cpu", torch.float32, "x86_64", False, True),  # fp32 packs on every x86-64 CPU (AVX2 ones too)
+    ("cpu", torch.float32, "x86_64", True, True),
+    ("cpu", torch.bfloat16, "AMD64", True, True),  # bf16 where oneDNN has bf16 kernels (AVX-512, AVX-NE-CONVERT)
+    ("cpu", torch.bfloat16, "x86_64", False, False),  # ...and not on an AVX2-only CPU, where packing fails
+    ("cpu", torch.float16, "x86_64", True, False), ("cpu", torch.float32, "aarch64", True, False),
+    ("cuda", torch.bfloat16, "x86_64", True, False), ("meta", torch.float32, "x86_64", True, False),
 ])
-def test_packing_is_for_x86_cpus_in_fp32_and_bf16(device, dtype, machine, expected):
-    assert packing.supported(torch.device(device), dtype, machine) is expected
+def test_packing_is_for_x86_cpus_in_fp32_and_bf16(device, dtype, machine, bf16_kernels, expected):
+    """The decision for each kind of CPU, given its capabilities: the same on every machine."""
+    assert packing.supported(torch.device(device), dtype, machine, bf16_kernels) is expected
+
+
+def test_this_cpu_packs_bf16_as_onednn_says():
+    assert packing.supported(torch.device("cpu"), torch.bfloat16) is bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 @pytest.fixture()

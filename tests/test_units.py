@@ -333,6 +333,22 @@ def test_choose_dtype(name, device_type, native, expected):
     assert choose_dtype(name, device_type, native) == expected
 
 
+# /proc/cpuinfo flags of the two CPU classes the suite runs on (trimmed), and of an AVX-512 CPU without bf16
+AVX2_EPYC = "flags : fpu sse4_2 avx f16c fma avx2 bmi2 vaes vpclmulqdq sha_ni clzero"
+AVX512_EPYC = "flags : fpu avx2 avx512f avx512dq avx512_bf16 avx512_vnni avx512_bitalg vaes"
+AVX512_NO_BF16 = "flags : fpu avx2 avx512f avx512dq avx512bw avx512vl avx512_vnni"
+
+
+@pytest.mark.parametrize("cpuinfo,native,dtype", [(AVX2_EPYC, False, torch.float32), (AVX512_EPYC, True, torch.bfloat16),
+                                                  (AVX512_NO_BF16, False, torch.float32), ("", False, torch.float32)])
+def test_auto_dtype_on_each_cpu_class(cpuinfo, native, dtype):
+    """bf16 by default only where the CPU computes it natively; fp32 on the AVX2-only class."""
+    from ladechat.engine.loading import cpu_has_native_bf16
+
+    assert cpu_has_native_bf16(cpuinfo) is native
+    assert choose_dtype("auto", "cpu", cpu_has_native_bf16(cpuinfo)) == dtype
+
+
 @pytest.mark.parametrize("capability,expected", [((7, 5), torch.float16), ((7, 0), torch.float16),
                                                  ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16)])
 def test_auto_dtype_asks_the_chosen_gpu(monkeypatch, capability, expected):

@@ -78,16 +78,20 @@ class PackedLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
 
 
-def supported(device: torch.device, dtype: torch.dtype, machine: str | None = None) -> bool:
+def supported(device: torch.device, dtype: torch.dtype, machine: str | None = None,
+              bf16_kernels: bool | None = None) -> bool:
     """Whether weights of this dtype on this device are packed: on an x86-64 CPU with oneDNN
     (measured there; on other CPUs torch's oneDNN runs through other backends, unmeasured), in
-    bf16 only where oneDNN has bf16 kernels (AVX-512 or AVX-NE-CONVERT; elsewhere packing fails)."""
+    bf16 only where oneDNN has bf16 kernels (AVX-512 or AVX-NE-CONVERT; elsewhere packing fails).
+    machine and bf16_kernels: this machine's (platform.machine(), oneDNN's own answer) unless given."""
     machine = (machine or platform.machine()).lower()
     ops = torch.ops.mkldnn
+    if dtype == torch.bfloat16 and bf16_kernels is None:
+        bf16_kernels = bool(ops._is_mkldnn_bf16_supported())
     return (device.type == "cpu" and dtype in DTYPES and machine in ("x86_64", "amd64")
             and torch.backends.mkldnn.is_available()
             and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
-            and (dtype != torch.bfloat16 or ops._is_mkldnn_bf16_supported()))
+            and (dtype != torch.bfloat16 or bool(bf16_kernels)))
 
 
 def _names(model, kind) -> list[str]:
