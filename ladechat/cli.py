@@ -325,9 +325,13 @@ def serve(ctx: typer.Context, host: Annotated[str, typer.Option("--host", help="
           api_key: Annotated[str | None, typer.Option("--api-key", envvar="LADECHAT_API_KEY", show_envvar=True, help="Clients must send 'Authorization: Bearer KEY'.")] = None,
           max_queue: Annotated[int, typer.Option("--max-queue", help="Requests that may wait while one runs; more get 503 with Retry-After.")] = 16,
           served_model_name: Annotated[str | None, typer.Option("--served-model-name", help="The model name clients ask for (default: the model's).")] = None,
+          allow_origin: Annotated[Optional[list[str]], typer.Option("--allow-origin", help="A web origin (e.g. http://localhost:3000, or * for any) whose pages may use the server (repeatable); requests from other sites' pages get 403.")] = None,
+          drain_timeout: Annotated[float, typer.Option("--drain-timeout", help="On SIGTERM or Ctrl-C: seconds the answers in progress get to finish; then each ends with an error (event).")] = 5.0,
           model: Model = None, lookahead: Lookahead = True, window: Window = None, ngram: Ngram = None,
           candidates: Cands = None, context_candidates: ContextCands = None, context_len: ContextLen = None,
-          recycle: Recycle = None, max_new_tokens: MaxNew = 1024, temperature: Temperature = None,
+          recycle: Recycle = None,
+          max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Most tokens in one answer: the default, and a cap (a request asking for more gets this many).")] = 1024,
+          temperature: Temperature = None,
           top_p: TopP = 1.0, top_k: TopK = 0, min_p: MinP = 0.0, repetition_penalty: RepPenalty = 1.0,
           seed: Seed = None, dtype: Dtype = "auto", device: Device = "auto", load_in_4bit: FourBit = False,
           load_in_8bit: EightBit = False, device_map: DeviceMap = None, max_memory: MaxMemory = None,
@@ -344,6 +348,12 @@ def serve(ctx: typer.Context, host: Annotated[str, typer.Option("--host", help="
         raise Fail(f"--max-queue must be >= 0, got {max_queue}")
     if api_key is not None and not api_key.strip():
         raise Fail("--api-key is empty")
+    if not drain_timeout >= 0 or drain_timeout == float("inf"):
+        raise Fail(f"--drain-timeout must be a finite number of seconds >= 0, got {drain_timeout}")
+    try:
+        origins = frozenset(server.normal_origin(o) for o in allow_origin or [])
+    except ValueError as exc:
+        raise Fail(f"--allow-origin: {exc}") from None
     _settings(flags)  # every flag checked before the (slow) model load
     try:
         sock = server.bind(host, port)
@@ -353,14 +363,17 @@ def serve(ctx: typer.Context, host: Annotated[str, typer.Option("--host", help="
     _print_notices(bot.notices, err)
     bot.notices.clear()
     model_id = served_model_name or model or bot.name.split(" (")[0]
-    api = server.Api(bot, settings, server.ServeConfig(model_id=model_id, api_key=api_key, max_queue=max_queue),
-                     log=lambda line: err.print(line, markup=False, highlight=False, soft_wrap=True))
     bound_host, bound_port = sock.getsockname()[:2]
+    config = server.ServeConfig(model_id=model_id, api_key=api_key, max_queue=max_queue,
+                                hosts=server.allowed_hosts(host, bound_host), origins=origins,
+                                drain_timeout=drain_timeout)
+    api = server.Api(bot, settings, config,
+                     log=lambda line: err.print(line, markup=False, highlight=False, soft_wrap=True))
     url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
     err.print(f"ladechat serve · {bot.describe()} as {model_id!r} · lookahead {'on' if settings.lookahead else 'off'} "
               f"(W={settings.window} N={settings.ngram} G={settings.candidates}) · http://{url_host}:{bound_port}/v1"
               f"{' · key required' if api_key else ''} · Ctrl-C stops", markup=False, highlight=False, soft_wrap=True)
-    server.run(api.app(), sock)
+    server.run(api, sock)
 
 
 @app.command()

@@ -4,7 +4,6 @@ client, by plain HTTP and by `ladechat --api` (ask and the chat in a pty)."""
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -15,39 +14,13 @@ import openai
 import pexpect
 import pytest
 from conftest import ladechat_bin
+from serve_process import Server
 
 KEY = "test-key-123"
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = "What is the capital of France?"
 LONG = "Write a very long story about a dragon who learns to bake bread."
 pytestmark = pytest.mark.slow
-
-
-class Server:
-    def __init__(self, *args):
-        self.proc = subprocess.Popen([ladechat_bin(), "serve", "--port", "0", *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env={**os.environ, "NO_COLOR": "1"})
-        self.lines: list[str] = []
-        self.ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-        if not self.ready.wait(300):
-            self.stop()
-            raise RuntimeError("ladechat serve did not start:\n" + "\n".join(self.lines))
-        self.url = re.search(r"(http://127\.0\.0\.1:\d+/v1)", self.lines[-1]).group(1)
-
-    def _read(self):
-        for line in self.proc.stderr:
-            self.lines.append(line.rstrip("\n"))
-            if "ladechat serve ·" in line:
-                self.ready.set()
-
-    def stop(self):
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -189,11 +162,11 @@ def test_every_error_status(server, client):
     for bad, param in [({"temperature": -1}, "temperature"), ({"n": 2}, "n"), ({"messages": []}, "messages"),
                        ({"max_tokens": "ten"}, "max_tokens"), ({"tools": [{"type": "function"}]}, "tools"),
                        ({"messages": [{"role": "assistant", "content": "hi"}]}, "messages"),
-                       ({"ladechat": {"N": 1}}, None)]:
+                       ({"ladechat": {"N": 1}}, "ladechat.N"), ({"stop": 5}, "stop")]:
         r = httpx.post(url, json={**ok, **bad}, headers=auth)
         assert r.status_code == 400, (bad, r.text)
         assert error_of(r)["param"] == param, bad
-    r = httpx.post(url, content=b"{not json", headers=auth)
+    r = httpx.post(url, content=b"{not json", headers={**auth, "Content-Type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in error_of(r)["message"]
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], top_p=0)
@@ -225,6 +198,13 @@ def test_serve_refuses_bad_setups():
         "ladechat: error: --host 0.0.0.0 can be reached from other machines: give --api-key (or set LADECHAT_API_KEY)")
     r = ladechat("serve", "--max-queue", "-1")
     assert r.returncode == 1 and r.stderr.strip() == "ladechat: error: --max-queue must be >= 0, got -1"
+    r = ladechat("serve", "--allow-origin", "localhost:3000")
+    assert r.returncode == 1 and r.stderr.strip() == (
+        "ladechat: error: --allow-origin: an origin is scheme://host[:port] (e.g. http://localhost:3000) or *, "
+        "got 'localhost:3000'")
+    r = ladechat("serve", "--drain-timeout", "nan")
+    assert r.returncode == 1 and r.stderr.strip() == (
+        "ladechat: error: --drain-timeout must be a finite number of seconds >= 0, got nan")
 
 
 def test_api_client_one_line_errors(server):
