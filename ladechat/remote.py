@@ -32,7 +32,17 @@ SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "re
 
 
 class RemoteError(UserError):
-    """The server cannot be used or failed; the message is one line."""
+    """The server cannot be used or failed; the message is one line. retry: the same request may
+    be answered later (the chat then keeps the question for /retry)."""
+
+    retry = False
+
+
+class ServerFailure(RemoteError):
+    """The server is gone (unreachable, the connection broke) or failed the answer (an error event,
+    a 5xx status, a stream that ended unfinished): asked again once it is back, it may answer."""
+
+    retry = True
 
 
 @dataclass(frozen=True)
@@ -181,20 +191,24 @@ class RemoteBot:
 
     def _events(self, response: httpx.Response) -> Iterator[Piece | Done]:
         run = _Run(start=time.perf_counter())
+        ended = False
         try:
             for line in response.iter_lines():
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
+                    ended = True
                     break
                 yield from run.chunk(_parse(data, self.endpoint))
         except KeyboardInterrupt:
             run.finish = "interrupted"
         except httpx.HTTPError as exc:
-            raise RemoteError(f"the connection to {self.endpoint.host} broke mid-answer: {exc}") from None
+            raise ServerFailure(f"the connection to {self.endpoint.host} broke mid-answer: {_reason(exc)}") from None
         finally:
             response.close()  # a server stops generating when its client goes
+        if not ended and run.finish is None:  # neither [DONE] nor a finish_reason: cut off
+            raise ServerFailure(f"the server at {self.endpoint.url} ended the stream before the answer was finished")
         yield run.done(self.settings)
 
     # -- HTTP ---------------------------------------------------------------------------------
@@ -205,7 +219,7 @@ class RemoteBot:
         try:
             return self.client.send(request, stream=stream)
         except httpx.HTTPError as exc:
-            raise RemoteError(f"cannot reach the server at {self.endpoint.url}: {_reason(exc)}") from None
+            raise ServerFailure(f"cannot reach the server at {self.endpoint.url}: {_reason(exc)}") from None
 
     def _get(self, path: str) -> dict:
         response = self._send(self.client.build_request("GET", self.endpoint.url + path, headers=self._headers()))
@@ -226,8 +240,8 @@ class RemoteBot:
             return RemoteError(f"no OpenAI-compatible API at {url} (GET {response.request.url.path}: 404); "
                                "the URL usually ends in /v1")
         if status == 503 and "retry-after" in response.headers:
-            return RemoteError(f"the server at {url} is busy: {message} (retry after {response.headers['retry-after']} s)")
-        return RemoteError(f"the server at {url} answered {status}: {message}")
+            return ServerFailure(f"the server at {url} is busy: {message} (retry after {response.headers['retry-after']} s)")
+        return (ServerFailure if status >= 500 else RemoteError)(f"the server at {url} answered {status}: {message}")
 
     def _not_ladechat(self, what: str) -> str:
         return f"{what} apply to ladechat serve only: the server at {self.endpoint.url} decodes its own way"
@@ -326,7 +340,7 @@ def _parse(data: str, endpoint: Endpoint) -> dict:
     if "error" in obj:
         error = obj["error"]
         message = error.get("message") if isinstance(error, dict) else error
-        raise RemoteError(f"the server at {endpoint.url} failed mid-answer: {message}")
+        raise ServerFailure(f"the server at {endpoint.url} failed mid-answer: {' '.join(str(message).split())[:300]}")
     return obj
 
 

@@ -82,17 +82,23 @@ class ChatApp:
                     printer.handle(event)
         except KeyboardInterrupt:
             events.close()  # the session is consistent between events
-        except UserError as exc:  # e.g. the question alone does not fit the context
-            self.conversation.messages.pop()
-            self.error(str(exc))
-            return
-        except Exception as exc:  # the backend's own mid-answer failures (out of memory, a server gone)
+        except Exception as exc:
+            # First the backend's own failures (out of memory, a server gone or failing: remote.RemoteError
+            # is a UserError too), then the user's (e.g. the question alone does not fit the context).
             failed = self.bot.failure(exc)
             if failed is None:
-                raise
-            if not printer.text:
+                if not isinstance(exc, UserError):
+                    raise
                 self.conversation.messages.pop()
-                self.error(f"{failed} (the question was not answered; Up recalls it)")
+                self.error(str(exc))
+                return
+            if not printer.text:
+                if getattr(exc, "retry", False):  # the server is gone or failed: the question waits for it
+                    self.conversation.messages.append({"role": "assistant", "content": "", "interrupted": True})
+                    self.error(f"{failed} (the question was not answered; /retry asks it again, Up recalls it)")
+                else:
+                    self.conversation.messages.pop()
+                    self.error(f"{failed} (the question was not answered; Up recalls it)")
                 return
         interrupted = stats is None or stats.finish_reason == "interrupted"
         self.conversation.messages.append({"role": "assistant", "content": printer.text,
@@ -105,7 +111,7 @@ class ChatApp:
                 self.err.print(debug_panel(stats))
             self.err.print(f"[dim]{escape(self.bot.footer(stats))}[/]", highlight=False)
         if failed:
-            self.error(f"{failed} (the partial answer is kept)")
+            self.error(f"{failed} (the partial answer is kept; /retry answers again)")
         elif interrupted and printer.text:
             self.err.print("[yellow]interrupted: the partial answer is kept[/]")
         elif interrupted:
