@@ -107,7 +107,10 @@ class Bot:
         return self.loaded.name
 
     def describe(self) -> str:
-        return f"{self.loaded.name} on {self.loaded.device} ({str(self.loaded.dtype).removeprefix('torch.')})"
+        """The model, its device and dtype, and which Linear weights and kernels run (when not all as
+        transformers loads them), e.g. '... on cpu (float32; 210 Linear int4 from Q4_1 blocks (...))'."""
+        weights = f"; {self.loaded.weights}" if self.loaded.weights else ""
+        return f"{self.loaded.name} on {self.loaded.device} ({str(self.loaded.dtype).removeprefix('torch.')}{weights})"
 
     def configure(self, settings: Settings) -> None:
         from ladechat.templates import TemplateError, resolve

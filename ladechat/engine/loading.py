@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ladechat.engine import gguf, packing
+from ladechat.engine import gguf, int4, packing
 from ladechat.engine.attention import use_grouped_sdpa
 from ladechat.engine.gguf import ModelNotFound
 from ladechat.errors import UserError
@@ -19,6 +19,10 @@ from ladechat.errors import UserError
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 ATTENTION = ("sdpa", "eager", "flash")
+# --weights: auto (the fastest this machine has: a GGUF's 4-bit blocks as int4, the other Linear
+# weights packed for oneDNN), dense (as transformers loads them), packed (all packed for oneDNN,
+# as before int4), int4 (a GGUF's 4-bit blocks as int4, the rest packed).
+WEIGHTS = ("auto", "dense", "packed", "int4")
 # A local model folder needs one of these for AutoTokenizer (without it transformers' error reads
 # like a failed download).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
@@ -39,8 +43,10 @@ class LoadSpec:
     device_map: str | None = None
     max_memory: tuple[tuple[str, str], ...] = ()  # (device, size) pairs for device_map, e.g. ("cpu", "8GiB")
     # Linear weights in oneDNN's packed layout where measured to pay (x86-64 CPUs, fp32/bf16;
-    # engine/packing.py). Off for --compile, whose graphs take the model's own Linear modules.
+    # engine/packing.py). Off for --compile, whose graphs take the model's own Linear modules:
+    # then every Linear stays as loaded, whatever `weights` says.
     pack_weights: bool = True
+    weights: str = "auto"  # one of WEIGHTS
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,7 @@ class LoadedModel:
     eos_ids: frozenset[int]
     context_length: int
     notices: tuple[str, ...] = ()
+    weights: str = ""  # the Linear weights' layouts and kernels in words (int4.describe); "" all as loaded
 
     @functools.cached_property
     def compiled_forward(self):
@@ -153,26 +160,37 @@ def placement(spec: LoadSpec, device: torch.device) -> dict:
     return {}
 
 
-def _source(model: str | None, progress) -> tuple[str, str]:
-    """(folder or hub id to load, display name)."""
+def _source(model: str | None, progress) -> tuple[str, str, Path | None]:
+    """(folder or hub id to load, display name, the GGUF file it was converted from or None)."""
     if model is None:
         path = gguf.embedded_gguf()
-        return str(gguf.ensure_converted(path, progress)), gguf.EMBEDDED_NAME
+        return str(gguf.ensure_converted(path, progress)), gguf.EMBEDDED_NAME, path
     path = Path(model).expanduser()
     if model.endswith(".gguf"):
         if not path.is_file():
             raise ModelNotFound(f"GGUF file not found: {model}")
         try:
-            return str(gguf.ensure_converted(path, progress)), path.name
+            return str(gguf.ensure_converted(path, progress)), path.name, path
         except gguf.BadGGUF as exc:
             raise LoadError(str(exc)) from None
     if path.exists():
         if not path.is_dir() or not (path / "config.json").is_file():
             raise ModelNotFound(f"{model} is not a model folder (no config.json in it)")
-        return str(path), model
+        return str(path), model, None
     if model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise ModelNotFound(f"model folder not found: {model}")
-    return model, model
+    return model, model, None
+
+
+def check_weights(spec: LoadSpec) -> None:
+    """LoadError for a --weights choice that cannot be honoured whatever the model (checked before
+    loading anything)."""
+    if spec.weights not in WEIGHTS:
+        raise LoadError(f"unknown --weights {spec.weights!r} (choose {', '.join(WEIGHTS)})")
+    placed = [flag for flag, on in (("--load-in-4bit", spec.load_in_4bit), ("--load-in-8bit", spec.load_in_8bit),
+                                    ("--device-map", bool(spec.device_map))) if on]
+    if spec.weights in ("packed", "int4") and placed:
+        raise LoadError(f"--weights {spec.weights} cannot be combined with {placed[0]}, which places the weights itself")
 
 
 def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | None = None) -> LoadedModel:
@@ -183,8 +201,15 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
         raise LoadError(f"unknown --attn {spec.attn!r} (choose sdpa, eager, flash)")
     if spec.load_in_4bit and spec.load_in_8bit:
         raise LoadError("choose one of --load-in-4bit and --load-in-8bit")
+    check_weights(spec)
     device = resolve_device(spec.device)
     dtype = resolve_dtype(spec.dtype, device)
+    if spec.weights == "int4" and not int4.supported(device):
+        raise LoadError(f"--weights int4 runs on an x86-64 CPU with torch's int4 kernel "
+                        f"(torch.ops.aten.{int4.KERNEL}), not on {device}; use --weights auto")
+    if spec.weights == "packed" and not packing.supported(device, dtype):
+        raise LoadError(f"--weights packed needs an x86-64 CPU with oneDNN (bf16: with native bf16), "
+                        f"not {device} in {str(dtype).removeprefix('torch.')}; use --weights auto")
     notices: list[str] = []
     attn = spec.attn
     if attn == "flash":
@@ -194,7 +219,9 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
         else:
             notices.append("flash-attn cannot take the lookahead step's tree mask; using sdpa for every step")
         attn = "sdpa"
-    source, name = _source(spec.model, progress)
+    source, name, gguf_file = _source(spec.model, progress)
+    if spec.weights == "int4" and gguf_file is None:
+        raise LoadError(f"--weights int4 runs a .gguf file's 4-bit (Q4_0, Q4_1, Q4_K) blocks; {name} is not a GGUF file")
     kwargs: dict = {"dtype": dtype, "attn_implementation": attn}
     if spec.load_in_4bit or spec.load_in_8bit:
         flag = "--load-in-4bit" if spec.load_in_4bit else "--load-in-8bit"
@@ -250,6 +277,16 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
                             "gives (a mismatched or corrupt checkpoint)") from None
         raise
     model.eval()
+    # 4-bit blocks first: the dense copies of those weights are then never read (they stay
+    # unread pages of the converted file), and the mask probe below runs on what will answer.
+    quantized = "quantization_config" in kwargs or getattr(model, "hf_quantizer", None) is not None
+    layouts = spec.pack_weights and "device_map" not in kwargs and not quantized
+    if layouts and spec.weights in ("auto", "int4") and gguf_file is not None and int4.supported(device):
+        applied = int4.apply(model, gguf_file, Path(source), progress)
+        notices.extend(applied.notices)
+        if spec.weights == "int4" and not applied.replaced:
+            notices.append(f"{name} has no 4-bit (Q4_0, Q4_1, Q4_K) Linear weights the int4 kernel takes; "
+                           "running them as --weights packed")
     if attn == "sdpa":
         use_grouped_sdpa(model)  # lookahead's masked steps without a copy of the cache per query head
     if not honours_tree_mask(model, source if local else None, model.config._attn_implementation):
@@ -263,15 +300,14 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
         else:
             raise LoadError(f"{name} does not honour a 4D attention mask with position ids, "
                             "so lookahead cannot run on it")
-    # Not with quantized weights (ours, or a checkpoint's own quantization_config) or a device map:
-    # accelerate's hooks sit on the modules packing replaces.
+    # Not with quantized weights (bitsandbytes, or a checkpoint's own quantization_config) or a
+    # device map: accelerate's hooks sit on the modules packing replaces.
     # pack() itself leaves weights on devices and in dtypes it does not pack.
-    if (spec.pack_weights and "device_map" not in kwargs and getattr(model, "hf_quantizer", None) is None
-            and "quantization_config" not in kwargs):
+    if layouts and spec.weights != "dense":
         packing.pack(model)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, device=model.device, dtype=model.dtype,
                        eos_ids=eos_ids(model, tokenizer), context_length=context_length(model.config),
-                       notices=tuple(notices))
+                       notices=tuple(notices), weights=int4.describe(model))
 
 
 def parse_max_memory(text: str) -> tuple[tuple[str, str], ...]:
@@ -379,6 +415,8 @@ def mask_probe(model) -> bool:
         tree = model(input_ids=ids, position_ids=positions, attention_mask=mask).logits[0, 2].float()
         plain = model(input_ids=torch.tensor([[a, c]], device=device)).logits[0, 1].float()
         leak = model(input_ids=torch.tensor([[a, b, c]], device=device)).logits[0, 2].float()
-    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    # int4 Linear modules take bf16 activations: their rows are as close as bf16's
+    bf16_products = any(type(m) is int4.Int4Linear for m in model.modules())
+    tol = 1e-3 if dtype == torch.float32 and not bf16_products else 5e-2
     close = torch.allclose(tree, plain, atol=tol * max(1.0, float(plain.abs().max())), rtol=0)
     return close and not torch.allclose(tree, leak, atol=1e-6, rtol=0)
