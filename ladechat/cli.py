@@ -45,6 +45,7 @@ EightBit = Annotated[bool, typer.Option("--load-in-8bit", help="Quantize weights
 DeviceMap = Annotated[Optional[str], typer.Option("--device-map", help="accelerate device map, e.g. 'auto' to spread a large model over GPUs and CPU memory.")]
 MaxMemory = Annotated[Optional[str], typer.Option("--max-memory", help="With --device-map: memory per device, e.g. '0=20GiB,cpu=64GiB'; what fits nowhere is offloaded to disk.")]
 Attn = Annotated[str, typer.Option("--attn", help="Attention kernel: sdpa, eager or flash.")]
+Weights = Annotated[str, typer.Option("--weights", help="Linear weights: auto (a GGUF's 4-bit blocks as int4 on the CPU, the rest packed for oneDNN; else packed where that runs), dense (as transformers loads them), packed (oneDNN's layout, fp32/bf16) or int4.")]
 Template = Annotated[Optional[str], typer.Option("--template", help="Chat template to use instead of the model's own (see: ladechat templates).")]
 System = Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.")]
 Stop = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop the answer after this text (repeatable).")]
@@ -55,7 +56,8 @@ Debug = Annotated[bool, typer.Option("--debug", help="Show per-step acceptance a
 Api = Annotated[str | None, typer.Option("--api", help="Answer with the model behind an OpenAI-compatible server at URL (ladechat serve, vLLM, ...) instead of loading one; --model then names the server's model.")]
 ApiKey = Annotated[str | None, typer.Option("--api-key", envvar=["LADECHAT_API_KEY", "OPENAI_API_KEY"], show_envvar=True, help="With --api: the server's API key.")]
 # Options about loading a model here: refused with --api (the server loaded its model).
-LOCAL_ONLY = ("dtype", "device", "load_in_4bit", "load_in_8bit", "device_map", "max_memory", "attn", "template", "compile")
+LOCAL_ONLY = ("dtype", "device", "load_in_4bit", "load_in_8bit", "device_map", "max_memory", "attn", "template", "compile",
+              "weights")
 REMOTE_SETTINGS = {"lookahead": "lookahead", "window": "W", "ngram": "N", "candidates": "G",
                    "context_candidates": "context_candidates", "context_len": "context_len", "recycle": "recycle",
                    "max_new_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
@@ -101,24 +103,28 @@ def _print_notices(notices, err: Console) -> None:
 
 
 def _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, progress, max_memory=None,
-          compile: bool = False):
+          compile: bool = False, weights: str = "auto"):
     """The model, loaded with progress(message) shown during slow phases; its notices are the caller's.
-    compile: the steps will be compiled, which takes the model's own Linear modules (no packing)."""
-    from ladechat.engine.loading import LoadSpec, load, parse_max_memory, resolve_device, resolve_dtype
+    compile: the steps will be compiled, which takes the model's own Linear modules (no packing, no
+    int4). weights: --weights (engine/loading.py WEIGHTS)."""
+    from ladechat.engine.loading import LoadSpec, check_weights, load, parse_max_memory, resolve_device, resolve_dtype
 
+    if compile and weights not in ("auto", "dense"):
+        raise Fail(f"--compile compiles the model's own Linear modules: it cannot run --weights {weights}")
     spec = LoadSpec(model=model, dtype=dtype, device=device, attn=attn, load_in_4bit=load_in_4bit,
                     load_in_8bit=load_in_8bit, device_map=device_map,
                     max_memory=parse_max_memory(max_memory) if max_memory is not None else (),
-                    pack_weights=not compile)
-    resolve_dtype(dtype, resolve_device(device))  # flag errors before any slow import
+                    pack_weights=not compile, weights=weights)
+    check_weights(spec)  # flag errors before any slow import
+    resolve_dtype(dtype, resolve_device(device))
     return load(spec, progress)
 
 
 def _load_here(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, err: Console, max_memory=None,
-               compile: bool = False):
+               compile: bool = False, weights: str = "auto"):
     """_load in the foreground: a spinner on stderr while it runs, then its notices."""
     loaded = _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, _spinner(err), max_memory,
-                   compile)
+                   compile, weights)
     _print_notices(loaded.notices, err)
     return loaded
 
@@ -176,7 +182,7 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = True, w
          load_in_4bit: FourBit = False, load_in_8bit: EightBit = False, device_map: DeviceMap = None,
          max_memory: MaxMemory = None, attn: Attn = "sdpa", template: Template = None, system: System = None, stop: Stop = None,
          compile: Compile = False, store: Store = True, markdown: Markdown = True, debug: Debug = False,
-         api: Api = None, api_key: ApiKey = None) -> None:
+         api: Api = None, api_key: ApiKey = None, weights: Weights = "auto") -> None:
     """Interactive multi-turn chat (the default command). Type /help inside for commands."""
     flags = dict(locals())  # the parameters named like a setting become Settings (see _settings)
     if ctx.invoked_subcommand is not None:
@@ -218,7 +224,8 @@ def _chat_bot(flags: dict, progress):
     device, the model's own temperature when it samples. The load's notices are the bot's first."""
     _quiet_libraries()
     loaded = _load(flags["model"], flags["dtype"], flags["device"], flags["attn"], flags["load_in_4bit"],
-                   flags["load_in_8bit"], flags["device_map"], progress, flags["max_memory"], flags["compile"])
+                   flags["load_in_8bit"], flags["device_map"], progress, flags["max_memory"], flags["compile"],
+                   flags["weights"])
     settings = _settings(flags, loaded, default_temperature=_model_temperature(loaded))
     bot = _bot(loaded, settings, flags["compile"], progress)
     bot.notices[:0] = loaded.notices
@@ -244,7 +251,7 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
         attn: Attn = "sdpa",
         template: Template = None, system: System = None, stop: Stop = None, compile: Compile = False,
         store: Store = True, markdown: Markdown = True, debug: Debug = False, as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, token_ids, stats) instead of streaming.")] = False,
-        api: Api = None, api_key: ApiKey = None) -> None:
+        api: Api = None, api_key: ApiKey = None, weights: Weights = "auto") -> None:
     """One-shot answer to PROMPT, streamed to stdout (greedy unless --temperature is given)."""
     flags = dict(locals())  # the parameters named like a setting become Settings (see _settings)
     from ladechat.bot import Notice, Piece
@@ -260,9 +267,11 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
         _settings(flags)  # every flag checked before the (slow) model load
         _quiet_libraries()
         loaded = _load_here(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, err, max_memory,
-                            compile)
+                            compile, weights)
         settings = _settings(flags, loaded)
         bot = _bot(loaded, settings, compile, _spinner(err))
+    if debug:  # which weights and kernels answer
+        err.print(f"[dim]model {escape(bot.describe())}[/]", highlight=False, soft_wrap=True)
     conversation = Conversation(system=system, messages=[{"role": "user", "content": text}])
     out = stdout_console()
     printer = bot.printer(out, err, debug=debug, markdown=markdown)
@@ -336,7 +345,7 @@ def serve(ctx: typer.Context, host: Annotated[str, typer.Option("--host", help="
           seed: Seed = None, dtype: Dtype = "auto", device: Device = "auto", load_in_4bit: FourBit = False,
           load_in_8bit: EightBit = False, device_map: DeviceMap = None, max_memory: MaxMemory = None,
           attn: Attn = "sdpa", template: Template = None, stop: Stop = None, compile: Compile = False,
-          store: Store = True) -> None:
+          store: Store = True, weights: Weights = "auto") -> None:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions), with lookahead decoding."""
     flags = dict(locals())  # the parameters named like a setting become Settings (see _settings)
     from ladechat import server
@@ -406,7 +415,8 @@ def bench(dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Pr
           reps: Annotated[int, typer.Option("--reps", help="With --step-cost: timed steps per size (median).")] = 10,
           as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
           api: Annotated[str | None, typer.Option("--api", help="Serving overhead instead: each prompt's first turn answered in this process and through the ladechat serve at URL (same --model and --dtype), alternately.")] = None,
-          api_key: ApiKey = None) -> None:
+          api_key: ApiKey = None,
+          weights: Annotated[Optional[str], typer.Option("--weights", help="Linear weights, as for the chat (auto, dense, packed, int4); default packed (the layout the bench's tables compare HF with), and auto with --api (as ladechat serve loads).")] = None) -> None:
     """Compare HF generate, HF prompt lookup, ladechat plain and lookahead on real prompts, side by side."""
     flags = dict(locals())  # the parameters named like a setting become Settings (see _settings)
     from ladechat import bench as benchmark
@@ -414,12 +424,12 @@ def bench(dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Pr
 
     err = stderr_console()
     if step_cost:
-        _step_cost(model, shape, sizes, context, reps, compile, dtype, device, attn, as_json, err)
+        _step_cost(model, shape, sizes, context, reps, compile, dtype, device, attn, as_json, err, weights or "packed")
         return
     flags.pop("store")  # the bench's --store is a mode (cold, warm, off), not the setting
     if api is not None:
         _settings(flags)  # every flag checked before the (slow) model load
-        _serve_bench(api, api_key, dataset, limit, model, dtype, device, attn, as_json, err, flags)
+        _serve_bench(api, api_key, dataset, limit, model, dtype, device, attn, as_json, err, flags, weights or "auto")
         return
     method_list = [m.strip() for m in methods.split(",") if m.strip()] + (list(benchmark.ONLY) if ablation else [])
     benchmark.check_methods(method_list)
@@ -433,7 +443,8 @@ def bench(dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Pr
         raise Fail(f"--limit must be >= 1, got {limit}")
     _settings(flags)  # every flag checked before the (slow) model load
     _quiet_libraries()
-    loaded = _load_here(model, dtype, device, attn, False, False, None, err, compile=compile)
+    loaded = _load_here(model, dtype, device, attn, False, False, None, err, compile=compile,
+                        weights=weights or ("dense" if compile else "packed"))
     settings = _settings(flags, loaded)
     results = benchmark.run(loaded, dataset, method_list, settings, limit, compile=compile, single_turn=single_turn,
                             store=store, warm_from=warm_from, warm_limit=warm_limit,
@@ -445,7 +456,8 @@ def bench(dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Pr
             stdout_console().print(table)
 
 
-def _serve_bench(api, api_key, dataset, limit, model, dtype, device, attn, as_json, err, flags: dict) -> None:
+def _serve_bench(api, api_key, dataset, limit, model, dtype, device, attn, as_json, err, flags: dict,
+                 weights: str) -> None:
     from ladechat import bench as benchmark
     from ladechat import serve_bench
     from ladechat.remote import Endpoint, RemoteBot
@@ -455,7 +467,7 @@ def _serve_bench(api, api_key, dataset, limit, model, dtype, device, attn, as_js
     remote = RemoteBot(Endpoint.of(api, api_key), None, {}, set())
     serve_bench.check_server(remote)  # before the (slow) model load
     _quiet_libraries()
-    loaded = _load_here(model, dtype, device, attn, False, False, None, err)
+    loaded = _load_here(model, dtype, device, attn, False, False, None, err, weights=weights)
     settings = _settings(flags, loaded)
     result = serve_bench.run(loaded, settings, remote, prompts,
                              progress=lambda i, n: err.print(f"[dim]{i}/{n}[/]", highlight=False))
@@ -465,7 +477,7 @@ def _serve_bench(api, api_key, dataset, limit, model, dtype, device, attn, as_js
         stdout_console().print(serve_bench_table(result))
 
 
-def _step_cost(model, shape, sizes, context, reps, compile, dtype, device, attn, as_json, err) -> None:
+def _step_cost(model, shape, sizes, context, reps, compile, dtype, device, attn, as_json, err, weights: str) -> None:
     from ladechat import step_bench
     from ladechat.engine.loading import resolve_device, resolve_dtype
     from ladechat.ui.report import step_cost_table
@@ -482,7 +494,8 @@ def _step_cost(model, shape, sizes, context, reps, compile, dtype, device, attn,
             net = step_bench.random_model(shape, resolve_dtype(dtype, dev), dev, pack_weights=not compile)
             name = f"random {shape}"
     else:
-        loaded = _load_here(model, dtype, device, attn, False, False, None, err, compile=compile)
+        loaded = _load_here(model, dtype, device, attn, False, False, None, err, compile=compile,
+                            weights="dense" if compile else weights)
         net, name = loaded.model, loaded.name
     with err.status("timing steps" + (" (compiling first)" if compile else ""), spinner="dots"):
         result = step_bench.run(net, name, size_list, context, reps, compile)
