@@ -285,7 +285,7 @@ def apply(model, gguf_path: Path, folder: Path,
     `gguf_path`) whose GGUF weight is Q4_0, Q4_1 or Q4_K by an Int4Linear of the same blocks.
     The first time reads the GGUF (seconds) and keeps the 4-bit form in `folder`. A file that
     cannot be read leaves the model as it is, with a one-line notice."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import save_file
 
     path = cache_path(folder)
@@ -306,7 +306,7 @@ def apply(model, gguf_path: Path, folder: Path,
             try:
                 save_file(arrays, str(partial), metadata=meta)
                 partial.rename(path)
-            except OSError:  # a read-only cache: the same weights, read again next time
+            except (OSError, SafetensorError):  # a read-only cache: the same weights, read again next time
                 partial.unlink(missing_ok=True)
                 return _replace(model, arrays.__getitem__, kinds, notices)
     with safe_open(str(path), framework="pt") as fh:
