@@ -55,6 +55,7 @@ Markdown = Annotated[bool, typer.Option("--markdown/--no-markdown", help="On a t
 Debug = Annotated[bool, typer.Option("--debug", help="Show per-step acceptance and a per-turn statistics panel on stderr.")]
 Api = Annotated[str | None, typer.Option("--api", help="Answer with the model behind an OpenAI-compatible server at URL (ladechat serve, vLLM, ...) instead of loading one; --model then names the server's model.")]
 ApiKey = Annotated[str | None, typer.Option("--api-key", envvar=["LADECHAT_API_KEY", "OPENAI_API_KEY"], show_envvar=True, help="With --api: the server's API key.")]
+KeepAlive = Annotated[str, typer.Option("--keep-alive", envvar="LADECHAT_KEEP_ALIVE", show_envvar=True, help="How long the model stays loaded after an answer, in a local server the next ask or chat uses (5m, 30s, 1h30m; 0: load in this command and keep nothing; -1: until 'ladechat stop').")]
 # Options about loading a model here: refused with --api (the server loaded its model).
 LOCAL_ONLY = ("dtype", "device", "load_in_4bit", "load_in_8bit", "device_map", "max_memory", "attn", "template", "compile",
               "weights")
@@ -146,14 +147,27 @@ def _remote_bot(ctx: typer.Context, api: str, api_key: str | None, defaults: dic
     from ladechat.remote import Endpoint, RemoteBot
     from ladechat.settings import Settings
 
-    # typer vendors its own click: its ParameterSource is compared by name
-    given = {name for name in ctx.params
-             if getattr(ctx.get_parameter_source(name), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")}
+    given = _given(ctx)
     if "store" in given:
         raise Fail("--store/--no-store: with --api the store of past answers is the server's (start it with --no-store)")
     for name in LOCAL_ONLY:
         if name in given:
             raise Fail(f"--{name.replace('_', '-')} is about loading a model here; with --api the server has loaded it")
+    values, chosen = _request_settings(ctx, given, defaults)
+    Settings().updated({k: values[k] for k in chosen})  # ConfigError before connecting
+    return RemoteBot(Endpoint.of(api, api_key), ctx.params["model"], values, chosen)
+
+
+def _given(ctx: typer.Context) -> set[str]:
+    """The parameters the user gave (on the command line or through an environment variable)."""
+    # typer vendors its own click: its ParameterSource is compared by name
+    return {name for name in ctx.params
+            if getattr(ctx.get_parameter_source(name), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")}
+
+
+def _request_settings(ctx: typer.Context, given: set[str], defaults: dict | None) -> tuple[dict, set[str]]:
+    """(values, chosen) for a RemoteBot: the settings sent with each request, by Settings key, and
+    the keys the user chose (those given, max_new_tokens, and `defaults`: the command's own choices)."""
     values = {key: ctx.params[name] for name, key in REMOTE_SETTINGS.items() if name in ctx.params}
     values["stop"] = [s for s in values["stop"] or [] if s]
     chosen = {REMOTE_SETTINGS[name] for name in given if name in REMOTE_SETTINGS} | {"max_new_tokens"}
@@ -161,8 +175,51 @@ def _remote_bot(ctx: typer.Context, api: str, api_key: str | None, defaults: dic
         if key not in chosen:
             values[key] = value
             chosen.add(key)
-    Settings().updated({k: values[k] for k in chosen})  # ConfigError before connecting
-    return RemoteBot(Endpoint.of(api, api_key), ctx.params["model"], values, chosen)
+    return values, chosen
+
+
+def _keep_alive(text: str) -> float:
+    """--keep-alive / LADECHAT_KEEP_ALIVE in seconds (negative: forever); WarmError for a bad one."""
+    from ladechat.keepalive.runtime import parse_duration
+
+    return parse_duration(text)
+
+
+def _runtime_root():
+    """The folder of this user's warm servers (LADECHAT_RUNTIME_DIR, else the runtime folder)."""
+    from ladechat.keepalive.runtime import runtime_root
+
+    return runtime_root(os.environ)
+
+
+def _warm_bot(ctx: typer.Context, flags: dict, keep_alive: float, err: Console, progress=None,
+              defaults: dict | None = None, print_notices: bool = False):
+    """A WarmBot on the local server that keeps this command's model loaded (keepalive/): the
+    settings the user gave, the store and template travel with each request. progress: start the
+    server if need be (or wait for the command starting it), with progress(message) meanwhile;
+    None: only a server that is up already (else None is returned)."""
+    from ladechat.keepalive.client import WarmBot, ensure, find
+    from ladechat.keepalive.runtime import LOAD_DEFAULTS, Spec
+    from ladechat.settings import Settings
+
+    values, chosen = _request_settings(ctx, _given(ctx), defaults)
+    values.update(store=flags["store"], template=flags["template"])
+    chosen |= {"store", "template"}
+    Settings().updated({k: values[k] for k in chosen})  # ConfigError before any server starts
+    if flags["template"] is not None:
+        from ladechat.templates import resolve
+
+        resolve(None, flags["template"])
+    spec = Spec.of({k: flags[k] for k in LOAD_DEFAULTS if k in flags}, os.environ)
+    root = _runtime_root()
+    warm = find(spec, root) if progress is None else ensure(spec, keep_alive, root, progress)
+    if warm is None:
+        return None
+    bot = WarmBot(warm, values, chosen, keep_alive, _spinner(err))
+    if print_notices:  # now, one line each (else the first answer's events show them)
+        _print_notices(bot.notices, err)
+        bot.notices.clear()
+    return bot
 
 
 def _quiet_libraries() -> None:
@@ -180,6 +237,7 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = True, w
          temperature: Temperature = None, top_p: TopP = 1.0, top_k: TopK = 0, min_p: MinP = 0.0,
          repetition_penalty: RepPenalty = 1.0, seed: Seed = None, dtype: Dtype = "auto", device: Device = "auto",
          load_in_4bit: FourBit = False, load_in_8bit: EightBit = False, device_map: DeviceMap = None,
+         keep_alive: KeepAlive = "5m",
          max_memory: MaxMemory = None, attn: Attn = "sdpa", template: Template = None, system: System = None, stop: Stop = None,
          compile: Compile = False, store: Store = True, markdown: Markdown = True, debug: Debug = False,
          api: Api = None, api_key: ApiKey = None, weights: Weights = "auto") -> None:
@@ -197,14 +255,22 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = True, w
     from ladechat.pending import LoadFailed, PendingBot
 
     _settings(flags)  # every flag checked before the (slow) model load
-    if compile:
+    keep = _keep_alive(keep_alive)
+    load = lambda progress: _chat_bot(flags, progress)[1]
+    if keep != 0:  # the model in a local server that keeps it loaded for the next commands
+        warm = _warm_bot(ctx, flags, keep, err)  # one that holds it already
+        if warm is not None:
+            run_chat(warm, system=system, debug=debug, markdown=markdown, out=stdout_console(), err=err)
+            return
+        load = lambda progress: _warm_bot(ctx, flags, keep, err, progress)
+    elif compile:
         # Compiled steps are captured (CUDA graphs) per thread: warm them up on the thread that
         # answers, before the prompt.
         bot = _chat_bot(flags, _spinner(err))[1]
         run_chat(bot, system=system, debug=debug, markdown=markdown, out=stdout_console(), err=err)
         return
     # The prompt comes at once; the model loads meanwhile and the first answer waits for it.
-    bot = PendingBot(lambda progress: _chat_bot(flags, progress)[1], label=model or "the embedded model", err=err)
+    bot = PendingBot(load, label=model or "the embedded model", err=err)
     try:
         run_chat(bot, system=system, debug=debug, markdown=markdown, out=stdout_console(), err=err)
     except LoadFailed as exc:
@@ -248,6 +314,7 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
         top_p: TopP = 1.0, top_k: TopK = 0, min_p: MinP = 0.0, repetition_penalty: RepPenalty = 1.0,
         seed: Seed = None, dtype: Dtype = "auto", device: Device = "auto", load_in_4bit: FourBit = False,
         load_in_8bit: EightBit = False, device_map: DeviceMap = None, max_memory: MaxMemory = None,
+        keep_alive: KeepAlive = "5m",
         attn: Attn = "sdpa",
         template: Template = None, system: System = None, stop: Stop = None, compile: Compile = False,
         store: Store = True, markdown: Markdown = True, debug: Debug = False, as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, token_ids, stats) instead of streaming.")] = False,
@@ -261,8 +328,12 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
 
     err = stderr_console()
     text = _read_prompt(prompt)
+    keep = _keep_alive(keep_alive) if api is None else 0.0
+    loaded = None  # a model loaded here
     if api is not None:
         bot = _remote_bot(ctx, api, api_key, defaults={"temperature": 0.0})  # greedy unless --temperature
+    elif keep != 0:  # the model in a local server that keeps it loaded for the next commands
+        bot = _warm_bot(ctx, flags, keep, err, _spinner(err), defaults={"temperature": 0.0}, print_notices=True)
     else:
         _settings(flags)  # every flag checked before the (slow) model load
         _quiet_libraries()
@@ -300,7 +371,8 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
     stats = done.stats
     if as_json:
         stats_dict = stats.as_dict()
-        text = "".join(pieces) if api else loaded.tokenizer.decode(list(done.text_tokens), skip_special_tokens=True)
+        text = "".join(pieces) if loaded is None else loaded.tokenizer.decode(list(done.text_tokens),
+                                                                             skip_special_tokens=True)
         record = {"text": text, "token_ids": list(done.text_tokens), "model": bot.name, "stats": stats_dict}
         sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
     else:
@@ -503,6 +575,35 @@ def _step_cost(model, shape, sizes, context, reps, compile, dtype, device, attn,
         print(json.dumps(result, indent=2))
     else:
         stdout_console().print(step_cost_table(result))
+
+
+@app.command()
+def ps() -> None:
+    """The models kept loaded for the next commands (see --keep-alive): model, device, load options,
+    memory, until when."""
+    from ladechat.keepalive.client import servers, table
+
+    entries = servers(_runtime_root())
+    if not entries:
+        stderr_console().print("no model is kept loaded")
+        return
+    for line in table(entries):
+        print(line)
+
+
+@app.command()
+def stop(model: Annotated[Optional[str], typer.Argument(help="The model to unload, as 'ladechat ps' names it (default: the only one kept loaded).")] = None,
+         every: Annotated[bool, typer.Option("--all", help="Unload every model kept loaded.")] = False) -> None:
+    """Unload a model kept loaded (stop its local server); an answer it is giving ends."""
+    from ladechat.keepalive.client import stop as stop_servers
+
+    stopped = stop_servers(_runtime_root(), model, every)
+    err = stderr_console()
+    if not stopped:
+        err.print("no model is kept loaded")
+    for entry in stopped:
+        err.print(f"unloaded {escape(entry.model)} (pid {entry.record.get('pid') or (entry.info or {}).get('pid')})",
+                  highlight=False)
 
 
 store_app = typer.Typer(help="The stores of past answers that lookahead drafts from (one per model).",

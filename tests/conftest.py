@@ -27,6 +27,9 @@ def _test_cache_home() -> Path:
 
 # Set before any test runs: in-process code and every `ladechat` subprocess read it.
 os.environ["XDG_CACHE_HOME"] = str(_test_cache_home())
+# Every `ladechat ask` and chat of the suite loads its model itself and keeps nothing (a warm server
+# would outlive the test that started it); tests/test_keepalive.py opts in, in folders of its own.
+os.environ["LADECHAT_KEEP_ALIVE"] = "0"
 
 
 @pytest.fixture(scope="session")
