@@ -198,7 +198,7 @@ def check_methods(methods: list[str]) -> None:
 
 def run(loaded, datasets: list[str], methods: list[str], settings: Settings, limit: int | None, progress=None,
         compile: bool = False, single_turn: bool = False, store: str = "cold", warm_from: list[str] | None = None,
-        warm_limit: int | None = None) -> dict:
+        warm_limit: int | None = None, on_item=None) -> dict:
     """Greedy runs also report whether each method's answers equal HF greedy's, token for token
     (hf always runs, first, as the reference; on packed weights hf-packed runs too, second, as the
     reference of ladechat's methods, whose fp32 sums differ from hf's in the last bits); sampled
@@ -209,7 +209,9 @@ def run(loaded, datasets: list[str], methods: list[str], settings: Settings, lim
     per method, compiled once). single_turn: only each item's first turn. store: each ladechat
     method gets its own store of past answers, empty at the start of the run and filled with that
     method's answers as it goes ("cold", what a new user has), filled first with the answers to
-    the items of `warm_from` ("warm"), or none ("off")."""
+    the items of `warm_from` ("warm"), or none ("off"). on_item: called with a dict after each item
+    (every method answered it), so a run cut short keeps what it measured: the prompt set, the item's
+    index, and per method its tokens, seconds, steps and whether it equals the reference and hf."""
     check_methods(methods)
     la, sampling, template = settings.lookahead_config(), settings.sampling_config(), settings.template
     packed = packing.is_packed(loaded.model)
@@ -256,6 +258,7 @@ def run(loaded, datasets: list[str], methods: list[str], settings: Settings, lim
         tallies = {m: Tally() for m in methods}
         for i, item in enumerate(items):
             answers: dict[str, list[int]] = {}
+            per_method: dict[str, dict] = {}
             for m in methods:
                 answer, seconds, steps, by_depth = run_item(loaded, item, m, la, sampling, template, step_cost,
                                                             runners.get(m), stores.get(m), layouts)
@@ -270,6 +273,11 @@ def run(loaded, datasets: list[str], methods: list[str], settings: Settings, lim
                 t.identical_to_hf += int(sampling.greedy and answer == answers["hf"])
                 t.per_item.append((len(answer), seconds))
                 t.by_depth = _add(t.by_depth, by_depth)
+                per_method[m] = {"tokens": len(answer), "seconds": seconds, "steps": steps,
+                                 "identical": sampling.greedy and answer == reference,
+                                 "identical_to_hf": sampling.greedy and answer == answers["hf"]}
+            if on_item:
+                on_item({"dataset": name, "item": i, "turns": len(item["turns"]), "methods": per_method})
             if progress:
                 progress(name, i + 1, len(items))
         results["datasets"][name] = {m: _summary(t, tallies["hf"]) for m, t in tallies.items()}
