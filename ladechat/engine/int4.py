@@ -17,14 +17,18 @@ and its result back. Everything else (norms, attention, the residual stream) sta
 dtype, and tensors of other types (the embedded model's Q8_0 embedding and the output layer tied
 to it; Q5/Q6/Q8/F16 tensors) keep the path they had: dense, packed for oneDNN where that applies.
 
-Each row's result is independent of how many rows a step has (the kernel accumulates every row on
-its own, in the same order), so lookahead's answers equal plain decoding's on these weights.
+The kernel computes each row on its own, in the same order whatever the step's size, but SDPA's
+rows depend in fp32's last bits on how many rows and masked keys a step has, and the bf16 rounding
+of the next product's input turns such a difference into a visible one now and then (~0.05 in the
+embedded model's logits): a lookahead answer on these weights can part from plain decoding's on
+them after a near tie (tests/test_int4.py checks it parts only there).
 
-Reading a GGUF's metadata takes seconds on a small CPU, so the first load writes the 4-bit codes,
-scales and zeros in the model's own row order (llama.cpp permutes the rows of q and k; transformers'
-GGUF tensor processor says how) into one safetensors file next to the converted model; later loads
-read that and pack (well under a second for the embedded model). The model's code is untouched:
-Linear modules are replaced, as transformers' quantizers do.
+Reading a GGUF's metadata takes seconds on a small CPU, so the first load writes the kernel's
+buffers (the codes packed in the model's own row order: llama.cpp permutes the rows of q and k,
+and transformers' GGUF tensor processor says how; bf16 scales and zeros) into one safetensors file
+next to the converted model, named for the torch version and the CPU's vector width that the
+packed layout depends on; later loads only read it. The model's code is untouched: Linear modules
+are replaced, as transformers' quantizers do.
 """
 
 from __future__ import annotations
