@@ -631,8 +631,9 @@ class Api:
         body = await read_body(request)
         # Parsing and tokenizing a large request takes a while: in a thread, so the event loop
         # (other clients' streams, /health, refusals) goes on meanwhile.
-        req, conversation, settings = await asyncio.get_running_loop().run_in_executor(self.tokenizing,
-                                                                                       self.prepare, body)
+        base = self.request_base(request)
+        req, conversation, settings = await asyncio.get_running_loop().run_in_executor(self.tokenizing, self.prepare,
+                                                                                       body, base)
         if self.draining:
             raise shutting_down()
         job = self.worker.submit(conversation, settings)
@@ -644,13 +645,18 @@ class Api:
                                        shutdown_grace_period=self.config.drain_timeout + 5)
         return await self.whole(request, job, rid)
 
-    def prepare(self, body: bytes) -> tuple[ChatRequest, Conversation, Settings]:
+    def request_base(self, request: Request) -> Settings:
+        """The settings this request starts from: the server's (a subclass may add what the request
+        carries besides the API's fields)."""
+        return self.base
+
+    def prepare(self, body: bytes, base: Settings) -> tuple[ChatRequest, Conversation, Settings]:
         """The request in `body`, its conversation and settings, checked (ApiError): valid, for this
         model, and a prompt that fits (refused by size before any tokenizing where it cannot)."""
         req = parse_request(body)
         self.known_model(req.model, "model")
         conversation = conversation_of(req.messages)
-        settings = settings_of(self.base, req)
+        settings = settings_of(base, req)
         self.check_size(conversation, settings)
         self.check_length(conversation, settings)
         return req, conversation, settings

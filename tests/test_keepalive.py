@@ -190,9 +190,15 @@ def test_two_asks_share_one_server_and_answer_as_in_process(warm):
 
 
 def test_settings_stop_strings_and_the_store_travel_with_each_request(warm):
+    def stored() -> int:  # the answers in the model's store of past answers
+        found = re.search(r"^SmolLM2[^\t]*\t(\d+) answers", warm("store", "list").stdout, re.MULTILINE)
+        return int(found.group(1)) if found else 0
+
     args = ["ask", "--json", "--dtype", "float32", "--no-lookahead", "--max-new-tokens", "40", COUNT]
+    before = stored()
     whole = warm(*args, "--no-store")
     assert whole.returncode == 0, whole.stderr
+    assert stored() == before  # not added: --no-store went with the request
     record = json.loads(whole.stdout)
     assert record["stats"]["lookahead"] is False and record["stats"]["new_tokens"] <= 40
     text = record["text"]
@@ -202,12 +208,16 @@ def test_settings_stop_strings_and_the_store_travel_with_each_request(warm):
     record = json.loads(cut.stdout)
     assert record["stats"]["finish_reason"] == "stop"
     assert record["text"] == text[:text.index(stop) + len(stop)]  # the stop string kept, as in-process
+    assert stored() == before + 1
     plain = warm("ask", "--dtype", "float32", "--no-lookahead", "--max-new-tokens", "40", "--stop", stop, COUNT)
     assert plain.stdout.rstrip("\n") == record["text"]
     # the sampling and lookahead settings of a request are that request's alone
     looked = warm("ask", "--json", "--dtype", "float32", "-W", "3", "-N", "4", "--max-new-tokens", "8", QUESTION)
     stats = json.loads(looked.stdout)["stats"]
     assert (stats["lookahead"], stats["W"], stats["N"]) == (True, 3, 4)
+    prompts = [json.loads(warm("ask", "--json", "--dtype", "float32", "--max-new-tokens", "2", *extra, QUESTION).stdout)
+               ["stats"]["prompt_tokens"] for extra in ([], ["--template", "zephyr"])]
+    assert prompts[0] != prompts[1]  # the template went with the request
     bad = warm("ask", "--dtype", "float32", "--template", "nope", QUESTION)
     one_line_error(bad, "unknown template 'nope'")
     assert len(warm.daemons()) == 1

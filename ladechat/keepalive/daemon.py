@@ -23,7 +23,6 @@ and template, which the OpenAI-style request has no place for.
 from __future__ import annotations
 
 import argparse
-import contextvars
 import json
 import math
 import os
@@ -42,8 +41,9 @@ HEADER = "x-ladechat-warm"
 # A request's own max_tokens decides how long an answer may be; the server's is only a cap.
 MAX_NEW_TOKENS = 1_000_000
 GRACE = 30.0  # seconds answers in progress get when the server is told to stop (SIGTERM, a newer ladechat)
-# The settings one request gives besides the API's fields (store, template), for WarmApi.base.
-REQUEST_SETTINGS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("ladechat_warm_request", default=None)
+# Where in an ASGI scope's state Daemon puts the settings a request gives besides the API's fields
+# (store, template), for WarmApi.request_base.
+SCOPE_SETTINGS = "ladechat_warm_settings"
 
 
 def log(line: str) -> None:
@@ -104,17 +104,12 @@ def make_api(bot, settings):
 
     class WarmApi(Api):
         """server.Api whose settings for a request take the store and template that request gave
-        (REQUEST_SETTINGS, set per request by Daemon), and whose streams keep the stop string that
-        ended an answer, as the chat and `ask` show it when they answer in-process."""
+        (put in its scope's state by Daemon), and whose streams keep the stop string that ended an
+        answer, as the chat and `ask` show it when they answer in-process."""
 
-        @property
-        def base(self):
-            extra = REQUEST_SETTINGS.get()
-            return self._base.updated(extra) if extra else self._base
-
-        @base.setter
-        def base(self, value) -> None:
-            self._base = value
+        def request_base(self, request):
+            extra = request.scope.get("state", {}).get(SCOPE_SETTINGS)
+            return self.base.updated(extra) if extra else self.base
 
         async def stream(self, job, rid, include_usage):
             chunks = super().stream(job, rid, include_usage)
@@ -209,14 +204,14 @@ class Daemon:
             body = {"error": {"message": f"X-Ladechat-Warm: {exc}", "type": "invalid_request_error", "param": None,
                               "code": None}}
             return await JSONResponse(body, status_code=400)(scope, receive, send)
-        token = REQUEST_SETTINGS.set(extra)
+        if extra:
+            scope = {**scope, "state": {**scope.get("state", {}), SCOPE_SETTINGS: extra}}
         self.active += 1
         try:
             await self.inner(scope, receive, send)
         finally:
             self.active -= 1
             self.last = time.monotonic()
-            REQUEST_SETTINGS.reset(token)
 
     def request_settings(self, scope) -> dict | None:
         raw = next((v for k, v in scope["headers"] if k == HEADER.encode()), None)
