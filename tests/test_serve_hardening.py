@@ -45,48 +45,61 @@ def wait_health(server, **want):
 
 
 class Stream(threading.Thread):
-    """Another client's streamed answer, each chunk's arrival time noted."""
+    """Another client's streamed answer, each chunk's arrival time noted; `leave` set: the client
+    goes away at the next chunk."""
 
     def __init__(self, url: str, body: dict):
         super().__init__(daemon=True)
         self.url, self.body = url, body
         self.arrivals: list[float] = []
         self.chunks: list[dict] = []
+        self.text = threading.Event()  # the first of the answer's text has come
+        self.leave = threading.Event()
         self.done = False
 
     def run(self):
         with httpx.stream("POST", self.url + "/chat/completions", json=self.body, timeout=120) as r:
             for line in r.iter_lines():
+                if self.leave.is_set():
+                    return
                 if line.startswith("data:"):
                     self.arrivals.append(time.perf_counter())
                     data = line[5:].strip()
                     self.done = self.done or data == "[DONE]"
                     if data != "[DONE]":
                         self.chunks.append(json.loads(data))
+                        if any(c["delta"].get("content") for c in self.chunks[-1].get("choices", [])):
+                            self.text.set()
 
 
 class HealthPoller(threading.Thread):
-    """GET /health over and over, each answer's latency noted, until told to stop."""
+    """GET /health over and over until told to stop, each poll's (start, latency, status) noted."""
 
     def __init__(self, base: str):
         super().__init__(daemon=True)
         self.base = base
-        self.latencies: list[float] = []
+        self.polls: list[tuple[float, float, int]] = []
         self.stopping = threading.Event()
 
     def run(self):
-        with httpx.Client(timeout=30) as client:
+        with httpx.Client(timeout=60) as client:
             while not self.stopping.is_set():
                 start = time.perf_counter()
-                assert client.get(self.base + "/health").status_code == 200
-                self.latencies.append(time.perf_counter() - start)
+                status = client.get(self.base + "/health").status_code
+                self.polls.append((start, time.perf_counter() - start, status))
                 time.sleep(0.02)
+
+    def latencies(self, begin: float, end: float) -> list[float]:
+        """Those of the polls that were in flight at some time between `begin` and `end`."""
+        return [latency for start, latency, _ in self.polls if start < end and start + latency > begin]
 
 
 def test_a_huge_request_is_refused_while_health_and_another_stream_are_answered(server):
     """The issue's 7.8 MB message froze the server for 12.6 s and added 2 GiB: now it is refused by
     its size alone, and a 3.3 MB one (1.1 M characters of CJK, 2 tokens each: too long, but not by
-    characters alone) is refused after counting only its first tokens, off the event loop."""
+    characters alone) is refused after counting only its first tokens, off the event loop. /health
+    is answered meanwhile within 0.5 s (or, on a machine so busy that /health was slower than that
+    just before, within twice its slowest then), and the other client's stream goes on."""
     other = Stream(server.url, chat_body(LONG, max_tokens=10**6, stream=True))  # more than the cap
     other.start()
     wait_health(server, running=1)
@@ -94,9 +107,8 @@ def test_a_huge_request_is_refused_while_health_and_another_stream_are_answered(
         time.sleep(0.01)
     poller = HealthPoller(server.base)
     poller.start()
-    time.sleep(0.3)
+    time.sleep(1.0)
     rss_before = server.rss_mib()
-    seen_before = len(other.arrivals)
     huge = {"7.8 MB": json.dumps(chat_body("lookahead " * 780_000)).encode(),
             "3.3 MB": json.dumps(chat_body("日本語のテキスト" * 140_000), ensure_ascii=False).encode()}
     assert len(huge["7.8 MB"]) > 7_800_000 and len(huge["7.8 MB"]) < 8 * MiB
@@ -110,16 +122,16 @@ def test_a_huge_request_is_refused_while_health_and_another_stream_are_answered(
 
     watcher = threading.Thread(target=watch_rss)
     watcher.start()
+    begin = time.perf_counter()
     with httpx.Client(timeout=120) as client:
         for name, body in huge.items():
             start = time.perf_counter()
             refusals[name] = client.post(server.url + "/chat/completions", content=body, headers=JSON)
             took[name] = time.perf_counter() - start
+    end = time.perf_counter()
     done.set()
     watcher.join()
-    rss_peak = max(peaks)
-    during = len(poller.latencies)
-    time.sleep(0.3)
+    time.sleep(0.5)
     poller.stopping.set()
     poller.join()
     other.join(300)
@@ -128,16 +140,20 @@ def test_a_huge_request_is_refused_while_health_and_another_stream_are_answered(
         assert r.json()["error"]["code"] == "context_length_exceeded", name
     assert "characters" in refusals["7.8 MB"].json()["error"]["message"]  # refused before tokenizing
     assert "the prompt is at least" in refusals["3.3 MB"].json()["error"]["message"]  # counted, not all
-    # /health answered throughout, each within 0.5 s; the other client's stream went on and finished
-    assert during > 5 and max(poller.latencies) < 0.5, poller.latencies
-    assert len(other.arrivals) > seen_before and other.done
-    assert rss_peak - rss_before < 100, (rss_before, rss_peak)
-    # and the other answer was capped at --max-new-tokens, with its own finish
+    # /health was answered while the refusals were in progress, each in time
+    before = poller.latencies(begin - 1.0, begin - 0.001)
+    during = poller.latencies(begin, end)
+    bound = max(0.5, 2 * max(before))
+    assert during and max(during) < bound, (during, before)
+    assert all(status == 200 for _, _, status in poller.polls)
+    # the other client's stream went on and finished, capped at --max-new-tokens
+    assert any(t > end for t in other.arrivals[:-1]) and other.done
     last = [c for c in other.chunks if c.get("choices") and c["choices"][0]["finish_reason"]][-1]
     assert last["usage"]["completion_tokens"] == CAP and last["choices"][0]["finish_reason"] == "length"
-    print(f"\n7.8 MB refused in {took['7.8 MB']:.2f} s, 3.3 MB in {took['3.3 MB']:.2f} s; /health max "
-          f"{max(poller.latencies) * 1000:.0f} ms over {len(poller.latencies)} polls; RSS {rss_before:.0f} MiB, "
-          f"peak +{rss_peak - rss_before:.1f} MiB")
+    assert max(peaks) - rss_before < 100, (rss_before, max(peaks))
+    print(f"\n7.8 MB refused in {took['7.8 MB']:.2f} s, 3.3 MB in {took['3.3 MB']:.2f} s; /health meanwhile "
+          f"{len(during)} polls, slowest {max(during) * 1000:.0f} ms (before: {max(before) * 1000:.0f} ms); "
+          f"RSS {rss_before:.0f} MiB, peak +{max(peaks) - rss_before:.1f} MiB")
 
 
 def test_a_content_length_over_the_limit_is_refused_before_the_body_is_read(server):
@@ -249,30 +265,35 @@ def test_serve_help_says_max_new_tokens_is_a_cap():
 
 
 def test_sigterm_drains_the_answers_in_progress():
-    """SIGTERM with a short answer running and a long one waiting: the short one finishes, the long
-    one ends with an error event (then [DONE]) once the drain time is up, a waiting whole-response
-    request gets a 503; the server then exits, with one line about it and no traceback."""
-    server = Server("--dtype", "float32", "--no-store", "--drain-timeout", "6")
+    """SIGTERM with a short answer running and two long ones waiting (one streamed, one whole): the
+    short one finishes; once the drain time is up the streamed one ends with an error event (then
+    [DONE]) and the whole one gets a 503; the server then exits, with one line about it and no
+    traceback."""
+    server = Server("--dtype", "float32", "--no-store", "--drain-timeout", "12")
+    # Answers that go on for their 1000 tokens whatever the model knows: greedy, this model ends its
+    # count at 20 (2.7 s on an AVX-512 CPU, inside the drain time); sampled this hot, it rambles on
+    # and almost never picks its end-of-turn token.
+    rambling = {"max_tokens": 1000, "temperature": 1.8, "top_p": 1.0, "seed": 1}
+    count = "Count from 1 to 1000, one number per line."
     try:
-        short = Stream(server.url, chat_body("What is the capital of France?", max_tokens=8, stream=True,
+        blocker = Stream(server.url, chat_body(count, stream=True, **rambling))
+        short = Stream(server.url, chat_body("What is the capital of France?", max_tokens=12, stream=True,
                                              temperature=0))
-        long = Stream(server.url, chat_body(LONG, max_tokens=1000, stream=True))
+        long = Stream(server.url, chat_body(count, stream=True, **rambling))
         whole: dict = {}
-        short.start()
-        wait_health(server, running=1)
-        long.start()
-        wait_health(server, waiting=1)
         waiting = threading.Thread(target=lambda: whole.update(r=httpx.post(
-            server.url + "/chat/completions", json=chat_body(LONG, max_tokens=1000), timeout=120)))
-        waiting.start()
-        wait_health(server, waiting=2)
-        while not short.arrivals:
-            time.sleep(0.01)
+            server.url + "/chat/completions", json=chat_body(count, **rambling), timeout=120)))
+        blocker.start()  # holds the model while the others queue up behind it, in this order
+        wait_health(server, running=1)
+        for n, request in enumerate((short, long, waiting), start=1):
+            request.start()
+            wait_health(server, waiting=n)
+        blocker.leave.set()  # its client goes: the short answer runs
+        assert short.text.wait(120)
         server.proc.send_signal(signal.SIGTERM)
         sent = time.perf_counter()
-        short.join(60)
-        long.join(60)
-        waiting.join(60)
+        for request in (short, long, waiting):
+            request.join(60)
         code = server.proc.wait(60)
         exited = time.perf_counter() - sent
     finally:
@@ -283,6 +304,6 @@ def test_sigterm_drains_the_answers_in_progress():
                                                        "type": "server_error", "param": None,
                                                        "code": "server_shutting_down"}}
     assert whole["r"].status_code == 503 and whole["r"].json()["error"]["code"] == "server_shutting_down"
-    assert code in (0, -signal.SIGTERM) and exited < 30
-    assert "shutting down: answers in progress get 6 s to finish" in server.lines
+    assert code in (0, -signal.SIGTERM) and exited < 60
+    assert "shutting down: answers in progress get 12 s to finish" in server.lines
     assert not any("Traceback" in line for line in server.lines), server.lines
