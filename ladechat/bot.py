@@ -43,7 +43,8 @@ def prompt_budget(context_length: int, max_new_tokens: int) -> int:
 
 class Backend(Protocol):
     """What the chat needs from whatever answers it: a Bot (a model in this process) or a
-    remote.RemoteBot (a model behind an OpenAI-compatible server). Both stream the same events."""
+    remote.RemoteBot (a model behind an OpenAI-compatible server). A Bot streams the engine's Steps
+    (token ids), a RemoteBot Pieces (text that arrives decoded); Notices and a Done from both."""
 
     settings: Settings
     compiled: bool  # configure() then needs warm_up() (compiles)

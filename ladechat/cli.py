@@ -1,4 +1,5 @@
-"""Command line: `ladechat` (chat), `ladechat ask`, `ladechat bench`, `ladechat templates`."""
+"""Command line: `ladechat` (chat), `ladechat ask`, `ladechat serve`, `ladechat bench`, `ladechat templates`,
+`ladechat store list|clear`, `ladechat ps`, `ladechat stop`."""
 
 from __future__ import annotations
 

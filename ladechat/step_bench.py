@@ -7,7 +7,7 @@ e.g. Llama-2-7B on a GPU), in three ways side by side:
   static    pre-allocated cache, fixed-shape step, eager
   compiled  the static step through torch.compile (CUDA graphs on a GPU)   [--compile]
 and HF `generate` per token as the baseline. A step of size 1 is plain decoding; larger steps are
-lookahead windows of N=5 (S/4 columns), logits read from the rows a real step reads.
+lookahead windows of N=5 (S/4 columns), the logits of every row read, as a decoding step reads them.
 """
 
 from __future__ import annotations
@@ -105,12 +105,11 @@ def _time_steps(runner, sizes, context: int, reps: int, device) -> dict[int, flo
             runner.configure(LookaheadConfig(window=max(1, size // LEVELS), ngram=LEVELS + 1, candidates=0,
                                              context_candidates=0))
         layout = _layout(size)
-        rows = layout.logit_rows()
         times = []
         for rep in range(reps + 2):  # two warm-up calls (compilation, allocation)
             _sync(device)
             start = time.perf_counter()
-            runner.step(layout, context, rows).argmax(-1).tolist()
+            runner.step(layout, context).argmax(-1).tolist()
             _sync(device)
             if rep >= 2:
                 times.append(time.perf_counter() - start)

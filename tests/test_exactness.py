@@ -10,6 +10,7 @@ from tiny_models import FAMILIES, tiny_model
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.events import Done, Step
+from ladechat.engine.step_cost import CostModel
 from ladechat.engine.store import AnswerStore
 
 MODELS = {}
@@ -178,7 +179,7 @@ def test_cost_aware_planning_stays_exact(curve):
         for _ in range(4):
             prompt = repetitive_prompt(rng, model.config.vocab_size, rng.randint(5, 40))
             la = LookaheadConfig(window=rng.randint(1, 6), ngram=rng.randint(2, 5), candidates=rng.randint(0, 6))
-            events = list(generate(Session(model, la, step_cost=curve), prompt, SamplingConfig(max_new_tokens=40),
+            events = list(generate(Session(model, la, step_cost=CostModel({192: curve})), prompt, SamplingConfig(max_new_tokens=40),
                                    frozenset()))
             assert list(events[-1].text_tokens) == hf_greedy(model, prompt, 40)
             fed = [e.fed for e in events[:-1]]

@@ -54,7 +54,7 @@ def test_out_of_memory_leaves_the_session_consistent(error):
         for event in generate(session, prompt, SamplingConfig(max_new_tokens=40), frozenset()):
             if isinstance(event, Step):
                 partial += event.tokens
-    assert partial and kv.cache_length(session.cache) == len(session.cached) == len(prompt) + len(partial) - 1
+    assert partial and kv.cache_length(session.runner.cache) == len(session.cached) == len(prompt) + len(partial) - 1
     # Continuing on the same session (as the chat does) gives exactly the greedy continuation.
     rest = [e for e in generate(session, prompt + partial, SamplingConfig(max_new_tokens=20), frozenset())]
     assert isinstance(rest[-1], Done)
@@ -133,7 +133,7 @@ def test_interrupt_leaves_the_session_consistent(lookahead, fail_on_call):
     assert isinstance(done, Done) and done.stats.finish_reason == "interrupted"
     partial = [t for e in events[:-1] for t in e.tokens]
     assert list(done.text_tokens) == partial and (partial == []) == (fail_on_call == 1)
-    assert kv.cache_length(session.cache) == len(session.cached)
+    assert kv.cache_length(session.runner.cache) == len(session.cached)
     rest = [e for e in generate(session, prompt + partial, SamplingConfig(max_new_tokens=20), frozenset())]
     assert partial + list(rest[-1].text_tokens) == hf_greedy(model, prompt, len(partial) + 20)
 

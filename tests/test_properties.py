@@ -98,7 +98,7 @@ def check_consistent(app: ChatApp) -> None:
     for m in app.conversation.messages:
         assert m["role"] in ("user", "assistant") and isinstance(m["content"], str)
     session = app.bot.session
-    assert kv.cache_length(session.cache) == len(session.cached) <= LOADED.context_length
+    assert kv.cache_length(session.runner.cache) == len(session.cached) <= LOADED.context_length
     assert Settings.parse(app.bot.settings.as_dict()) == app.bot.settings  # still a valid, savable whole
 
 

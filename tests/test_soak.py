@@ -113,12 +113,12 @@ def test_soak_100_turns(embedded_fp32):
         if is_answer:
             answered += 1
         figures["rss"].append(resident_bytes())
-        figures["kv"].append(kv.cache_length(session.cache))
+        figures["kv"].append(kv.cache_length(session.runner.cache))
         figures["pool"].append(len(session.pool))
         figures["recycled"].append(len(session.recycled))
         figures["pairs"].append(session.recycled.pairs())
         figures["context"].append(len(session.context))
-        assert kv.cache_length(session.cache) == len(session.cached) <= CONTEXT
+        assert kv.cache_length(session.runner.cache) == len(session.cached) <= CONTEXT
         assert len(session.context) <= CONTEXT
         if line.startswith("x "):
             assert len(app.conversation.messages) == before  # the refused question is gone, nothing else

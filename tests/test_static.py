@@ -32,7 +32,7 @@ def test_static_greedy_identical_to_generate(family):
         la = LookaheadConfig(window=w, ngram=n, candidates=g)
         ours, steps, session = static_run(model, prompt, la, max_new)
         assert ours == hf_greedy(model, prompt, max_new), (family, w, n, g)
-        assert kv.cache_length(session.cache) == len(prompt) + max_new - 1 == len(session.cached)
+        assert kv.cache_length(session.runner.cache) == len(prompt) + max_new - 1 == len(session.cached)
         # every lookahead step fed its full tree (no cost-based trimming on a fixed shape)
         assert all(s.fed > 1 for s in steps) or w * (n - 1) == 1
 
@@ -123,7 +123,7 @@ def test_static_cache_grows_and_keeps_the_conversation():
     prompt = (repetitive_prompt(random.Random(8), model.config.vocab_size, 40) * 40)[:700]
     ours, _, session = static_run(model, prompt, la, 60, runner=runner)
     assert runner.length > start and ours == hf_greedy(model, prompt, 60)
-    assert kv.cache_length(session.cache) == len(prompt) + 59
+    assert kv.cache_length(session.runner.cache) == len(prompt) + 59
 
 
 def test_a_commit_moves_every_layer_in_one_gather():
@@ -141,7 +141,7 @@ def test_a_commit_moves_every_layer_in_one_gather():
     assert all(layer.keys.untyped_storage().data_ptr() == layer.values.untyped_storage().data_ptr() == base
                for layer in runner.cache.layers)
     past = len(session.cached)
-    runner.step(build_layout([[5, 6, 7, 8, 9]], []), past, [0, 1, 2, 3, 4])
+    runner.step(build_layout([[5, 6, 7, 8, 9]], []), past)
     expected = [layer.keys[..., [past, past + 2, past + 4], :].clone() for layer in runner.cache.layers]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         runner.commit(past, [0, 2, 4])
@@ -187,9 +187,9 @@ class RecordingRunner(StaticRunner):
         self.lengths, self.warm_ups = [], 0
         super().__init__(*args, **kwargs)
 
-    def step(self, layout, past, rows):
+    def step(self, layout, past):
         self.lengths.append(self.length)
-        return super().step(layout, past, rows)
+        return super().step(layout, past)
 
     def warm_up(self, committed):
         self.warm_ups += 1

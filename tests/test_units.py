@@ -53,11 +53,34 @@ def test_step_inputs_positions_and_committed_prefix():
     assert torch.equal(longer[..., 1:], mask)  # one more committed token: one more visible column
 
 
-def test_logit_rows_are_t_last_level_and_candidates():
+def test_a_step_reads_the_logits_of_every_row():
+    """Verification reads row 0 and the candidate rows, the window its last level, and the recycled
+    successor table every row's top-k: a step returns them all, in row order, as the model computes
+    them (the default runner and the fixed-shape one, which pads the step and drops the padding)."""
+    from tiny_models import tiny_model
+
+    from ladechat.engine.config import LookaheadConfig
+    from ladechat.engine.runner import DynamicRunner, StaticRunner
+
+    model = tiny_model("llama")
     layout = diagram_layout()
-    assert layout.logit_rows() == [0, 3, 4, 5, 6, 7, 8]
-    n2 = build_layout([[0, 1, 2]], [])
-    assert n2.logit_rows() == [0, 1, 2]
+    ids, positions, mask = step_inputs(layout, past=4, dtype=model.dtype, device=model.device)
+    la = LookaheadConfig(window=3, ngram=3, candidates=2, context_candidates=0, recycle=0, store=False)
+    for runner in (DynamicRunner(model), StaticRunner(model, la, context_length=64)):
+        runner.prefill([7, 8, 9, 10], 0)
+        with torch.inference_mode():
+            full = model(input_ids=ids, position_ids=positions, attention_mask=mask,
+                         **{kv.cache_argument(model): _prefilled(model, [7, 8, 9, 10])}).logits[0]
+        logits = runner.step(layout, 4)
+        assert logits.shape == (layout.size, model.config.vocab_size)
+        assert torch.allclose(logits, full, atol=1e-4), type(runner).__name__
+
+
+def _prefilled(model, tokens):
+    cache = kv.new_cache()
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([tokens]), **{kv.cache_argument(model): cache}, use_cache=True)
+    return cache
 
 
 def test_verify_walks_trie_and_adds_bonus():

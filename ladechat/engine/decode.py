@@ -8,8 +8,9 @@
       verify    -> the longest draft path that equals the model's own choices, + bonus token
       harvest   -> every row's top-k into the successor table; the last window level's argmax
                    into the pool (one n-gram per column); acceptance statistics per draft bucket
-      commit_kv -> keep t and the accepted rows, drop the rest
-    generate(): stop rules, events and statistics around Session.step.
+      cut       -> the stop rules (EOS, stop strings, max_new_tokens) keep a prefix of the block
+      commit_kv -> keep t and the kept accepted rows, drop the rest
+    generate(): events and statistics around Session.step.
 
 With lookahead off (or nothing worth feeding but t) a step is a plain one-token forward pass, so
 the chat can toggle lookahead between turns without changing anything else.
@@ -83,10 +84,10 @@ class Session:
     """
 
     def __init__(self, model, lookahead: LookaheadConfig,
-                 step_cost: CostEnvelope | CostModel | dict[int, float] | None = None, runner=None,
+                 step_cost: CostEnvelope | CostModel | None = None, runner=None,
                  store: AnswerStore | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
-        """step_cost: a CostEnvelope learns from the steps it times with `clock`; a CostModel (or one
-        curve) plans every step from the same fixed costs."""
+        """step_cost: a CostEnvelope learns from the steps it times with `clock`; a CostModel plans
+        every step from the same fixed costs."""
         self.model = model
         self.clock = clock
         self.store = store
@@ -94,8 +95,6 @@ class Session:
         self.runner.configure(lookahead)
         if self.runner.fixed:
             step_cost = None  # every step is padded to full size anyway
-        if isinstance(step_cost, dict):
-            step_cost = CostModel({192: step_cost})
         self.step_cost: CostEnvelope | CostModel | None = step_cost  # None: every lookahead step is a full one
         self.skipped = 0  # steps in a row that fed no draft node
         self.cached: list[int] = []
@@ -126,10 +125,6 @@ class Session:
         settings."""
         self.runner.reset()
         self.__init__(self.model, self.lookahead, self.step_cost, self.runner, self.store, self.clock)
-
-    @property
-    def cache(self):
-        return self.runner.cache
 
     def warm_up(self) -> None:
         """Compile a fixed-shape runner's step graphs now (no-op for the default runner)."""
@@ -275,9 +270,8 @@ class Session:
         past = len(self.cached)
         probe = self.probe_size()
         layout = self.plan(t, probe) if la.enabled else tree_layout([[t]], [])
-        rows = list(range(layout.size))
         start = self.clock()
-        logits = self.runner.step(layout, past, rows)
+        logits = self.runner.step(layout, past)
         top = logits.topk(min(TOP_K, logits.shape[-1]), dim=-1).indices.cpu().numpy()  # one host sync
         if isinstance(self.step_cost, CostEnvelope):  # timed as step_cost.measure times a step
             self.step_cost.observe(layout.size, past, self.clock() - start, probe)

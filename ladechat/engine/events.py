@@ -16,7 +16,8 @@ class Step:
 
     tokens: tuple[int, ...]
     guessed: tuple[bool, ...]
-    source: str  # "plain", "pool", "context" or "none" (no candidate matched)
+    source: str  # the accepted guesses' draft source ("context", "store", "pool", "recycle"); "none" when
+    # no guess was accepted; "plain" for every step with lookahead off
     fed: int  # tokens in the forward pass
     seconds: float
 

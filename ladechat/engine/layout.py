@@ -29,8 +29,9 @@ Example: W=3, N=3, and two pool candidates "a b" and "a c" (merged into a trie):
 So t and level 0 are causal among themselves; a level-l token in column j sees level 0 up to
 column j and the column-j tokens of levels 1..l; a candidate token sees t and its own prefix; no
 branch sees another. Window row of (level l, column j) is l*W + j; candidate rows follow.
-The logits the step needs: row 0 (the model's next token), the window's last level (new guesses),
-and every candidate row (verification and the bonus token after the last matched one).
+A step reads the logits of every row: row 0 and the candidate rows for verification (the model's
+next token, and the bonus token after the last matched one), the window's last level for its new
+guesses, and every row's top-k for the recycled successor table (recycle.py).
 """
 
 from __future__ import annotations
@@ -58,12 +59,6 @@ class StepLayout:
     @property
     def sources(self) -> list[str]:
         return [node.source for node in self.nodes]
-
-    def logit_rows(self) -> list[int]:
-        rows = set(self.last_level)
-        rows.add(0)
-        rows.update(range(self.window_rows, self.size))
-        return sorted(rows)
 
 
 def window_parents(window: int, levels: int) -> list[int]:

@@ -68,8 +68,9 @@ class DynamicRunner:
         return prefill_top_k(self.model, count, input_ids=ids, position_ids=positions,
                              **{self.cache_arg: self.cache})
 
-    def step(self, layout: StepLayout, past: int, rows: list[int]) -> torch.Tensor:
-        """Logits (len(rows), vocab) of the given rows after feeding the step's tokens."""
+    def step(self, layout: StepLayout, past: int) -> torch.Tensor:
+        """Logits (layout.size, vocab) of every row after feeding the step's tokens: verification
+        reads the root's and the draft rows', and every row's top-k feeds the successor table."""
         device = self.model.device
         self.appended = layout.size
         with torch.inference_mode():
@@ -81,7 +82,7 @@ class DynamicRunner:
                 ids, positions, mask = step_inputs(layout, past, self.model.dtype, device)
                 out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
                                  **{self.cache_arg: self.cache}, use_cache=True,
-                                 logits_to_keep=torch.tensor(rows, device=self.rows_device))
+                                 logits_to_keep=torch.arange(layout.size, device=self.rows_device))
         return out.logits[0]
 
     def commit(self, past: int, keep_rows: list[int]) -> None:
@@ -159,7 +160,7 @@ class StaticRunner(DynamicRunner):
         self.prefill([0], committed)
         for size in sorted({1, self.step_size}):
             self.truncate(committed + 1)
-            self.step(build_layout([[0] * size], []), committed + 1, list(range(min(size, self.rows_size))))
+            self.step(build_layout([[0] * size], []), committed + 1)
         self.truncate(committed)
 
     def reset(self) -> None:
@@ -171,7 +172,6 @@ class StaticRunner(DynamicRunner):
             raise ConfigError(f"a full step of W={lookahead.window} N={lookahead.ngram} G={lookahead.candidates} "
                               f"has {size} rows, more than the {MAX_FIXED_STEP} a fixed-shape step allows")
         self.step_size = size
-        self.rows_size = size  # every row's logits: their top-k feed the recycled successor table
 
     def _length_for(self, end: int) -> int:
         """The cache length (doubling from the current one) whose slots reach `end`."""
@@ -235,16 +235,16 @@ class StaticRunner(DynamicRunner):
     def truncate(self, length: int) -> None:
         kv.truncate(self.cache, length, self.packed)
 
-    def step(self, layout: StepLayout, past: int, rows: list[int]) -> torch.Tensor:
-        size, keep = (1, 1) if layout.size == 1 else (self.step_size, self.rows_size)
+    def step(self, layout: StepLayout, past: int) -> torch.Tensor:
+        size = 1 if layout.size == 1 else self.step_size
         self._make_room(past + size, past)
-        if layout.size > size or len(rows) > keep or past + size > self.length:
+        if layout.size > size or past + size > self.length:
             raise ValueError(f"step of {layout.size} rows at {past} does not fit the fixed shape ({size} rows, "
                              f"cache of {self.length})")
         device = self.model.device
         self.appended = size  # the padding rows are written too
         ids, positions, mask = fixed_step_inputs(layout, past, size, self.length, self.model.dtype, device)
-        padded_rows = torch.tensor(rows + [0] * (keep - len(rows)), device=self.rows_device)
+        padded_rows = torch.tensor(list(range(layout.size)) + [0] * (size - layout.size), device=self.rows_device)
         # The static cache writes at its own position counter, which is at `past` here: prefill
         # advances it, commit and truncate set it (resetting it every step would cost kernel
         # launches per layer on the hot path).
@@ -252,4 +252,4 @@ class StaticRunner(DynamicRunner):
             out = self.forward(input_ids=ids, position_ids=positions, attention_mask=mask,
                                **{self.cache_arg: self.cache}, use_cache=True, logits_to_keep=padded_rows)
         # A CUDA-graph replay reuses its output buffer: copy the rows out before the next step.
-        return out.logits[0, : len(rows)].clone()
+        return out.logits[0, : layout.size].clone()

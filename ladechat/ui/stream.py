@@ -14,7 +14,7 @@ from rich.text import Text
 
 from ladechat.bot import Notice, Piece
 from ladechat.detok import Detokenizer
-from ladechat.engine.events import Done, Stats, Step
+from ladechat.engine.events import Stats, Step
 
 GUESSED_STYLE = "bold cyan"
 # Block-level Markdown worth rendering: code fences, headings, lists, tables, quotes.
@@ -22,7 +22,7 @@ MARKDOWN_BLOCKS = re.compile(r"^\s*(```|#{1,6} |[-*+] \S|\d+[.)] \S|\|.*\|\s*$|>
 
 
 class StreamPrinter:
-    """Consumes Step/Piece/Done/Notice events. Content goes to `out`, everything else to `err`.
+    """Consumes Step/Piece/Notice events. Content goes to `out`, everything else to `err`.
     tokenizer: decodes Steps' token ids; None where the text arrives decoded, as Pieces (a server)."""
 
     def __init__(self, tokenizer, out: Console, err: Console, debug: bool = False, markdown: bool = False) -> None:
@@ -34,7 +34,6 @@ class StreamPrinter:
         self.debug = debug
         self.markdown = markdown
         self.shown = ""  # exactly what went to the screen, to know how many rows it covers
-        self.stats: Stats | None = None
 
     def handle(self, event) -> None:
         if isinstance(event, Notice):
@@ -46,8 +45,6 @@ class StreamPrinter:
             self._show(event.text if event.parallel else "", "" if event.parallel else event.text)
             if self.debug and event.step is not None:
                 self._debug_line(event.step, "")
-        elif isinstance(event, Done):
-            self.stats = event.stats
 
     def _step(self, step: Step) -> None:
         n_guessed = sum(step.guessed)
