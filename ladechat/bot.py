@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from ladechat.conversation import Conversation
+from ladechat.conversation import Conversation, dropped_notice, prompt_budget
 from ladechat.engine.config import ConfigError
 from ladechat.engine.events import Done, Step
 from ladechat.settings import Settings
@@ -33,12 +33,6 @@ class Piece:
     text: str
     parallel: bool = False
     step: Step | None = None
-
-
-def prompt_budget(context_length: int, max_new_tokens: int) -> int:
-    """The most prompt tokens a conversation may take: the rest of the context is room for the
-    answer (at most half of it)."""
-    return context_length - min(max_new_tokens, context_length // 2)
 
 
 class Backend(Protocol):
@@ -170,8 +164,7 @@ class Bot:
         while self.notices:
             yield Notice(self.notices.pop(0))
         if dropped:
-            yield Notice(f"the conversation no longer fits the model's context: dropped the oldest "
-                         f"{dropped} message{'s' if dropped > 1 else ''}")
+            yield Notice(dropped_notice(dropped, "model's"))
         room = self.loaded.context_length - len(ids)
         sampling = self.settings.sampling_config()
         if sampling.max_new_tokens > room:

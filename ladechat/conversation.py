@@ -27,6 +27,24 @@ class ConversationError(UserError, ValueError):
     pass
 
 
+def oldest_exchange(messages: list[dict]) -> int:
+    """How many messages the oldest exchange at the front of `messages` takes: a user message and
+    the answer that followed it (the last message is never part of one: it is the question)."""
+    return 2 if len(messages) > 2 and messages[1]["role"] == "assistant" else 1
+
+
+def dropped_notice(dropped: int, whose: str) -> str:
+    """What the user is told when the oldest `dropped` messages were dropped to fit `whose` context."""
+    return (f"the conversation no longer fits the {whose} context: dropped the oldest "
+            f"{dropped} message{'s' if dropped > 1 else ''}")
+
+
+def prompt_budget(context_length: int, max_new_tokens: int) -> int:
+    """The most prompt tokens a conversation may take: the rest of the context is room for the
+    answer (at most half of it)."""
+    return context_length - min(max_new_tokens, context_length // 2)
+
+
 @dataclass
 class Conversation:
     system: str | None = None
@@ -59,9 +77,13 @@ class Conversation:
             if len(self.messages) - start <= 1:
                 raise ConversationError(f"the prompt is {len(ids)} tokens, more than the {budget} that fit in the "
                                         "model's context (after room for the answer)")
-            # drop the oldest exchange: a user message and the answer that followed it
-            rest = self.messages[start:]
-            start += 2 if len(rest) > 2 and rest[1]["role"] == "assistant" else 1
+            start += oldest_exchange(self.messages[start:])
+
+    def drop_oldest_exchange(self) -> int:
+        """Drop the oldest exchange (never the system prompt); how many messages that was."""
+        count = oldest_exchange(self.messages)
+        del self.messages[:count]
+        return count
 
     def to_json(self, model: str, settings: dict) -> str:
         return json.dumps({"format": FORMAT, "version": 1, "model": model, "system": self.system,

@@ -18,3 +18,9 @@ class Detokenizer:
         new = text[len(self.text):] if text.startswith(self.text) else text
         self.text = text
         return new
+
+    def add_step(self, tokens, guessed) -> tuple[str, str]:
+        """Append a step's tokens; return their text split where its verified guesses end:
+        (the guessed tokens' text, shown as accepted in parallel; the model's own tokens' text)."""
+        n = sum(guessed)
+        return (self.add(tokens[:n]) if n else ""), self.add(tokens[n:])

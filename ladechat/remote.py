@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import json
 import time
-from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import httpx
 
 from ladechat.bot import Notice, Piece
-from ladechat.conversation import Conversation, ConversationError
+from ladechat.conversation import Conversation, ConversationError, dropped_notice
 from ladechat.engine.config import ConfigError, LookaheadConfig
-from ladechat.engine.events import Done, Stats, Step
+from ladechat.engine.events import Done, Stats, Step, Tally
 from ladechat.errors import UserError
 from ladechat.settings import Settings, keys
 
@@ -152,15 +151,11 @@ class RemoteBot:
                 stream = self._open(conversation)
                 break
             except _TooLong as exc:
-                rest = conversation.messages
-                if len(rest) <= 1:
+                if len(conversation.messages) <= 1:
                     raise ConversationError(str(exc)) from None
-                cut = 2 if len(rest) > 2 and rest[1]["role"] == "assistant" else 1
-                del rest[:cut]
-                dropped += cut
+                dropped += conversation.drop_oldest_exchange()
         if dropped:
-            yield Notice(f"the conversation no longer fits the server's context: dropped the oldest "
-                         f"{dropped} message{'s' if dropped > 1 else ''}")
+            yield Notice(dropped_notice(dropped, "server's"))
         yield from self._events(stream)
 
     def request_body(self, conversation: Conversation) -> dict:
@@ -258,11 +253,11 @@ class _Run:
     start: float
     ttft: float = 0.0
     chunks: int = 0
-    tokens: tuple[int, ...] = ()
-    steps: tuple[Step, ...] = ()
+    steps: Tally = field(default_factory=Tally)
     stats: dict | None = None
     usage: dict | None = None
     finish: str | None = None
+    seconds: float = 0.0  # the steps' own time, as the server measured it
 
     def chunk(self, data: dict) -> Iterator[Piece]:
         ext = data.get("ladechat") if isinstance(data.get("ladechat"), dict) else {}
@@ -278,8 +273,8 @@ class _Run:
         if "tokens" in ext:
             step = Step(tuple(ext["tokens"]), tuple(ext["guessed"]), ext.get("source", "none"), ext.get("fed", 0),
                         ext.get("seconds", 0.0))
-            self.tokens += step.tokens
-            self.steps += (step,)
+            self.steps.add(step)
+            self.seconds += step.seconds
         text = (choice.get("delta") or {}).get("content") or ""
         segments = [(s, bool(p)) for s, p in ext["segments"]] if "segments" in ext else [(text, False)]
         segments = [(s, p) for s, p in segments if s]
@@ -294,21 +289,14 @@ class _Run:
 
     def done(self, settings: Settings) -> Done:
         total = time.perf_counter() - self.start
+        tokens = tuple(self.steps.tokens)
         if self.stats is not None and self.finish != "interrupted":
-            return Done(self.tokens, stats_of(self.stats))
-        if self.steps:  # ladechat serve, cut short: the statistics of the steps that arrived
-            steps = self.steps
-            histogram = Counter(len(s.tokens) for s in steps)
-            depth = Counter(d for s in steps for d in range(sum(s.guessed)))
-            sources = Counter(s.source for s in steps if any(s.guessed))
-            decode = sum(s.seconds for s in steps)
-            return Done(self.tokens, Stats(
-                new_tokens=len(self.tokens), steps=len(steps), prompt_tokens=0, prefill_tokens=0, prefill_s=0.0,
-                ttft_s=self.ttft, decode_s=decode, total_s=total, accepted_histogram=dict(histogram),
-                accepted_by_position=tuple(depth[d] for d in range(max(depth, default=-1) + 1)),
-                source_counts=dict(sources), pool_size=0, mean_fed=sum(s.fed for s in steps) / len(steps),
-                lookahead=settings.lookahead, window=settings.window, ngram=settings.ngram, candidates=settings.candidates,
-                finish_reason=self.finish or "interrupted"))
+            return Done(tokens, Stats.from_dict(self.stats))
+        if self.steps.steps:  # ladechat serve, cut short: the statistics of the steps that arrived
+            return Done(tokens, self.steps.stats(
+                prompt_tokens=0, prefill_tokens=0, prefill_s=0.0, ttft_s=self.ttft, decode_s=self.seconds,
+                total_s=total, pool_size=0, lookahead=settings.lookahead, window=settings.window,
+                ngram=settings.ngram, candidates=settings.candidates, finish_reason=self.finish or "interrupted"))
         usage = self.usage or {}
         new = usage.get("completion_tokens") if isinstance(usage.get("completion_tokens"), int) else self.chunks
         return Done((), Stats(
@@ -316,18 +304,6 @@ class _Run:
             ttft_s=self.ttft, decode_s=total - self.ttft, total_s=total, accepted_histogram={},
             accepted_by_position=(), source_counts={}, pool_size=0, mean_fed=0.0, lookahead=False, window=0,
             ngram=0, candidates=0, finish_reason=self.finish or "interrupted"))
-
-
-def stats_of(d: dict) -> Stats:
-    """Stats from Stats.as_dict() (the server's final chunk)."""
-    return Stats(
-        new_tokens=d["new_tokens"], steps=d["steps"], prompt_tokens=d["prompt_tokens"],
-        prefill_tokens=d["prefill_tokens"], prefill_s=d["prefill_s"], ttft_s=d["ttft_s"], decode_s=d["decode_s"],
-        total_s=d["total_s"], accepted_histogram={int(k): v for k, v in d["accepted_histogram"].items()},
-        accepted_by_position=tuple(d["accepted_by_position"]), source_counts=dict(d["source_counts"]),
-        pool_size=d["pool_size"], mean_fed=d["mean_fed"], lookahead=d["lookahead"], window=d["W"], ngram=d["N"],
-        candidates=d["G"], finish_reason=d["finish_reason"],
-        calibration={k: (v["predicted"], v["observed"]) for k, v in d.get("calibration", {}).items()})
 
 
 def _parse(data: str, endpoint: Endpoint) -> dict:

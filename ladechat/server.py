@@ -52,8 +52,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from ladechat import __version__, templates
-from ladechat.bot import Notice, prompt_budget
-from ladechat.conversation import Conversation
+from ladechat.bot import Notice
+from ladechat.conversation import Conversation, prompt_budget
 from ladechat.detok import Detokenizer
 from ladechat.engine.config import ConfigError
 from ladechat.engine.events import Done, Step
@@ -320,9 +320,7 @@ class TextStream:
         self.sent = 0
 
     def add(self, step: Step) -> list[tuple[str, bool]]:
-        n = sum(step.guessed)
-        guessed = self.detok.add(step.tokens[:n]) if n else ""
-        own = self.detok.add(step.tokens[n:])
+        guessed, own = self.detok.add_step(step.tokens, step.guessed)
         self.text += guessed + own
         self.parallel += [True] * len(guessed) + [False] * len(own)
         return self._release(len(self.text) - self.hold)

@@ -22,6 +22,7 @@ from ladechat.engine.attention import use_grouped_sdpa
 from ladechat.engine.config import LookaheadConfig
 from ladechat.engine.layout import build_layout
 from ladechat.engine.runner import CompiledForward, DynamicRunner, StaticRunner
+from ladechat.engine.step_cost import prefill_random, time_step
 from ladechat.errors import UserError
 
 SIZES = (1, 8, 16, 32, 64, 128, 256)
@@ -95,26 +96,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_steps(runner, sizes, context: int, reps: int, device) -> dict[int, float]:
-    vocab = runner.model.config.get_text_config().vocab_size
-    prompt = torch.randint(0, vocab, (context,), generator=torch.Generator().manual_seed(0)).tolist()
-    runner.prefill(prompt, 0)
+def _time_steps(runner, sizes, context: int, reps: int) -> dict[int, float]:
+    prefill_random(runner, context)
     out = {}
     for size in sizes:
         if runner.fixed:
             runner.configure(LookaheadConfig(window=max(1, size // LEVELS), ngram=LEVELS + 1, candidates=0,
                                              context_candidates=0))
         layout = _layout(size)
-        times = []
-        for rep in range(reps + 2):  # two warm-up calls (compilation, allocation)
-            _sync(device)
-            start = time.perf_counter()
-            runner.step(layout, context).argmax(-1).tolist()
-            _sync(device)
-            if rep >= 2:
-                times.append(time.perf_counter() - start)
-            runner.truncate(context)
-        out[size] = statistics.median(times)
+        # two warm-up calls (compilation, allocation)
+        out[size] = statistics.median([time_step(runner, layout, context) for _ in range(reps + 2)][2:])
     return out
 
 
@@ -151,11 +142,11 @@ def run(model, name: str, sizes=SIZES, context: int = 512, reps: int = 10, compi
     device = model.device
     la = LookaheadConfig(window=max(sizes) // LEVELS or 1, ngram=LEVELS + 1, candidates=0, context_candidates=0)
     context_length = context + max(sizes) + 8
-    curves = {"dynamic": _time_steps(DynamicRunner(model), sizes, context, reps, device),
-              "static": _time_steps(StaticRunner(model, la, context_length), sizes, context, reps, device)}
+    curves = {"dynamic": _time_steps(DynamicRunner(model), sizes, context, reps),
+              "static": _time_steps(StaticRunner(model, la, context_length), sizes, context, reps)}
     if compile:
         compiled = StaticRunner(model, la, context_length, compiled=CompiledForward(model))
-        curves["compiled"] = _time_steps(compiled, sizes, context, reps, device)
+        curves["compiled"] = _time_steps(compiled, sizes, context, reps)
     packed = packing.is_packed(model)
     return {"model": name, "device": str(device), "dtype": str(model.dtype).removeprefix("torch."),
             "packed_weights": packed, "context": context, "reps": reps,

@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
-from ladechat.engine import int4, kv
-from ladechat.engine.layout import build_layout, step_inputs
+from ladechat.engine import int4
 from ladechat.engine.loading import LoadSpec, load
-from ladechat.engine.recycle import TOP_K
+from ladechat.engine.runner import DynamicRunner
+from ladechat.engine.step_cost import chain, prefill_random, time_step
 
 LAYOUTS = ("dense", "packed", "int4")
 PROMPTS = ["Write a haiku about autumn leaves.", "How do I reverse a list in Python?",
@@ -46,22 +45,10 @@ PROMPTS = ["Write a haiku about autumn leaves.", "How do I reverse a list in Pyt
            "Tell me a short story about a robot who learns to paint."]
 
 
-def step(model, cache, cache_arg, layout, cached: int) -> None:
-    size = layout.size
-    ids, positions, mask = step_inputs(layout, cached, model.dtype, model.device)
-    with torch.inference_mode():
-        out = model(input_ids=ids, position_ids=positions, attention_mask=mask if size > 1 else None,
-                    **{cache_arg: cache}, use_cache=True, logits_to_keep=torch.arange(size) if size > 1 else 1)
-        out.logits[0].topk(TOP_K, dim=-1).indices.cpu()
-    kv.truncate(cache, cached)
-
-
-def prefilled(model, cached: int):
-    prompt = torch.randint(0, model.config.vocab_size, (1, cached), generator=torch.Generator().manual_seed(0))
-    cache, cache_arg = kv.new_cache(), kv.cache_argument(model)
-    with torch.inference_mode():
-        model(input_ids=prompt, **{cache_arg: cache}, use_cache=True, logits_to_keep=1)
-    return cache, cache_arg
+def prefilled(model, cached: int) -> DynamicRunner:
+    runner = DynamicRunner(model)
+    prefill_random(runner, cached)
+    return runner
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -74,16 +61,15 @@ def table(args) -> None:
     for name, model in models.items():
         print(f"{name}: {int4.weight_layout(model)}", flush=True)
     sizes = [int(s) for s in args.sizes.split(",")]
-    layouts = {size: build_layout([list(range(1, size + 1))], []) for size in sizes}
-    caches = {name: prefilled(model, args.cached) for name, model in models.items()}
+    layouts = {size: chain(size) for size in sizes}
+    runners = {name: prefilled(model, args.cached) for name, model in models.items()}
     times: dict[tuple[str, int], list[float]] = {(name, size): [] for name in models for size in sizes}
     for round_ in range(args.rounds + 2):
         for size in sizes:
-            for name, model in models.items():
-                start = time.perf_counter()
-                step(model, *caches[name], layouts[size], args.cached)
+            for name, runner in runners.items():
+                seconds = time_step(runner, layouts[size], args.cached)
                 if round_ >= 2:  # two warm-up rounds
-                    times[name, size].append(time.perf_counter() - start)
+                    times[name, size].append(seconds)
     print(f"\nms per step after {args.cached} cached tokens, median (p10-p90) of {args.rounds} rounds, "
           f"{torch.get_num_threads()} threads, {args.dtype}\n")
     print("| layout | " + " | ".join(str(s) for s in sizes) + " |")
@@ -99,13 +85,13 @@ def profile(args) -> None:
     from torch.profiler import profile as run_profile
 
     model = load(LoadSpec(dtype=args.dtype, device="cpu", weights=args.profile)).model
-    cache, cache_arg = prefilled(model, args.cached)
-    layout = build_layout([list(range(1, args.rows + 1))], [])
+    runner = prefilled(model, args.cached)
+    layout = chain(args.rows)
     for _ in range(5):
-        step(model, cache, cache_arg, layout, args.cached)
+        time_step(runner, layout, args.cached)
     with run_profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(args.rounds):
-            step(model, cache, cache_arg, layout, args.cached)
+            time_step(runner, layout, args.cached)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 

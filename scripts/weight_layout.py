@@ -10,13 +10,12 @@ embedding too); one step of each in turn."""
 
 import copy
 import statistics
-import time
 
 import torch
 
-from ladechat.engine import kv
-from ladechat.engine.layout import build_layout, step_inputs
 from ladechat.engine.loading import LoadSpec, load
+from ladechat.engine.runner import DynamicRunner
+from ladechat.engine.step_cost import chain, prefill_random, time_step
 
 CACHED = 512
 
@@ -37,26 +36,17 @@ def main() -> None:
     loaded = load(LoadSpec(model=None, dtype="float32", device="cpu", pack_weights=False)).model
     models = {"as loaded": loaded, "layers transposed": transposed(loaded, False),
               "all transposed": transposed(loaded, True)}
-    prompt = torch.randint(0, loaded.config.vocab_size, (1, CACHED), generator=torch.Generator().manual_seed(0))
-    caches = {name: kv.new_cache() for name in models}
-    cache_arg = kv.cache_argument(loaded)  # the same class for all three; once, not inside the timed steps
-    for name, model in models.items():
-        with torch.inference_mode():
-            model(input_ids=prompt, **{cache_arg: caches[name]}, use_cache=True, logits_to_keep=1)
+    runners = {name: DynamicRunner(model) for name, model in models.items()}
+    for runner in runners.values():
+        prefill_random(runner, CACHED)
     for size in (1, 2, 3, 4, 6, 8, 12, 16):
-        layout = build_layout([list(range(1, size + 1))], [])
+        layout = chain(size)
         times: dict[str, list[float]] = {name: [] for name in models}
         for i in range(14):
-            for name, model in models.items():
-                start = time.perf_counter()
-                ids, positions, mask = step_inputs(layout, CACHED, model.dtype, model.device)
-                with torch.inference_mode():
-                    model(input_ids=ids, position_ids=positions, attention_mask=mask if size > 1 else None,
-                          **{cache_arg: caches[name]}, use_cache=True,
-                          logits_to_keep=torch.arange(size) if size > 1 else 1)
+            for name, runner in runners.items():
+                seconds = time_step(runner, layout, CACHED)
                 if i >= 2:
-                    times[name].append(time.perf_counter() - start)
-                kv.truncate(caches[name], CACHED)
+                    times[name].append(seconds)
         print(f"rows {size:3d}: " + "  ".join(f"{name} {statistics.median(t) * 1000:6.1f} ms"
                                                for name, t in times.items()), flush=True)
 

@@ -181,7 +181,8 @@ def test_what_was_learned_is_saved_and_read_back(tmp_path):
 
 
 def test_the_loaded_model_plans_with_a_saved_envelope(tmp_path, monkeypatch):
-    from ladechat.engine.step_cost import cached_curve, learned_cost_model
+    from ladechat.engine.cost_envelope import learned_cost_model
+    from ladechat.engine.step_cost import cached_curve
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     model = tiny_model("llama")

@@ -31,7 +31,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ladechat.engine.step_cost import CostModel
+from ladechat.engine.step_cost import CONTEXTS, CostModel, cache_path, cached_cost_model
 
 DISAGREE = 0.85  # some size ran this much cheaper than measured: the measurement was disturbed
 PROBE_EVERY = 8  # steps between probes while the measurement is in doubt
@@ -129,3 +129,9 @@ class CostEnvelope:
         except OSError:
             return
         self._saved = self._state()
+
+
+def learned_cost_model(model, name: str) -> CostEnvelope:
+    """The cost model a chat plans with: the measured one, lowered by what real steps cost on this
+    machine, saved beside it."""
+    return CostEnvelope.load(cached_cost_model(model, name), cache_path(model, name, "envelope", list(CONTEXTS)))

@@ -19,7 +19,6 @@ the chat can toggle lookahead between turns without changing anything else.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -28,11 +27,11 @@ import torch
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.cost_envelope import CostEnvelope
 from ladechat.engine.draft import Acceptance, DraftTree, choose
-from ladechat.engine.events import Done, Stats, Step
+from ladechat.engine.events import Done, Step, Tally
 from ladechat.engine.layout import StepLayout, tree_layout
 from ladechat.engine.ngram_pool import NGramPool
-from ladechat.engine.recycle import TOP_K, SuccessorTable
-from ladechat.engine.runner import DynamicRunner, max_step_size
+from ladechat.engine.recycle import SuccessorTable
+from ladechat.engine.runner import DynamicRunner, max_step_size, top_k
 from ladechat.engine.sampling import Chooser
 from ladechat.engine.step_cost import CostModel
 from ladechat.engine.stopping import StopRule
@@ -272,7 +271,7 @@ class Session:
         layout = self.plan(t, probe) if la.enabled else tree_layout([[t]], [])
         start = self.clock()
         logits = self.runner.step(layout, past)
-        top = logits.topk(min(TOP_K, logits.shape[-1]), dim=-1).indices.cpu().numpy()  # one host sync
+        top = top_k(logits)  # one host sync
         if isinstance(self.step_cost, CostEnvelope):  # timed as step_cost.measure times a step
             self.step_cost.observe(layout.size, past, self.clock() - start, probe)
         argmax = top[:, 0].tolist()
@@ -328,14 +327,10 @@ def generate(session: Session, prompt: list[int], sampling: SamplingConfig, eos_
     chooser = Chooser(sampling)
     stop = StopRule(eos_ids, sampling.max_new_tokens, sampling.stop, decode)
     start = time.perf_counter()
-    generated: list[int] = []
-    histogram: Counter[int] = Counter()
-    by_position: Counter[int] = Counter()
-    sources: Counter[str] = Counter()
+    tally = Tally()
+    generated = tally.tokens
     predicted_before = dict(session.acceptance.predicted)
     observed_before = dict(session.acceptance.observed)
-    fed_total = 0
-    steps = 0
     ttft = 0.0
     reason = "length"
     prefill_tokens, prefill_s = 0, 0.0
@@ -347,20 +342,14 @@ def generate(session: Session, prompt: list[int], sampling: SamplingConfig, eos_
         while True:
             step_start = time.perf_counter()
             result = session.step(t, chooser, lambda block: stop.cut(generated, block))
-            generated += result.tokens
             t = result.tokens[-1]
-            steps += 1
-            fed_total += result.fed
-            histogram[len(result.tokens)] += 1
-            for depth in range(sum(result.guessed)):
-                by_position[depth] += 1
-            if any(result.guessed):
-                sources[result.source] += 1
             now = time.perf_counter()
-            if steps == 1:
+            step = Step(result.tokens, result.guessed, result.source if la.enabled else "plain", result.fed,
+                        now - step_start)
+            tally.add(step)
+            if tally.steps == 1:
                 ttft = now - start
-            yield Step(result.tokens, result.guessed, result.source if la.enabled else "plain", result.fed,
-                       now - step_start)
+            yield step
             if result.stop is not None:
                 reason = result.stop
                 break
@@ -384,15 +373,10 @@ def generate(session: Session, prompt: list[int], sampling: SamplingConfig, eos_
     calibration = {src: (round(acc.predicted[src] - predicted_before.get(src, 0.0), 2),
                          round(acc.observed[src] - observed_before.get(src, 0.0), 2))
                    for src in acc.predicted if acc.predicted[src] != predicted_before.get(src, 0.0)}
-    stats = Stats(
-        new_tokens=len(generated), steps=steps, prompt_tokens=len(prompt), prefill_tokens=prefill_tokens,
-        prefill_s=prefill_s, ttft_s=ttft, decode_s=total - prefill_s, total_s=total,
-        accepted_histogram=dict(histogram),
-        accepted_by_position=tuple(by_position[d] for d in range(max(by_position, default=-1) + 1)),
-        source_counts=dict(sources), pool_size=len(session.pool), mean_fed=fed_total / steps if steps else 0.0,
-        lookahead=la.enabled, window=la.window, ngram=la.ngram, candidates=la.candidates, finish_reason=reason,
-        calibration=calibration,
-    )
+    stats = tally.stats(
+        prompt_tokens=len(prompt), prefill_tokens=prefill_tokens, prefill_s=prefill_s, ttft_s=ttft,
+        decode_s=total - prefill_s, total_s=total, pool_size=len(session.pool), lookahead=la.enabled,
+        window=la.window, ngram=la.ngram, candidates=la.candidates, finish_reason=reason, calibration=calibration)
     yield Done(tuple(generated), stats)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 
@@ -85,6 +86,48 @@ class Stats:
             "finish_reason": self.finish_reason,
             "calibration": {src: {"predicted": p, "observed": o} for src, (p, o) in self.calibration.items()},
         }
+
+    @staticmethod
+    def from_dict(d: dict) -> Stats:
+        """Stats from as_dict()'s form (a server's last chunk)."""
+        return Stats(
+            new_tokens=d["new_tokens"], steps=d["steps"], prompt_tokens=d["prompt_tokens"],
+            prefill_tokens=d["prefill_tokens"], prefill_s=d["prefill_s"], ttft_s=d["ttft_s"], decode_s=d["decode_s"],
+            total_s=d["total_s"], accepted_histogram={int(k): v for k, v in d["accepted_histogram"].items()},
+            accepted_by_position=tuple(d["accepted_by_position"]), source_counts=dict(d["source_counts"]),
+            pool_size=d["pool_size"], mean_fed=d["mean_fed"], lookahead=d["lookahead"], window=d["W"], ngram=d["N"],
+            candidates=d["G"], finish_reason=d["finish_reason"],
+            calibration={k: (v["predicted"], v["observed"]) for k, v in d.get("calibration", {}).items()})
+
+
+@dataclass
+class Tally:
+    """One answer's Steps added up as they come: the part of its Stats that the steps decide
+    (decode.generate's, and the client's for an answer a server cut short)."""
+
+    tokens: list[int] = field(default_factory=list)  # every token committed, in order
+    steps: int = 0
+    fed: int = 0  # tokens fed over all steps
+    histogram: Counter[int] = field(default_factory=Counter)  # tokens committed per step -> steps
+    by_position: Counter[int] = field(default_factory=Counter)  # guess depth -> steps that verified it
+    sources: Counter[str] = field(default_factory=Counter)  # the source of a step's verified guesses -> steps
+
+    def add(self, step: Step) -> None:
+        self.tokens += step.tokens
+        self.steps += 1
+        self.fed += step.fed
+        self.histogram[len(step.tokens)] += 1
+        for depth in range(sum(step.guessed)):
+            self.by_position[depth] += 1
+        if any(step.guessed):
+            self.sources[step.source] += 1
+
+    def stats(self, **rest) -> Stats:
+        """Stats of the steps so far; `rest`: the fields the steps do not decide (times, settings,
+        the finish reason, ...)."""
+        return Stats(new_tokens=len(self.tokens), steps=self.steps, accepted_histogram=dict(self.histogram),
+                     accepted_by_position=tuple(self.by_position[d] for d in range(max(self.by_position, default=-1) + 1)),
+                     source_counts=dict(self.sources), mean_fed=self.fed / self.steps if self.steps else 0.0, **rest)
 
 
 @dataclass(frozen=True)

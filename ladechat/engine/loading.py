@@ -79,7 +79,7 @@ class LoadedModel:
         """Step cost against tokens fed and cached (a cost_envelope.CostEnvelope): measured once per
         model, device and dtype, then read from the cache, and lowered by what the steps it plans
         really cost."""
-        from ladechat.engine.step_cost import learned_cost_model
+        from ladechat.engine.cost_envelope import learned_cost_model
 
         return learned_cost_model(self.model, self.name)
 

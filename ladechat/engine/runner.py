@@ -32,13 +32,18 @@ def max_step_size(la: LookaheadConfig) -> int:
     return la.window * (la.ngram - 1) + la.candidates * (la.ngram - 1) + textual * la.context_len + la.recycle
 
 
+def top_k(logits: torch.Tensor) -> np.ndarray:
+    """Each row's TOP_K likeliest next tokens, best first, on the host (one transfer): what a step
+    keeps of its rows besides verification (the window's new guesses, the successor table)."""
+    return logits.topk(min(TOP_K, logits.shape[-1]), dim=-1).indices.cpu().numpy()
+
+
 def prefill_top_k(model, count: int, **inputs) -> np.ndarray:
     """A forward pass over prompt tokens that returns the top-k next tokens of its last `count`
     rows (for the successor table). Bounded so that a long prompt's logits never fill memory:
     the latest tokens, the current question, are the ones an answer most likely continues from."""
     with torch.inference_mode():
-        logits = model(**inputs, use_cache=True, logits_to_keep=count).logits[0]
-        return logits.topk(min(TOP_K, logits.shape[-1]), dim=-1).indices.cpu().numpy()
+        return top_k(model(**inputs, use_cache=True, logits_to_keep=count).logits[0])
 
 
 class DynamicRunner:

@@ -20,13 +20,42 @@ from pathlib import Path
 import torch
 
 from ladechat.engine import attention, int4, kv, layout, packing
+from ladechat.engine import runner as runners
 from ladechat.engine.gguf import cache_root, source_digest
-from ladechat.engine.layout import build_layout, rows_device, step_inputs
-from ladechat.engine.recycle import TOP_K
+from ladechat.engine.layout import StepLayout, build_layout
+from ladechat.engine.runner import DynamicRunner, top_k
 
 SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 CONTEXTS = (192, 1536)  # cached tokens: a fresh question, and a conversation a few turns in
 GPU_SIZES = (1, 8, 16, 32, 64, 96, 128, 160, 192, 256)  # a GPU's curve stays flat much longer
+
+
+def time_step(runner, layout: StepLayout, past: int) -> float:
+    """Seconds of one decoding step as Session.step runs it after `past` cached tokens: the
+    runner's step (its inputs and mask, the forward pass, the logits of every row) and the rows'
+    top-k on the host. The cache is cut back to `past` afterwards, so the step can run again.
+    The one timing of a step: the measured curves, `ladechat bench step-cost` and scripts/ use it."""
+    device = runner.model.device
+    if device.type == "cuda":  # what is queued before is not the step's
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    top_k(runner.step(layout, past))  # its host transfer waits for the step to finish
+    seconds = time.perf_counter() - start
+    runner.truncate(past)
+    return seconds
+
+
+def prefill_random(runner, context: int) -> None:
+    """Fill the runner's cache with `context` random tokens (the same for every call), to time
+    steps after them."""
+    vocab = runner.model.config.get_text_config().vocab_size
+    runner.prefill(torch.randint(0, vocab, (context,), generator=torch.Generator().manual_seed(0)).tolist(), 0,
+                   ranked=False)
+
+
+def chain(size: int) -> StepLayout:
+    """A step of `size` rows, each following the one before (a window of one level)."""
+    return build_layout([list(range(1, size + 1))], [])
 
 
 def measure(model, sizes=SIZES, context: int = 192, reps: int = 5) -> dict[int, float]:
@@ -36,30 +65,15 @@ def measure(model, sizes=SIZES, context: int = 192, reps: int = 5) -> dict[int, 
     repetitions back to back: a busy spell of the machine then inflates one repetition of every
     size instead of all repetitions of one, and the medians keep the curve's shape, which is all
     the planner looks at."""
-    device, dtype = model.device, model.dtype
-    vocab = model.config.get_text_config().vocab_size
-    prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0))
-    rows_at = rows_device(model)
-    cache, cache_arg = kv.new_cache(), kv.cache_argument(model)
-    with torch.inference_mode():
-        model(input_ids=prompt.to(device), **{cache_arg: cache}, use_cache=True, logits_to_keep=1)
-    # a chain of `size` tokens per step
-    layouts = {size: build_layout([list(range(1, size + 1))], []) for size in sizes}
+    runner = DynamicRunner(model)
+    prefill_random(runner, context)
+    layouts = {size: chain(size) for size in sizes}
     times: dict[int, list[float]] = {size: [] for size in sizes}
     for rep in range(reps + 1):
         for size in sizes:
-            # the timing covers what a real step does around the forward pass: building its mask,
-            # the logits of every row and their top-k back on the host
-            start = time.perf_counter()
-            ids, positions, mask = step_inputs(layouts[size], context, dtype, device)
-            with torch.inference_mode():
-                out = model(input_ids=ids, position_ids=positions, attention_mask=mask if size > 1 else None,
-                            **{cache_arg: cache}, use_cache=True,
-                            logits_to_keep=torch.arange(size, device=rows_at) if size > 1 else 1)
-                out.logits[0].topk(min(TOP_K, out.logits.shape[-1]), dim=-1).indices.cpu()
+            seconds = time_step(runner, layouts[size], context)
             if rep:  # the first round is a warm-up
-                times[size].append(time.perf_counter() - start)
-            kv.truncate(cache, context)
+                times[size].append(seconds)
     return {size: statistics.median(times[size]) for size in sizes}
 
 
@@ -69,7 +83,7 @@ def cache_path(model, name: str, *what) -> Path:
     # our code that a step runs is part of the key (the attention function, the mask, the cache,
     # this measurement), so a change to it measures afresh rather than trusting a curve of the old code
     code = source_digest(attention.__file__, layout.__file__, kv.__file__, packing.__file__, int4.__file__,
-                         __file__)
+                         runners.__file__, __file__)
     key = json.dumps([code, name, str(model.device), str(model.dtype), int4.weight_layout(model), torch.__version__,
                       torch.get_num_threads(), *what])
     return cache_root() / "step-cost" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
@@ -113,14 +127,6 @@ class CostModel:
 def cached_cost_model(model, name: str) -> CostModel:
     """This model's cost model on this device as measured: once per context length, then cached."""
     return CostModel({context: cached_curve(model, name, context) for context in CONTEXTS})
-
-
-def learned_cost_model(model, name: str):
-    """The cost model a chat plans with: the measured one, lowered by what real steps cost on this
-    machine (cost_envelope.py), saved beside it."""
-    from ladechat.engine.cost_envelope import CostEnvelope
-
-    return CostEnvelope.load(cached_cost_model(model, name), cache_path(model, name, "envelope", list(CONTEXTS)))
 
 
 def cost(curve: dict[int, float], size: int) -> float:

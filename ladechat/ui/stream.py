@@ -47,10 +47,7 @@ class StreamPrinter:
                 self._debug_line(event.step, "")
 
     def _step(self, step: Step) -> None:
-        n_guessed = sum(step.guessed)
-        guessed_text = self.detok.add(step.tokens[:n_guessed]) if n_guessed else ""
-        own_text = self.detok.add(step.tokens[n_guessed:])
-        self._show(guessed_text, own_text)
+        self._show(*self.detok.add_step(step.tokens, step.guessed))
         if self.debug:
             pieces = " ".join(repr(self.tokenizer.decode([t])) + ("*" if g else "")
                               for t, g in zip(step.tokens, step.guessed))
