@@ -12,7 +12,18 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.errors import UserError
+
+# The settings' defaults are the engine configs' (no pydantic at import: --help stays quick), and
+# max_new_tokens is each command's own: a chat's answers may run long; ask's is the settings'
+# default; serve's is also the cap of every request; the bench's is what BENCHMARKS.md measures.
+LOOKAHEAD = LookaheadConfig()
+SAMPLING = SamplingConfig()
+MAX_NEW_TOKENS = {"chat": 1024, "ask": SAMPLING.max_new_tokens, "serve": 1024, "bench": 256}
+# The settings `ladechat bench` takes as flags (chat, ask and serve take every one).
+BENCH_SETTINGS = ("window", "ngram", "candidates", "context_candidates", "context_len", "recycle", "max_new_tokens",
+                  "temperature", "top_p", "top_k", "seed", "template")
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, rich_markup_mode=None,
                   pretty_exceptions_enable=False,
@@ -60,10 +71,6 @@ KeepAlive = Annotated[str, typer.Option("--keep-alive", envvar="LADECHAT_KEEP_AL
 # Options about loading a model here: refused with --api (the server loaded its model).
 LOCAL_ONLY = ("dtype", "device", "load_in_4bit", "load_in_8bit", "device_map", "max_memory", "attn", "template", "compile",
               "weights")
-REMOTE_SETTINGS = {"lookahead": "lookahead", "window": "W", "ngram": "N", "candidates": "G",
-                   "context_candidates": "context_candidates", "context_len": "context_len", "recycle": "recycle",
-                   "max_new_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                   "min_p": "min_p", "repetition_penalty": "repetition_penalty", "seed": "seed", "stop": "stop"}
 
 
 def stdout_console() -> Console:
@@ -74,18 +81,27 @@ def stderr_console() -> Console:
     return Console(stderr=True, no_color=bool(os.environ.get("NO_COLOR")) or None, highlight=False)
 
 
-def _settings(flags: dict, loaded=None, default_temperature: float = 0.0):
-    """Settings (ladechat.settings) from a command's parameters: those named like a setting and
-    given (not None). What is not given takes the device's defaults (on a GPU, W/N/G from the loaded
-    model's measured step-cost curve) and default_temperature. loaded=None: check the flags before
-    loading. ConfigError or TemplateError (one line) for a bad value."""
+def _setting_flags(params: dict, names: tuple[str, ...] | None = None) -> dict:
+    """The settings a command's flags give, by Settings field: every one of `names` (default: all
+    the settings) is a parameter of the command, so a renamed parameter fails here (KeyError)
+    rather than silently dropping a setting. A flag left unset (None) is not given."""
+    from ladechat.settings import Settings
+
+    given = {name: params[name] for name in names or Settings.model_fields if params[name] is not None}
+    if "stop" in given:
+        given["stop"] = [text for text in given["stop"] if text]
+    return given
+
+
+def _settings(given: dict, loaded=None, default_temperature: float = 0.0):
+    """Settings (ladechat.settings) from the settings the flags give (_setting_flags). What is not
+    given takes the device's defaults (on a GPU, W/N/G from the loaded model's measured step-cost
+    curve) and default_temperature. loaded=None: check the flags before loading. ConfigError or
+    TemplateError (one line) for a bad value."""
     from ladechat.engine.defaults import default_lookahead
-    from ladechat.settings import Settings, keys
+    from ladechat.settings import Settings
     from ladechat.templates import resolve
 
-    given = {name: value for name, value in flags.items() if name in keys() and value is not None}
-    if given.get("stop") is not None:
-        given["stop"] = [text for text in given["stop"] if text]
     device_type = loaded.device.type if loaded is not None else "cpu"
     base = default_lookahead(device_type, loaded.step_cost() if device_type == "cuda" else None)
     settings = Settings.for_lookahead(base, temperature=default_temperature).updated(given)
@@ -167,11 +183,15 @@ def _given(ctx: typer.Context) -> set[str]:
 
 
 def _request_settings(ctx: typer.Context, given: set[str], defaults: dict | None) -> tuple[dict, set[str]]:
-    """(values, chosen) for a RemoteBot: the settings sent with each request, by Settings key, and
-    the keys the user chose (those given, max_new_tokens, and `defaults`: the command's own choices)."""
-    values = {key: ctx.params[name] for name, key in REMOTE_SETTINGS.items() if name in ctx.params}
+    """(values, chosen) for a RemoteBot: the settings sent with each request (the lookahead and
+    sampling groups of ladechat.settings), by key, and the keys the user chose (those given,
+    max_new_tokens, and `defaults`: the command's own choices)."""
+    from ladechat.settings import group, key
+
+    sent = group("lookahead") + group("sampling")
+    values = {key(name): ctx.params[name] for name in sent}
     values["stop"] = [s for s in values["stop"] or [] if s]
-    chosen = {REMOTE_SETTINGS[name] for name in given if name in REMOTE_SETTINGS} | {"max_new_tokens"}
+    chosen = {key(name) for name in sent if name in given} | {"max_new_tokens"}
     for key, value in (defaults or {}).items():
         if key not in chosen:
             values[key] = value
@@ -193,7 +213,7 @@ def _runtime_root():
     return runtime_root(os.environ)
 
 
-def _warm_bot(ctx: typer.Context, flags: dict, keep_alive: float, err: Console, progress=None,
+def _warm_bot(ctx: typer.Context, keep_alive: float, err: Console, progress=None,
               defaults: dict | None = None, print_notices: bool = False):
     """A WarmBot on the local server that keeps this command's model loaded (keepalive/): the
     settings the user gave, the store and template travel with each request. progress: start the
@@ -203,15 +223,16 @@ def _warm_bot(ctx: typer.Context, flags: dict, keep_alive: float, err: Console, 
     from ladechat.keepalive.runtime import LOAD_DEFAULTS, Spec
     from ladechat.settings import Settings
 
+    params = ctx.params
     values, chosen = _request_settings(ctx, _given(ctx), defaults)
-    values.update(store=flags["store"], template=flags["template"])
+    values.update(store=params["store"], template=params["template"])
     chosen |= {"store", "template"}
     Settings().updated({k: values[k] for k in chosen})  # ConfigError before any server starts
-    if flags["template"] is not None:
+    if params["template"] is not None:
         from ladechat.templates import resolve
 
-        resolve(None, flags["template"])
-    spec = Spec.of({k: flags[k] for k in LOAD_DEFAULTS if k in flags}, os.environ)
+        resolve(None, params["template"])
+    spec = Spec.of({k: params[k] for k in LOAD_DEFAULTS}, os.environ)
     root = _runtime_root()
     warm = find(spec, root) if progress is None else ensure(spec, keep_alive, root, progress)
     if warm is None:
@@ -232,18 +253,17 @@ def _quiet_libraries() -> None:
 
 
 @app.callback(invoke_without_command=True)
-def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = True, window: Window = None,
+def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = LOOKAHEAD.enabled, window: Window = None,
          ngram: Ngram = None, candidates: Cands = None, context_candidates: ContextCands = None,
-         context_len: ContextLen = None, recycle: Recycle = None, max_new_tokens: MaxNew = 1024,
-         temperature: Temperature = None, top_p: TopP = 1.0, top_k: TopK = 0, min_p: MinP = 0.0,
-         repetition_penalty: RepPenalty = 1.0, seed: Seed = None, dtype: Dtype = "auto", device: Device = "auto",
+         context_len: ContextLen = None, recycle: Recycle = None, max_new_tokens: MaxNew = MAX_NEW_TOKENS["chat"],
+         temperature: Temperature = None, top_p: TopP = SAMPLING.top_p, top_k: TopK = SAMPLING.top_k, min_p: MinP = SAMPLING.min_p,
+         repetition_penalty: RepPenalty = SAMPLING.repetition_penalty, seed: Seed = None, dtype: Dtype = "auto", device: Device = "auto",
          load_in_4bit: FourBit = False, load_in_8bit: EightBit = False, device_map: DeviceMap = None,
          keep_alive: KeepAlive = "5m",
          max_memory: MaxMemory = None, attn: Attn = "sdpa", template: Template = None, system: System = None, stop: Stop = None,
-         compile: Compile = False, store: Store = True, markdown: Markdown = True, debug: Debug = False,
+         compile: Compile = False, store: Store = LOOKAHEAD.store, markdown: Markdown = True, debug: Debug = False,
          api: Api = None, api_key: ApiKey = None, weights: Weights = "auto") -> None:
     """Interactive multi-turn chat (the default command). Type /help inside for commands."""
-    flags = dict(locals())  # the parameters named like a setting become Settings (see _settings)
     if ctx.invoked_subcommand is not None:
         return
     from ladechat.ui.chat import run_chat
@@ -255,19 +275,20 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = True, w
         return
     from ladechat.pending import LoadFailed, PendingBot
 
-    _settings(flags)  # every flag checked before the (slow) model load
+    given = _setting_flags(ctx.params)
+    _settings(given)  # every flag checked before the (slow) model load
     keep = _keep_alive(keep_alive)
-    load = lambda progress: _chat_bot(flags, progress)[1]
+    load = lambda progress: _chat_bot(ctx.params, given, progress)[1]
     if keep != 0:  # the model in a local server that keeps it loaded for the next commands
-        warm = _warm_bot(ctx, flags, keep, err)  # one that holds it already
+        warm = _warm_bot(ctx, keep, err)  # one that holds it already
         if warm is not None:
             run_chat(warm, system=system, debug=debug, markdown=markdown, out=stdout_console(), err=err)
             return
-        load = lambda progress: _warm_bot(ctx, flags, keep, err, progress)
+        load = lambda progress: _warm_bot(ctx, keep, err, progress)
     elif compile:
         # Compiled steps are captured (CUDA graphs) per thread: warm them up on the thread that
         # answers, before the prompt.
-        bot = _chat_bot(flags, _spinner(err))[1]
+        bot = _chat_bot(ctx.params, given, _spinner(err))[1]
         run_chat(bot, system=system, debug=debug, markdown=markdown, out=stdout_console(), err=err)
         return
     # The prompt comes at once; the model loads meanwhile and the first answer waits for it.
@@ -286,15 +307,16 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = True, w
         os._exit(0)
 
 
-def _chat_bot(flags: dict, progress):
-    """(settings, Bot) from the chat's options (also serve's): the model loaded, W/N/G for its
-    device, the model's own temperature when it samples. The load's notices are the bot's first."""
+def _chat_bot(options: dict, given: dict, progress):
+    """(settings, Bot) from the chat's load options (also serve's and the warm server's) and the
+    settings its flags give: the model loaded, W/N/G for its device, the model's own temperature
+    when it samples. The load's notices are the bot's first."""
     _quiet_libraries()
-    loaded = _load(flags["model"], flags["dtype"], flags["device"], flags["attn"], flags["load_in_4bit"],
-                   flags["load_in_8bit"], flags["device_map"], progress, flags["max_memory"], flags["compile"],
-                   flags["weights"])
-    settings = _settings(flags, loaded, default_temperature=_model_temperature(loaded))
-    bot = _bot(loaded, settings, flags["compile"], progress)
+    loaded = _load(options["model"], options["dtype"], options["device"], options["attn"], options["load_in_4bit"],
+                   options["load_in_8bit"], options["device_map"], progress, options["max_memory"], options["compile"],
+                   options["weights"])
+    settings = _settings(given, loaded, default_temperature=_model_temperature(loaded))
+    bot = _bot(loaded, settings, options["compile"], progress)
     bot.notices[:0] = loaded.notices
     return settings, bot
 
@@ -309,19 +331,18 @@ def _model_temperature(loaded) -> float:
 
 @app.command()
 def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help="The question; '-' or a pipe reads it from stdin.")] = None,
-        model: Model = None, lookahead: Lookahead = True, window: Window = None, ngram: Ngram = None,
+        model: Model = None, lookahead: Lookahead = LOOKAHEAD.enabled, window: Window = None, ngram: Ngram = None,
         candidates: Cands = None, context_candidates: ContextCands = None, context_len: ContextLen = None,
-        recycle: Recycle = None, max_new_tokens: MaxNew = 512, temperature: Temperature = None,
-        top_p: TopP = 1.0, top_k: TopK = 0, min_p: MinP = 0.0, repetition_penalty: RepPenalty = 1.0,
+        recycle: Recycle = None, max_new_tokens: MaxNew = MAX_NEW_TOKENS["ask"], temperature: Temperature = None,
+        top_p: TopP = SAMPLING.top_p, top_k: TopK = SAMPLING.top_k, min_p: MinP = SAMPLING.min_p, repetition_penalty: RepPenalty = SAMPLING.repetition_penalty,
         seed: Seed = None, dtype: Dtype = "auto", device: Device = "auto", load_in_4bit: FourBit = False,
         load_in_8bit: EightBit = False, device_map: DeviceMap = None, max_memory: MaxMemory = None,
         keep_alive: KeepAlive = "5m",
         attn: Attn = "sdpa",
         template: Template = None, system: System = None, stop: Stop = None, compile: Compile = False,
-        store: Store = True, markdown: Markdown = True, debug: Debug = False, as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, token_ids, stats) instead of streaming.")] = False,
+        store: Store = LOOKAHEAD.store, markdown: Markdown = True, debug: Debug = False, as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, token_ids, stats) instead of streaming.")] = False,
         api: Api = None, api_key: ApiKey = None, weights: Weights = "auto") -> None:
     """One-shot answer to PROMPT, streamed to stdout (greedy unless --temperature is given)."""
-    flags = dict(locals())  # the parameters named like a setting become Settings (see _settings)
     from ladechat.bot import Notice, Piece
     from ladechat.conversation import Conversation
     from ladechat.engine.events import Done
@@ -334,13 +355,14 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
     if api is not None:
         bot = _remote_bot(ctx, api, api_key, defaults={"temperature": 0.0})  # greedy unless --temperature
     elif keep != 0:  # the model in a local server that keeps it loaded for the next commands
-        bot = _warm_bot(ctx, flags, keep, err, _spinner(err), defaults={"temperature": 0.0}, print_notices=True)
+        bot = _warm_bot(ctx, keep, err, _spinner(err), defaults={"temperature": 0.0}, print_notices=True)
     else:
-        _settings(flags)  # every flag checked before the (slow) model load
+        given = _setting_flags(ctx.params)
+        _settings(given)  # every flag checked before the (slow) model load
         _quiet_libraries()
         loaded = _load_here(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, err, max_memory,
                             compile, weights)
-        settings = _settings(flags, loaded)
+        settings = _settings(given, loaded)
         bot = _bot(loaded, settings, compile, _spinner(err))
     if debug:  # which weights and kernels answer
         err.print(f"[dim]model {escape(bot.describe())}[/]", highlight=False, soft_wrap=True)
@@ -409,18 +431,17 @@ def serve(ctx: typer.Context, host: Annotated[str, typer.Option("--host", help="
           served_model_name: Annotated[str | None, typer.Option("--served-model-name", help="The model name clients ask for (default: the model's).")] = None,
           allow_origin: Annotated[Optional[list[str]], typer.Option("--allow-origin", help="A web origin (e.g. http://localhost:3000, or * for any) whose pages may use the server (repeatable); requests from other sites' pages get 403.")] = None,
           drain_timeout: Annotated[float, typer.Option("--drain-timeout", help="On SIGTERM or Ctrl-C: seconds the answers in progress get to finish; then each ends with an error (event).")] = 5.0,
-          model: Model = None, lookahead: Lookahead = True, window: Window = None, ngram: Ngram = None,
+          model: Model = None, lookahead: Lookahead = LOOKAHEAD.enabled, window: Window = None, ngram: Ngram = None,
           candidates: Cands = None, context_candidates: ContextCands = None, context_len: ContextLen = None,
           recycle: Recycle = None,
-          max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Most tokens in one answer: the default, and a cap (a request asking for more gets this many).")] = 1024,
+          max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Most tokens in one answer: the default, and a cap (a request asking for more gets this many).")] = MAX_NEW_TOKENS["serve"],
           temperature: Temperature = None,
-          top_p: TopP = 1.0, top_k: TopK = 0, min_p: MinP = 0.0, repetition_penalty: RepPenalty = 1.0,
+          top_p: TopP = SAMPLING.top_p, top_k: TopK = SAMPLING.top_k, min_p: MinP = SAMPLING.min_p, repetition_penalty: RepPenalty = SAMPLING.repetition_penalty,
           seed: Seed = None, dtype: Dtype = "auto", device: Device = "auto", load_in_4bit: FourBit = False,
           load_in_8bit: EightBit = False, device_map: DeviceMap = None, max_memory: MaxMemory = None,
           attn: Attn = "sdpa", template: Template = None, stop: Stop = None, compile: Compile = False,
-          store: Store = True, weights: Weights = "auto") -> None:
+          store: Store = LOOKAHEAD.store, weights: Weights = "auto") -> None:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions), with lookahead decoding."""
-    flags = dict(locals())  # the parameters named like a setting become Settings (see _settings)
     from ladechat import server
 
     err = stderr_console()
@@ -436,12 +457,13 @@ def serve(ctx: typer.Context, host: Annotated[str, typer.Option("--host", help="
         origins = frozenset(server.normal_origin(o) for o in allow_origin or [])
     except ValueError as exc:
         raise Fail(f"--allow-origin: {exc}") from None
-    _settings(flags)  # every flag checked before the (slow) model load
+    given = _setting_flags(ctx.params)
+    _settings(given)  # every flag checked before the (slow) model load
     try:
         sock = server.bind(host, port)
     except OSError as exc:
         raise Fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    settings, bot = _chat_bot(flags, _spinner(err))
+    settings, bot = _chat_bot(ctx.params, given, _spinner(err))
     _print_notices(bot.notices, err)
     bot.notices.clear()
     model_id = served_model_name or model or bot.name.split(" (")[0]
@@ -468,7 +490,7 @@ def templates() -> None:
 
 
 @app.command()
-def bench(dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Prompt set: mtbench, humaneval, gsm8k (from ../shared/data) or a JSONL path; repeatable.")] = ["mtbench"],
+def bench(ctx: typer.Context, dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Prompt set: mtbench, humaneval, gsm8k (from ../shared/data) or a JSONL path; repeatable.")] = ["mtbench"],
           methods: Annotated[str, typer.Option("--methods", help="Comma-separated: hf (always run, the reference), hf-lookup-3, hf-lookup-5, hf-lookup (10 tokens), hf-packed (HF greedy on ladechat's packed weights), plain, lookahead, lookahead-full.")] = "hf,hf-lookup-3,hf-lookup-5,hf-lookup,plain,lookahead",
           single_turn: Annotated[bool, typer.Option("--single-turn", help="Only the first turn of each item.")] = False,
           store: Annotated[str, typer.Option("--store", help="Each ladechat method's store of past answers: cold (empty at the start, filled as the run goes), warm (first filled with the answers to --warm-from) or off. Never the store of your chats.")] = "cold",
@@ -478,7 +500,7 @@ def bench(dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Pr
           limit: Annotated[Optional[int], typer.Option("--limit", help="Items per dataset (default: all).")] = None,
           model: Model = None, window: Window = None, ngram: Ngram = None, candidates: Cands = None,
           context_candidates: ContextCands = None, context_len: ContextLen = None, recycle: Recycle = None,
-          max_new_tokens: MaxNew = 256, temperature: Temperature = None, top_p: TopP = 1.0, top_k: TopK = 0,
+          max_new_tokens: MaxNew = MAX_NEW_TOKENS["bench"], temperature: Temperature = None, top_p: TopP = SAMPLING.top_p, top_k: TopK = SAMPLING.top_k,
           seed: Seed = 0, dtype: Dtype = "auto", device: Device = "auto", attn: Attn = "sdpa",
           template: Template = None, compile: Compile = False,
           step_cost: Annotated[bool, typer.Option("--step-cost", help="Measure time per step against tokens fed (dynamic, static, --compile'd runners) instead of answering prompts.")] = False,
@@ -491,7 +513,6 @@ def bench(dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Pr
           api_key: ApiKey = None,
           weights: Annotated[Optional[str], typer.Option("--weights", help="Linear weights, as for the chat (auto, dense, packed, int4); default packed (the layout the bench's tables compare HF with), and auto with --api (as ladechat serve loads).")] = None) -> None:
     """Compare HF generate, HF prompt lookup, ladechat plain and lookahead on real prompts, side by side."""
-    flags = dict(locals())  # the parameters named like a setting become Settings (see _settings)
     from ladechat import bench as benchmark
     from ladechat.ui.report import bench_tables
 
@@ -499,10 +520,10 @@ def bench(dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Pr
     if step_cost:
         _step_cost(model, shape, sizes, context, reps, compile, dtype, device, attn, as_json, err, weights or "packed")
         return
-    flags.pop("store")  # the bench's --store is a mode (cold, warm, off), not the setting
+    given = _setting_flags(ctx.params, BENCH_SETTINGS)  # the bench's --store is a mode, not the setting
     if api is not None:
-        _settings(flags)  # every flag checked before the (slow) model load
-        _serve_bench(api, api_key, dataset, limit, model, dtype, device, attn, as_json, err, flags, weights or "auto")
+        _settings(given)  # every flag checked before the (slow) model load
+        _serve_bench(api, api_key, dataset, limit, model, dtype, device, attn, as_json, err, given, weights or "auto")
         return
     method_list = [m.strip() for m in methods.split(",") if m.strip()] + (list(benchmark.ONLY) if ablation else [])
     benchmark.check_methods(method_list)
@@ -514,11 +535,11 @@ def bench(dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Pr
         raise Fail("--store warm needs --warm-from (a prompt set to build the store from), and only it")
     if limit is not None and limit < 1:
         raise Fail(f"--limit must be >= 1, got {limit}")
-    _settings(flags)  # every flag checked before the (slow) model load
+    _settings(given)  # every flag checked before the (slow) model load
     _quiet_libraries()
     loaded = _load_here(model, dtype, device, attn, False, False, None, err, compile=compile,
                         weights=weights or ("dense" if compile else "packed"))
-    settings = _settings(flags, loaded)
+    settings = _settings(given, loaded)
     results = benchmark.run(loaded, dataset, method_list, settings, limit, compile=compile, single_turn=single_turn,
                             store=store, warm_from=warm_from, warm_limit=warm_limit,
                             progress=lambda name, i, n: err.print(f"[dim]{escape(name)}: {i}/{n}[/]", highlight=False))
@@ -529,7 +550,7 @@ def bench(dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Pr
             stdout_console().print(table)
 
 
-def _serve_bench(api, api_key, dataset, limit, model, dtype, device, attn, as_json, err, flags: dict,
+def _serve_bench(api, api_key, dataset, limit, model, dtype, device, attn, as_json, err, given: dict,
                  weights: str) -> None:
     from ladechat import bench as benchmark
     from ladechat import serve_bench
@@ -541,7 +562,7 @@ def _serve_bench(api, api_key, dataset, limit, model, dtype, device, attn, as_js
     serve_bench.check_server(remote)  # before the (slow) model load
     _quiet_libraries()
     loaded = _load_here(model, dtype, device, attn, False, False, None, err, weights=weights)
-    settings = _settings(flags, loaded)
+    settings = _settings(given, loaded)
     result = serve_bench.run(loaded, settings, remote, prompts,
                              progress=lambda i, n: err.print(f"[dim]{i}/{n}[/]", highlight=False))
     if as_json:

@@ -24,10 +24,12 @@ from ladechat.conversation import Conversation, ConversationError, dropped_notic
 from ladechat.engine.config import ConfigError, LookaheadConfig
 from ladechat.engine.events import Done, Stats, Step, Tally
 from ladechat.errors import UserError
-from ladechat.settings import Settings, keys
+from ladechat.settings import Settings, group, key, keys
 
-LOOKAHEAD_KEYS = ("lookahead", "W", "N", "G", "context_candidates", "context_len", "recycle")
-SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop")
+# The settings sent with each request, by key: the lookahead ones in the "ladechat" extension (to
+# ladechat serve only), the sampling ones as the API's own fields.
+LOOKAHEAD_KEYS = tuple(key(name) for name in group("lookahead"))
+SAMPLING_KEYS = tuple(key(name) for name in group("sampling"))
 
 
 class RemoteError(UserError):
@@ -160,13 +162,13 @@ class RemoteBot:
 
     def request_body(self, conversation: Conversation) -> dict:
         values = self.settings.as_dict()
-        keys = set(SAMPLING_KEYS) if self.stats_reported else self.given
+        sent = set(SAMPLING_KEYS) if self.stats_reported else self.given
         body: dict = {"model": self.name, "messages": conversation.chat_messages(), "stream": True,
                       "stream_options": {"include_usage": True}}
         names = {"max_new_tokens": "max_tokens"}
-        for key in SAMPLING_KEYS:
-            if key in keys and values[key] is not None and values[key] != []:
-                body[names.get(key, key)] = values[key]
+        for name in SAMPLING_KEYS:
+            if name in sent and values[name] is not None and values[name] != []:
+                body[names.get(name, name)] = values[name]
         if self.stats_reported:
             body["ladechat"] = {k: values[k] for k in LOOKAHEAD_KEYS}
         return body

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 import anyio
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
@@ -57,7 +57,7 @@ from ladechat.conversation import Conversation, prompt_budget
 from ladechat.detok import Detokenizer
 from ladechat.engine.config import ConfigError
 from ladechat.engine.events import Done, Step
-from ladechat.settings import Settings
+from ladechat.settings import Settings, group, key
 
 MAX_BODY = 8 * 1024 * 1024  # bytes of JSON in one request
 MAX_OBJECTS = 8192  # JSON objects in one request (messages, content parts, ...): pydantic holds the GIL
@@ -114,15 +114,10 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class Extension(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    lookahead: bool | None = None
-    W: int | None = None
-    N: int | None = None
-    G: int | None = None
-    context_candidates: int | None = None
-    context_len: int | None = None
-    recycle: int | None = None
+# The request's "ladechat" object: the lookahead settings by key (W, N, G, ...), each optional.
+Extension = create_model("Extension", __config__=ConfigDict(extra="forbid", strict=True),
+                         **{key(name): (Settings.model_fields[name].annotation | None, None)
+                            for name in group("lookahead")})
 
 
 class ChatRequest(BaseModel):
@@ -273,9 +268,7 @@ def _text(m: Message, i: int) -> str:
 
 
 # The request's names for the settings it sets (a message names what the client sent).
-REQUEST_NAMES = {"W": "ladechat.W", "N": "ladechat.N", "G": "ladechat.G", "lookahead": "ladechat.lookahead",
-                 "context_candidates": "ladechat.context_candidates", "context_len": "ladechat.context_len",
-                 "recycle": "ladechat.recycle"}
+REQUEST_NAMES = {key(name): f"ladechat.{key(name)}" for name in group("lookahead")}
 
 
 def settings_of(base: Settings, req: ChatRequest) -> Settings:

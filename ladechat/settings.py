@@ -1,15 +1,17 @@
 """Every setting a user can give, in one typed model: the CLI flags, `/set`, `/save` and `/load`
-files and the bench all go through `Settings`, so types and ranges are checked in one place and a
-bad value is refused with one line (ConfigError). It builds the engine's frozen inputs
-(LookaheadConfig, SamplingConfig); the engine itself does not depend on pydantic.
+files, the server's "ladechat" extension, the `--api` client and the bench all go through
+`Settings`, so types, ranges and defaults are stated in one place and a bad value is refused with
+one line (ConfigError). It builds the engine's frozen inputs (LookaheadConfig, SamplingConfig),
+whose defaults are its own; the engine itself does not depend on pydantic.
 
 Names are the keys of a saved file (format in conversation.py): W, N, G for the window, n-gram
 size and candidates (the paper's letters), the rest spelled out. `/set` takes the same keys in
-lower case.
+lower case. Each field belongs to one group (GROUPS), from which every list of keys is derived.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -19,6 +21,16 @@ from ladechat.engine.config import ConfigError, LookaheadConfig, SamplingConfig
 # What a message calls a field (the key users type, with the letter's meaning for W, N, G).
 LABELS = {"window": "W (window)", "ngram": "N (n-gram size)", "candidates": "G (candidates)"}
 MIN_TEMPERATURE = 0.01  # below this (but above 0, greedy) logits / temperature overflow to inf
+LOOKAHEAD = LookaheadConfig()  # the defaults: the engine's own
+SAMPLING = SamplingConfig()
+# The groups of settings: how to speculate (sent to ladechat serve with --api), how to choose
+# tokens (sent to any server with --api), and what only a model in this process reads (with --api
+# they are the server's: its store of past answers, its template).
+GROUPS = ("lookahead", "sampling", "local")
+
+
+def _setting(group: str, default: Any, **field: Any) -> Any:
+    return Field(default, json_schema_extra={"group": group}, **field)
 
 
 class Settings(BaseModel):
@@ -27,23 +39,28 @@ class Settings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, validate_by_name=True,
                               validate_by_alias=True, serialize_by_alias=True)
 
-    lookahead: bool = True
-    window: int = Field(2, alias="W", ge=1, le=64, description="columns of the Jacobi window")
-    ngram: int = Field(3, alias="N", ge=2, le=16, description="n-gram size; the window has N-1 levels")
-    candidates: int = Field(1, alias="G", ge=0, le=64, description="pool n-grams kept per key and tried per step")
-    context_candidates: int = Field(2, ge=0, le=16, description="continuations matched in the conversation per step")
-    context_len: int = Field(12, ge=1, le=64, description="tokens one context continuation proposes")
-    recycle: int = Field(16, ge=0, le=256, description="most draft nodes from the model's recycled top-k")
-    store: bool = Field(True, description="draft from (and add to) the model's store of past answers")
-    max_new_tokens: int = Field(512, ge=1, le=1_000_000)
-    temperature: float = Field(0.0, ge=0, le=100, description="0: greedy")
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0, le=1_000_000, description="0: no limit")
-    min_p: float = Field(0.0, ge=0, lt=1)
-    repetition_penalty: float = Field(1.0, ge=0.01, le=100, description="1: off")
-    seed: int | None = Field(None, ge=0, lt=2**63)  # the range torch.Generator.manual_seed takes
-    stop: tuple[str, ...] = ()
-    template: str | None = None
+    lookahead: bool = _setting("lookahead", LOOKAHEAD.enabled)
+    window: int = _setting("lookahead", LOOKAHEAD.window, alias="W", ge=1, le=64, description="columns of the Jacobi window")
+    ngram: int = _setting("lookahead", LOOKAHEAD.ngram, alias="N", ge=2, le=16,
+                          description="n-gram size; the window has N-1 levels")
+    candidates: int = _setting("lookahead", LOOKAHEAD.candidates, alias="G", ge=0, le=64,
+                               description="pool n-grams kept per key and tried per step")
+    context_candidates: int = _setting("lookahead", LOOKAHEAD.context_candidates, ge=0, le=16,
+                                       description="continuations matched in the conversation per step")
+    context_len: int = _setting("lookahead", LOOKAHEAD.context_len, ge=1, le=64,
+                                description="tokens one context continuation proposes")
+    recycle: int = _setting("lookahead", LOOKAHEAD.recycle, ge=0, le=256,
+                            description="most draft nodes from the model's recycled top-k")
+    store: bool = _setting("local", LOOKAHEAD.store, description="draft from (and add to) the model's store of past answers")
+    max_new_tokens: int = _setting("sampling", SAMPLING.max_new_tokens, ge=1, le=1_000_000)
+    temperature: float = _setting("sampling", SAMPLING.temperature, ge=0, le=100, description="0: greedy")
+    top_p: float = _setting("sampling", SAMPLING.top_p, gt=0, le=1)
+    top_k: int = _setting("sampling", SAMPLING.top_k, ge=0, le=1_000_000, description="0: no limit")
+    min_p: float = _setting("sampling", SAMPLING.min_p, ge=0, lt=1)
+    repetition_penalty: float = _setting("sampling", SAMPLING.repetition_penalty, ge=0.01, le=100, description="1: off")
+    seed: int | None = _setting("sampling", SAMPLING.seed, ge=0, lt=2**63)  # the range torch.Generator.manual_seed takes
+    stop: tuple[str, ...] = _setting("sampling", SAMPLING.stop)
+    template: str | None = _setting("local", None)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -79,10 +96,8 @@ class Settings(BaseModel):
     @classmethod
     def for_lookahead(cls, la: LookaheadConfig, **values) -> Settings:
         """Settings whose lookahead part is `la` (e.g. the device's defaults) and the rest `values`."""
-        return cls.parse({"lookahead": la.enabled, "window": la.window, "ngram": la.ngram,
-                          "candidates": la.candidates, "context_candidates": la.context_candidates,
-                          "context_len": la.context_len, "recycle": la.recycle, "store": la.store,
-                          **values})
+        return cls.parse({_ENGINE_NAMES.get(f.name, f.name): getattr(la, f.name) for f in dataclasses.fields(la)
+                          if _ENGINE_NAMES.get(f.name, f.name) in cls.model_fields} | values)
 
     def as_dict(self) -> dict:
         """JSON-ready, with the keys of a saved file."""
@@ -90,23 +105,38 @@ class Settings(BaseModel):
 
     # -- what the engine takes ------------------------------------------------------------------
     def lookahead_config(self) -> LookaheadConfig:
-        return LookaheadConfig(window=self.window, ngram=self.ngram, candidates=self.candidates,
-                               context_candidates=self.context_candidates, context_len=self.context_len,
-                               recycle=self.recycle, store=self.store, enabled=self.lookahead)
+        return self._engine(LookaheadConfig)
 
     def sampling_config(self) -> SamplingConfig:
-        return SamplingConfig(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
-                              seed=self.seed, stop=self.stop)
+        return self._engine(SamplingConfig)
+
+    def _engine(self, config: type):
+        """One of the engine's configs, from the fields it shares with these settings (the rest keep
+        the engine's defaults: seed_pool)."""
+        return config(**{f.name: getattr(self, _ENGINE_NAMES.get(f.name, f.name)) for f in dataclasses.fields(config)
+                         if _ENGINE_NAMES.get(f.name, f.name) in type(self).model_fields})
+
+
+_ENGINE_NAMES = {"enabled": "lookahead"}  # an engine config's field -> the setting it is
+
+
+def group(name: str) -> tuple[str, ...]:
+    """The fields of one of GROUPS, in the model's order."""
+    return tuple(field for field, info in Settings.model_fields.items() if info.json_schema_extra["group"] == name)
+
+
+def key(field: str) -> str:
+    """The key of a field in a saved file, a request's "ladechat" extension and messages (W for window)."""
+    return Settings.model_fields[field].alias or field
 
 
 def keys() -> dict[str, str]:
     """Every key a user may type or a file may hold -> the field it sets (W -> window, w -> window)."""
     found = {}
-    for name, info in Settings.model_fields.items():
-        for key in {name, info.alias or name}:
-            found[key] = name
-            found[key.lower()] = name
+    for name in Settings.model_fields:
+        for spelling in {name, key(name)}:
+            found[spelling] = name
+            found[spelling.lower()] = name
     return found
 
 
@@ -117,7 +147,7 @@ def field_name(key: str) -> str:
 
 def set_keys() -> list[str]:
     """The keys `/set` takes, in the model's order (stop is a list: /load and --stop set it)."""
-    return [(info.alias or name).lower() for name, info in Settings.model_fields.items() if name != "stop"]
+    return [key(name).lower() for name in Settings.model_fields if name != "stop"]
 
 
 def _one_line(error: dict) -> str:

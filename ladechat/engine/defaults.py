@@ -1,4 +1,5 @@
-"""Default W, N, G per device type, chosen by measurement (see BENCHMARKS.md)."""
+"""Default W, N, G per device type, chosen by measurement (see BENCHMARKS.md): a CPU's are
+LookaheadConfig's own defaults, a GPU's follow from its step-cost curve."""
 
 from __future__ import annotations
 
@@ -10,15 +11,10 @@ GPU_SLACK = 0.3  # "where cost starts rising steeply": the largest step within 1
 
 
 def default_lookahead(device_type: str, step_cost: dict[int, float] | None = None) -> LookaheadConfig:
+    """A GPU's from its step-cost curve; elsewhere LookaheadConfig's own defaults, measured on a CPU."""
     if device_type == "cuda":
         return gpu_lookahead(step_cost)
-    # CPU (2-core EPYC, SmolLM2-135M, bf16, 9 real prompts x 128 tokens, paired with plain decoding):
-    # W=5 N=4 G=5 1.13x, W=3 N=4 G=2 1.17x, W=4 N=3 G=2 1.19x, W=2 N=3 G=1 1.25x (compression 1.64),
-    # context candidates alone 1.30x (compression 1.54). Small windows win: every extra row costs.
-    # With the model's recycled top-k as a draft source (fp32, 2-core AVX2 EPYC, 9 prompts x 128
-    # tokens, against plain decoding): without it 1.18x (compression 1.74), with 16 recycled nodes
-    # 1.26-1.30x (compression 2.09-2.11); whether W is 1 or 2 made no measurable difference.
-    return LookaheadConfig(window=2, ngram=3, candidates=1, context_candidates=2, context_len=12, recycle=16)
+    return LookaheadConfig()
 
 
 def gpu_lookahead(step_cost: dict[int, float] | None) -> LookaheadConfig:

@@ -84,7 +84,7 @@ def load(spec: Spec, status: Status):
     requests give their own settings."""
     from ladechat import cli
 
-    return cli._chat_bot({**spec.options, "max_new_tokens": MAX_NEW_TOKENS}, status.progress)
+    return cli._chat_bot(spec.options, {"max_new_tokens": MAX_NEW_TOKENS}, status.progress)
 
 
 def resident_bytes() -> int:

@@ -17,7 +17,7 @@ from ladechat.conversation import Conversation, ConversationError
 from ladechat.engine.events import Done, Stats
 from ladechat.errors import UserError
 from ladechat.pending import LoadFailed, PendingBot
-from ladechat.settings import Settings, keys
+from ladechat.settings import Settings, group, key, keys
 from ladechat.ui import commands
 from ladechat.ui.stream import debug_panel
 
@@ -215,8 +215,7 @@ class ChatApp:
 
     def _show(self) -> str:
         values = self.bot.settings.as_dict()
-        lookahead = " ".join(f"{k}={values.pop(k)}" for k in ("W", "N", "G", "context_candidates", "context_len",
-                                                                "recycle"))
+        lookahead = " ".join(f"{key(k)}={values.pop(key(k))}" for k in group("lookahead") if k != "lookahead")
         enabled = values.pop("lookahead")
         store = values.pop("store")
         return (f"model {self.bot.describe()}\n"

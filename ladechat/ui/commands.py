@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass
 
 from ladechat import settings
 from ladechat.errors import UserError
 
-HELP = """\
+def _set_keys() -> str:
+    """The keys /set takes (settings.set_keys), W, N and G with their meaning, wrapped under /set."""
+    named = [settings.LABELS[settings.keys()[k]].lower() if settings.keys()[k] in settings.LABELS else k
+             for k in settings.set_keys()]
+    return textwrap.fill(", ".join(named), width=100, initial_indent=" " * 22, subsequent_indent=" " * 22)
+
+
+HELP = f"""\
 /help                 this list
 /lookahead on|off     lookahead decoding on or off (from the next answer)
 /store on|off|clear   draft from this model's store of past answers (and add to it); clear: forget them
 /set KEY=VALUE ...    change settings, e.g. /set w=3 temperature=0.7 (seed=none: random); keys:
-                      w, n, g (window, n-gram size, candidates), context_candidates, context_len,
-                      recycle, store, lookahead, max_new_tokens, temperature, top_p, top_k, min_p,
-                      repetition_penalty, seed, template
+{_set_keys()}
 /show                 current settings
 /stats                session totals per mode: tokens, steps, tokens/step, tok/s
 /debug on|off         per-step acceptance and a per-turn statistics panel
