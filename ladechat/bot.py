@@ -3,57 +3,55 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from ladechat.conversation import Conversation, dropped_notice, prompt_budget
 from ladechat.engine.config import ConfigError
-from ladechat.engine.events import Done, Step
+from ladechat.engine.events import Done, Notice, Piece
+from ladechat.errors import UserError
 from ladechat.settings import Settings
 
-# Notice, Piece and Backend are imported by front ends that run no model (`--api`): torch and
+# The protocol and its errors are imported by front ends that run no model (`--api`): torch and
 # transformers are imported only where a Bot is built.
 if TYPE_CHECKING:
     from ladechat.engine.loading import LoadedModel
 
 
-@dataclass(frozen=True)
-class Notice:
-    """Something the user should see that is not part of the answer (e.g. turns dropped)."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Answer text that arrives already decoded (from a server) instead of as token ids.
-    parallel: it was accepted in parallel (shown highlighted). step: the server's step, if it said."""
-
-    text: str
-    parallel: bool = False
-    step: Step | None = None
-
-
 class Backend(Protocol):
-    """What the chat needs from whatever answers it: a Bot (a model in this process) or a
-    remote.RemoteBot (a model behind an OpenAI-compatible server). A Bot streams the engine's Steps
-    (token ids), a RemoteBot Pieces (text that arrives decoded); Notices and a Done from both."""
+    """Whatever answers the chat, `ask` and `serve`: a Bot (a model in this process), a
+    pending.PendingBot (one still loading) or a remote.RemoteBot (a model behind an OpenAI-compatible
+    server). Data and answers only: how they are shown (the printer, the footer, the message of a
+    failure) is the front end's choice. Every one streams the same events (engine/events.py)."""
 
     settings: Settings
     compiled: bool  # configure() then needs warm_up() (compiles)
     name: str  # the model, as /save records it
     stats_reported: bool  # Done carries real decoding statistics (steps, lookahead): /stats, /debug
     ready: bool  # it answers without waiting (a pending.PendingBot is False while its model loads)
+    host: str | None  # the server that answers (host:port), None for a model in this process
 
     def describe(self) -> str: ...  # the model and where it runs, for the banner and /show
     def configure(self, settings: Settings) -> None: ...  # ConfigError for what it cannot do
     def warm_up(self) -> None: ...
     def clear_store(self) -> int: ...  # forget the model's past answers; how many
-    def reply(self, conversation: Conversation) -> Iterator[Notice | Piece | Step | Done]: ...
-    def printer(self, out, err, debug: bool, markdown: bool): ...  # a ui.stream.StreamPrinter for its events
-    def footer(self, stats) -> str: ...  # the line under an answer
-    def failure(self, exc: Exception) -> str | None: ...  # the message for an error that ends an answer midway
+    def reply(self, conversation: Conversation) -> Iterator[Notice | Piece | Done]: ...  # may raise
+    # OutOfMemory or a RemoteError midway
+
+
+class RemoteError(UserError):
+    """The server cannot be used or failed; the message is one line. retry: the same request may
+    be answered later (the chat then keeps the question for /retry)."""
+
+    retry = False
+
+
+class ServerFailure(RemoteError):
+    """The server is gone (unreachable, the connection broke) or failed the answer (an error event,
+    a 5xx status, a stream that ended unfinished): asked again once it is back, it may answer."""
+
+    retry = True
 
 
 class Bot:
@@ -96,6 +94,7 @@ class Bot:
 
     stats_reported = True
     ready = True
+    host = None
 
     @property
     def name(self) -> str:
@@ -131,24 +130,6 @@ class Bot:
             self.session.store = self._open_store()
         return forgotten
 
-    def printer(self, out, err, debug: bool, markdown: bool):
-        from ladechat.ui.stream import StreamPrinter
-
-        return StreamPrinter(self.loaded.tokenizer, out, err, debug=debug, markdown=markdown)
-
-    def footer(self, stats) -> str:
-        from ladechat.ui.stream import footer
-
-        return footer(stats)
-
-    def failure(self, exc: Exception) -> str | None:
-        from ladechat.engine.decode import OutOfMemory
-
-        if isinstance(exc, OutOfMemory):
-            return (f"{exc}; try a shorter conversation (/clear), a smaller max_new_tokens, fewer tokens per step "
-                    "(W, G) or --load-in-4bit")
-        return None
-
     def warm_up(self) -> None:
         """With compile: build the step graphs for the current W/N/G now rather than mid-answer."""
         self.session.warm_up()
@@ -157,7 +138,7 @@ class Bot:
         budget = prompt_budget(self.loaded.context_length, self.settings.max_new_tokens)
         return conversation.encode(self.loaded.tokenizer, self.settings.template, budget)
 
-    def reply(self, conversation: Conversation) -> Iterator[Notice | Step | Done]:
+    def reply(self, conversation: Conversation) -> Iterator[Notice | Piece | Done]:
         """Answer the conversation's last user message. Oldest turns are dropped (with a Notice)
         when the conversation no longer fits the context."""
         ids, dropped = self.prompt_ids(conversation)
@@ -173,6 +154,13 @@ class Bot:
         if grown is not None:  # generate() grows it before its first step: say why that step waits
             yield Notice(f"growing the KV cache to {grown} tokens for this turn"
                          + ("; compiling its steps (once per length)" if self.compiled else ""))
+        from ladechat.detok import StepText
         from ladechat.engine.decode import generate
 
-        yield from generate(self.session, ids, sampling, self.loaded.eos_ids, self.loaded.tokenizer.decode)
+        tokenizer = self.loaded.tokenizer
+        text = StepText(tokenizer)
+        for event in generate(self.session, ids, sampling, self.loaded.eos_ids, tokenizer.decode):
+            if isinstance(event, Done):
+                yield replace(event, text=tokenizer.decode(list(event.text_tokens), skip_special_tokens=True))
+            else:
+                yield from text.pieces(event)

@@ -192,10 +192,10 @@ def _request_settings(ctx: typer.Context, given: set[str], defaults: dict | None
     values = {key(name): ctx.params[name] for name in sent}
     values["stop"] = [s for s in values["stop"] or [] if s]
     chosen = {key(name) for name in sent if name in given} | {"max_new_tokens"}
-    for key, value in (defaults or {}).items():
-        if key not in chosen:
-            values[key] = value
-            chosen.add(key)
+    for setting, value in (defaults or {}).items():
+        if setting not in chosen:
+            values[setting] = value
+            chosen.add(setting)
     return values, chosen
 
 
@@ -343,15 +343,13 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
         store: Store = LOOKAHEAD.store, markdown: Markdown = True, debug: Debug = False, as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, token_ids, stats) instead of streaming.")] = False,
         api: Api = None, api_key: ApiKey = None, weights: Weights = "auto") -> None:
     """One-shot answer to PROMPT, streamed to stdout (greedy unless --temperature is given)."""
-    from ladechat.bot import Notice, Piece
     from ladechat.conversation import Conversation
-    from ladechat.engine.events import Done
-    from ladechat.ui.stream import debug_panel
+    from ladechat.engine.events import Done, Notice
+    from ladechat.ui.stream import StreamPrinter, debug_panel, failure, footer
 
     err = stderr_console()
     text = _read_prompt(prompt)
     keep = _keep_alive(keep_alive) if api is None else 0.0
-    loaded = None  # a model loaded here
     if api is not None:
         bot = _remote_bot(ctx, api, api_key, defaults={"temperature": 0.0})  # greedy unless --temperature
     elif keep != 0:  # the model in a local server that keeps it loaded for the next commands
@@ -368,19 +366,16 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
         err.print(f"[dim]model {escape(bot.describe())}[/]", highlight=False, soft_wrap=True)
     conversation = Conversation(system=system, messages=[{"role": "user", "content": text}])
     out = stdout_console()
-    printer = bot.printer(out, err, debug=debug, markdown=markdown)
+    printer = StreamPrinter(out, err, debug=debug, markdown=markdown)
     done = None
-    pieces = []  # the text that came decoded (--api), for --json
     try:
         for event in bot.reply(conversation):
             if isinstance(event, Done):
                 done = event
             elif not as_json or isinstance(event, Notice):
                 printer.handle(event)
-            elif isinstance(event, Piece):
-                pieces.append(event.text)
     except Exception as exc:  # out of memory, a server gone (a UserError goes on to main())
-        message = bot.failure(exc)
+        message = failure(exc)
         if message is None:
             raise
         if printer.text:
@@ -393,16 +388,13 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
         raise Fail("generation ended without a result")
     stats = done.stats
     if as_json:
-        stats_dict = stats.as_dict()
-        text = "".join(pieces) if loaded is None else loaded.tokenizer.decode(list(done.text_tokens),
-                                                                             skip_special_tokens=True)
-        record = {"text": text, "token_ids": list(done.text_tokens), "model": bot.name, "stats": stats_dict}
+        record = {"text": done.text, "token_ids": list(done.text_tokens), "model": bot.name, "stats": stats.as_dict()}
         sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
     else:
         printer.finish(complete=stats.finish_reason != "interrupted")
         if debug and bot.stats_reported:
             err.print(debug_panel(stats))
-        err.print(f"[dim]{escape(bot.footer(stats))}[/]", highlight=False)
+        err.print(f"[dim]{escape(footer(stats, bot))}[/]", highlight=False)
     if stats.finish_reason == "interrupted":
         raise typer.Exit(130)
 
@@ -471,7 +463,7 @@ def serve(ctx: typer.Context, host: Annotated[str, typer.Option("--host", help="
     config = server.ServeConfig(model_id=model_id, api_key=api_key, max_queue=max_queue,
                                 hosts=server.allowed_hosts(host, bound_host), origins=origins,
                                 drain_timeout=drain_timeout)
-    api = server.Api(bot, settings, config,
+    api = server.Api(bot, bot.loaded.tokenizer, bot.loaded.context_length, settings, config,
                      log=lambda line: err.print(line, markup=False, highlight=False, soft_wrap=True))
     url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
     err.print(f"ladechat serve · {bot.describe()} as {model_id!r} · lookahead {'on' if settings.lookahead else 'off'} "

@@ -1,6 +1,9 @@
-"""Incremental detokenization: text for new tokens as they arrive, never half a character."""
+"""Token ids to text: incremental detokenization, and a local model's Steps as the Pieces every
+front end shows."""
 
 from __future__ import annotations
+
+from ladechat.engine.events import Piece, Step, pieces
 
 
 class Detokenizer:
@@ -19,8 +22,19 @@ class Detokenizer:
         self.text = text
         return new
 
-    def add_step(self, tokens, guessed) -> tuple[str, str]:
-        """Append a step's tokens; return their text split where its verified guesses end:
-        (the guessed tokens' text, shown as accepted in parallel; the model's own tokens' text)."""
-        n = sum(guessed)
-        return (self.add(tokens[:n]) if n else ""), self.add(tokens[n:])
+
+class StepText:
+    """An answer's Steps as Pieces: each step's text split where its verified guesses end (shown as
+    accepted in parallel) and the model's own tokens begin, with the step itself and each of its
+    tokens decoded alone (for --debug) on its last piece."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.detok = Detokenizer(tokenizer)
+
+    def pieces(self, step: Step) -> list[Piece]:
+        n = sum(step.guessed)
+        guessed = self.detok.add(step.tokens[:n]) if n else ""
+        own = self.detok.add(step.tokens[n:])
+        spelled = tuple(self.tokenizer.decode([token]) for token in step.tokens)
+        return list(pieces([(guessed, True), (own, False)], step, spelled))

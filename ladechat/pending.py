@@ -27,6 +27,7 @@ class PendingBot:
     model until then; `err` shows the spinner while something waits for the load."""
 
     stats_reported = True  # it is a local Bot
+    host = None
 
     def __init__(self, load: Callable[[Progress], object], label: str, err) -> None:
         self.label = label
@@ -111,12 +112,3 @@ class PendingBot:
 
     def reply(self, conversation) -> Iterator:
         yield from self.bot().reply(conversation)
-
-    def printer(self, out, err, debug: bool, markdown: bool):
-        return self.bot().printer(out, err, debug=debug, markdown=markdown)
-
-    def footer(self, stats) -> str:
-        return self.bot().footer(stats)
-
-    def failure(self, exc: Exception) -> str | None:
-        return self.bot().failure(exc) if self.ready else None

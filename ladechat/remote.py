@@ -19,31 +19,16 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from ladechat.bot import Notice, Piece
+from ladechat.bot import RemoteError, ServerFailure
 from ladechat.conversation import Conversation, ConversationError, dropped_notice
 from ladechat.engine.config import ConfigError, LookaheadConfig
-from ladechat.engine.events import Done, Stats, Step, Tally
-from ladechat.errors import UserError
+from ladechat.engine.events import Done, Notice, Piece, Stats, Step, Tally, pieces
 from ladechat.settings import Settings, group, key, keys
 
 # The settings sent with each request, by key: the lookahead ones in the "ladechat" extension (to
 # ladechat serve only), the sampling ones as the API's own fields.
 LOOKAHEAD_KEYS = tuple(key(name) for name in group("lookahead"))
 SAMPLING_KEYS = tuple(key(name) for name in group("sampling"))
-
-
-class RemoteError(UserError):
-    """The server cannot be used or failed; the message is one line. retry: the same request may
-    be answered later (the chat then keeps the question for /retry)."""
-
-    retry = False
-
-
-class ServerFailure(RemoteError):
-    """The server is gone (unreachable, the connection broke) or failed the answer (an error event,
-    a 5xx status, a stream that ended unfinished): asked again once it is back, it may answer."""
-
-    retry = True
 
 
 @dataclass(frozen=True)
@@ -84,6 +69,7 @@ class RemoteBot:
         if model is not None and model not in ids:
             raise RemoteError(f"the server at {endpoint.url} has no model {model!r} (it has: {', '.join(map(str, ids))})")
         self.name = model if model is not None else ids[0]
+        self.host = endpoint.host
         card = cards[ids.index(self.name)]
         info = card.get("ladechat") if isinstance(card.get("ladechat"), dict) else None
         self.stats_reported = info is not None  # ladechat serve
@@ -125,23 +111,6 @@ class RemoteBot:
     def _store_is_the_servers(self) -> str:
         return ("the store of past answers is the server's (start it with --no-store, or run "
                 "'ladechat store clear' there)")
-
-    def printer(self, out, err, debug: bool, markdown: bool):
-        from ladechat.ui.stream import StreamPrinter
-
-        return StreamPrinter(None, out, err, debug=debug, markdown=markdown)
-
-    def footer(self, stats: Stats) -> str:
-        from ladechat.ui.stream import footer
-
-        if self.stats_reported:
-            return footer(stats)
-        extra = " (interrupted)" if stats.finish_reason == "interrupted" else ""
-        return (f"{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tok/s, first token after {stats.ttft_s:.2f} s, "
-                f"as {self.endpoint.host} reported{extra}")
-
-    def failure(self, exc: Exception) -> str | None:
-        return str(exc) if isinstance(exc, RemoteError) else None
 
     # -- answering ----------------------------------------------------------------------------
     def reply(self, conversation: Conversation) -> Iterator[Notice | Piece | Done]:
@@ -260,6 +229,7 @@ class _Run:
     usage: dict | None = None
     finish: str | None = None
     seconds: float = 0.0  # the steps' own time, as the server measured it
+    text: str = ""  # the answer's text so far
 
     def chunk(self, data: dict) -> Iterator[Piece]:
         ext = data.get("ladechat") if isinstance(data.get("ladechat"), dict) else {}
@@ -279,33 +249,33 @@ class _Run:
             self.seconds += step.seconds
         text = (choice.get("delta") or {}).get("content") or ""
         segments = [(s, bool(p)) for s, p in ext["segments"]] if "segments" in ext else [(text, False)]
-        segments = [(s, p) for s, p in segments if s]
-        if not segments and step is None:
+        if not any(s for s, _ in segments) and step is None:
             return
         if not self.ttft:
             self.ttft = time.perf_counter() - self.start
         self.chunks += 1
-        segments = segments or [("", False)]
-        for i, (piece, parallel) in enumerate(segments):
-            yield Piece(piece, parallel, step if i == len(segments) - 1 else None)  # the step once, at its end
+        for piece in pieces(segments, step):
+            self.text += piece.text
+            yield piece
 
     def done(self, settings: Settings) -> Done:
         total = time.perf_counter() - self.start
         tokens = tuple(self.steps.tokens)
         if self.stats is not None and self.finish != "interrupted":
-            return Done(tokens, Stats.from_dict(self.stats))
+            return Done(tokens, Stats.from_dict(self.stats), self.text)
         if self.steps.steps:  # ladechat serve, cut short: the statistics of the steps that arrived
             return Done(tokens, self.steps.stats(
                 prompt_tokens=0, prefill_tokens=0, prefill_s=0.0, ttft_s=self.ttft, decode_s=self.seconds,
                 total_s=total, pool_size=0, lookahead=settings.lookahead, window=settings.window,
-                ngram=settings.ngram, candidates=settings.candidates, finish_reason=self.finish or "interrupted"))
+                ngram=settings.ngram, candidates=settings.candidates, finish_reason=self.finish or "interrupted"),
+                self.text)
         usage = self.usage or {}
         new = usage.get("completion_tokens") if isinstance(usage.get("completion_tokens"), int) else self.chunks
         return Done((), Stats(
             new_tokens=new, steps=0, prompt_tokens=usage.get("prompt_tokens") or 0, prefill_tokens=0, prefill_s=0.0,
             ttft_s=self.ttft, decode_s=total - self.ttft, total_s=total, accepted_histogram={},
             accepted_by_position=(), source_counts={}, pool_size=0, mean_fed=0.0, lookahead=False, window=0,
-            ngram=0, candidates=0, finish_reason=self.finish or "interrupted"))
+            ngram=0, candidates=0, finish_reason=self.finish or "interrupted"), self.text)
 
 
 def _parse(data: str, endpoint: Endpoint) -> dict:

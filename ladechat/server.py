@@ -4,8 +4,8 @@
     GET  /v1/models[/{id}]       the one model; "ladechat" holds its settings
     POST /v1/chat/completions    answers, whole or streamed as server-sent events
 
-Requests run one at a time, in arrival order, on one model thread (the Bot and its KV cache: a
-conversation that extends the previous one prefills only its new tokens). At most `max_queue`
+Requests run one at a time, in arrival order, on one model thread (the backend: a Bot and its KV
+cache, where a conversation that extends the previous one prefills only its new tokens). At most `max_queue`
 wait; more get 503 with Retry-After. A client that goes away stops its generation at the next step.
 The server's max_new_tokens caps every answer. A request is refused (Guard) when a web page could
 have sent it (another site's Origin, a Host that is not this server's, a body that is not JSON),
@@ -52,12 +52,11 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from ladechat import __version__, templates
-from ladechat.bot import Notice
 from ladechat.conversation import Conversation, prompt_budget
-from ladechat.detok import Detokenizer
 from ladechat.engine.config import ConfigError
-from ladechat.engine.events import Done, Step
+from ladechat.engine.events import Done, Notice, OutOfMemory, Piece
 from ladechat.settings import Settings, group, key
+from ladechat.ui.stream import failure
 
 MAX_BODY = 8 * 1024 * 1024  # bytes of JSON in one request
 MAX_OBJECTS = 8192  # JSON objects in one request (messages, content parts, ...): pydantic holds the GIL
@@ -301,21 +300,23 @@ def _refused(base: Settings, key: str, value) -> bool:
 
 # -- text for the wire ------------------------------------------------------------------------
 class TextStream:
-    """Steps -> text segments (text, parallel). With stop strings, the last characters that could
-    begin one are held back until the answer ends, so the stop string itself is never sent."""
+    """Pieces -> text segments (text, parallel) to send. With stop strings, the last characters
+    that could begin one are held back until the answer ends, so the stop string itself is never
+    sent."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...]) -> None:
-        self.detok = Detokenizer(tokenizer)
+    def __init__(self, stop: tuple[str, ...]) -> None:
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self.parallel: list[bool] = []  # per character of text
         self.sent = 0
 
-    def add(self, step: Step) -> list[tuple[str, bool]]:
-        guessed, own = self.detok.add_step(step.tokens, step.guessed)
-        self.text += guessed + own
-        self.parallel += [True] * len(guessed) + [False] * len(own)
+    def add(self, piece: Piece) -> None:
+        self.text += piece.text
+        self.parallel += [piece.parallel] * len(piece.text)
+
+    def release(self) -> list[tuple[str, bool]]:
+        """The segments added since the last release, but those held back."""
         return self._release(len(self.text) - self.hold)
 
     def finish(self) -> list[tuple[str, bool]]:
@@ -472,8 +473,8 @@ class Job:
 class Worker:
     """One thread owns the model; jobs run in submission order (a one-thread executor's FIFO)."""
 
-    def __init__(self, bot, max_queue: int, log=None) -> None:
-        self.bot = bot
+    def __init__(self, backend, max_queue: int, log=None) -> None:
+        self.backend = backend
         self.log = log or (lambda line: None)
         self.max_queue = max_queue
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ladechat-model")
@@ -514,12 +515,12 @@ class Worker:
         try:
             if job.stop.is_set():  # its client left while it waited
                 return
-            self.bot.configure(job.settings)
-            events = self.bot.reply(job.conversation)
+            self.backend.configure(job.settings)
+            events = self.backend.reply(job.conversation)
             new = 0
             for event in events:
                 job.put(event)
-                new += len(event.tokens) if isinstance(event, Step) else 0
+                new += len(event.step.tokens) if isinstance(event, Piece) and event.step is not None else 0
                 if job.stop.is_set():
                     self.log(f"{job.stopped_by}: stopped after {new} new tokens")
                     break
@@ -542,16 +543,19 @@ def usage(stats) -> dict:
 
 
 class Api:
-    """The routes, around one Bot (config: ServeConfig; base: the settings requests start from)."""
+    """The routes, around one backend (bot.Backend) that answers. tokenizer and context_length: its
+    model's, with which prompts are judged before they reach it (config: ServeConfig; base: the
+    settings requests start from)."""
 
-    def __init__(self, bot, base: Settings, config: ServeConfig, log=None) -> None:
-        self.bot = bot
-        self.tokenizer = bot.loaded.tokenizer
-        self.context_length = bot.loaded.context_length
+    def __init__(self, backend, tokenizer, context_length: int, base: Settings, config: ServeConfig,
+                 log=None) -> None:
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.context_length = context_length
         self.base = base
         self.config = config
         self.log = log or (lambda line: None)
-        self.worker = Worker(bot, config.max_queue, self.log)
+        self.worker = Worker(backend, config.max_queue, self.log)
         self.created = int(time.time())
         self.draining = False
         # Prompts are tokenized off the event loop (the tokenizer lets go of the GIL), one at a time.
@@ -598,7 +602,7 @@ class Api:
 
     def model_card(self) -> dict:
         return {"id": self.config.model_id, "object": "model", "created": self.created, "owned_by": "ladechat",
-                "ladechat": {"version": __version__, "model": self.bot.describe(),
+                "ladechat": {"version": __version__, "model": self.backend.describe(),
                              "context_length": self.context_length, "settings": self.base.as_dict()}}
 
     async def models(self, request: Request) -> JSONResponse:
@@ -719,15 +723,21 @@ class Api:
                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra}
 
     async def stream(self, job: Job, rid: str, include_usage: bool):
-        text = TextStream(self.tokenizer, job.settings.stop)
+        text = TextStream(job.settings.stop)
         yield {"data": _json(self.chunk(rid, {"role": "assistant", "content": ""}))}
         try:
             async for event in job.events():
-                if isinstance(event, Step):
-                    segments = text.add(event)
-                    yield {"data": _json(self.chunk(rid, {"content": "".join(s for s, _ in segments)}, ladechat={
-                        "segments": segments, "tokens": event.tokens, "guessed": event.guessed,
-                        "source": event.source, "fed": event.fed, "seconds": round(event.seconds, 5)}))}
+                if isinstance(event, Piece):
+                    text.add(event)
+                    step = event.step
+                    if step is None and self.backend.stats_reported:
+                        continue  # the rest of its step's text comes with the step
+                    segments = text.release()
+                    ext = {"segments": segments}
+                    if step is not None:
+                        ext.update(tokens=step.tokens, guessed=step.guessed, source=step.source, fed=step.fed,
+                                   seconds=round(step.seconds, 5))
+                    yield {"data": _json(self.chunk(rid, {"content": "".join(s for s, _ in segments)}, ladechat=ext))}
                 elif isinstance(event, Notice):
                     yield {"data": _json(self.chunk(rid, {}, ladechat={"notice": event.text}))}
                 elif isinstance(event, Done):
@@ -751,13 +761,13 @@ class Api:
                 pass
             job.stop.set()
 
-        text = TextStream(self.tokenizer, job.settings.stop)
+        text = TextStream(job.settings.stop)
         done = failed = None
         async with anyio.create_task_group() as group:
             group.start_soon(watch)
             try:
                 async for event in job.events():
-                    if isinstance(event, Step):
+                    if isinstance(event, Piece):
                         text.add(event)
                     elif isinstance(event, Done):
                         done = event
@@ -782,9 +792,8 @@ class Api:
             return exc
         if isinstance(exc, ConfigError):
             return ApiError(400, str(exc))
-        message = self.bot.failure(exc)
-        if message is not None:
-            return ApiError(503, message, kind="server_error", code="out_of_memory")
+        if isinstance(exc, OutOfMemory):
+            return ApiError(503, failure(exc), kind="server_error", code="out_of_memory")
         self.log(f"error: {type(exc).__name__}: {exc}")
         return ApiError(500, f"generation failed: {type(exc).__name__}: {exc}", kind="server_error")
 

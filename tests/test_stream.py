@@ -1,4 +1,5 @@
-"""The stream printer: plain streaming, then a finished Markdown answer redrawn once, rendered."""
+"""The stream printer: plain streaming, then a finished Markdown answer redrawn once, rendered.
+It prints a backend's Pieces: here a local model's Steps as the local backend makes them Pieces."""
 
 import ast
 import io
@@ -6,6 +7,7 @@ import io
 import pytest
 from rich.console import Console
 
+from ladechat.detok import StepText
 from ladechat.engine.events import Step
 from ladechat.ui.stream import StreamPrinter, screen_rows
 
@@ -23,11 +25,18 @@ def stream(tokenizer, text, *, terminal=True, height=40, markdown=True, complete
     buf = io.StringIO()
     out = Console(file=buf, force_terminal=terminal, width=40, height=height, no_color=True)
     err = Console(file=io.StringIO(), width=40)
-    printer = StreamPrinter(tokenizer, out, err, debug=debug, markdown=markdown)
-    for token in tokenizer.encode(text, add_special_tokens=False):
-        printer.handle(Step((token,), (False,), "plain", 1, 0.0))
+    printer = StreamPrinter(out, err, debug=debug, markdown=markdown)
+    feed(printer, tokenizer, text)
     printer.finish(complete=complete)
     return printer, buf.getvalue()
+
+
+def feed(printer, tokenizer, text):
+    """`text` as a model would answer it, one token per step."""
+    steps = StepText(tokenizer)
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        for piece in steps.pieces(Step((token,), (False,), "plain", 1, 0.0)):
+            printer.handle(piece)
 
 
 def test_screen_rows_counts_wrapped_lines():
@@ -65,9 +74,8 @@ def test_answer_taller_than_the_screen_is_left_as_streamed(tokenizer):
 def test_text_that_looks_like_rich_markup_is_printed_verbatim(tokenizer):
     text = "Use list[int] and close with [/] or [bold]x[/bold]."
     buf, err = io.StringIO(), io.StringIO()
-    printer = StreamPrinter(tokenizer, Console(file=buf, width=200), Console(file=err, width=200), debug=True)
-    for token in tokenizer.encode(text, add_special_tokens=False):
-        printer.handle(Step((token,), (False,), "plain", 1, 0.0))
+    printer = StreamPrinter(Console(file=buf, width=200), Console(file=err, width=200), debug=True)
+    feed(printer, tokenizer, text)
     printer.finish()
     assert buf.getvalue() == text + "\n"
     pieces = [ast.literal_eval(line.split(" ms: ", 1)[1]) for line in err.getvalue().splitlines()]

@@ -27,7 +27,7 @@ import torch
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.cost_envelope import CostEnvelope
 from ladechat.engine.draft import Acceptance, DraftTree, choose
-from ladechat.engine.events import Done, Step, Tally
+from ladechat.engine.events import Done, OutOfMemory, Step, Tally
 from ladechat.engine.layout import StepLayout, tree_layout
 from ladechat.engine.ngram_pool import NGramPool
 from ladechat.engine.recycle import SuccessorTable
@@ -58,11 +58,6 @@ class StepResult:
     source: str  # the source of the accepted guesses ("none" if no guess was accepted)
     fed: int  # rows in the forward pass
     stop: str | None  # why generation ends here, None if it goes on
-
-
-class OutOfMemory(RuntimeError):
-    """A forward pass ran out of device or host memory. The session was left consistent (the
-    half-done step dropped), so the conversation can go on, e.g. after dropping old turns."""
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:

@@ -1,8 +1,15 @@
-"""The typed stream every front end (chat, ask, bench) consumes: Step events, then one Done."""
+"""The typed events of an answer, and how its stream can fail.
+
+The engine (decode.generate) streams Step events (token ids), then one Done. A backend (bot.py:
+a model in this process, or one behind a server) streams what every front end consumes, the same
+whichever answers: Notices, Pieces (the answer's text, each step's on its last piece), then one
+Done; or it raises OutOfMemory or a RemoteError midway.
+"""
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 
@@ -134,3 +141,39 @@ class Tally:
 class Done:
     text_tokens: tuple[int, ...]  # every token generated, in order (including a final EOS)
     stats: Stats
+    text: str = ""  # the whole answer as text, from a backend (the engine deals in ids)
+
+
+@dataclass(frozen=True)
+class Notice:
+    """Something the user should see that is not part of the answer (e.g. turns dropped)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Answer text, decoded. parallel: it was accepted in parallel (shown highlighted). step: the
+    Step whose text this piece ends, where the backend knows it (a model here, ladechat serve);
+    spelled: that step's tokens each decoded alone (for --debug), where the backend can."""
+
+    text: str
+    parallel: bool = False
+    step: Step | None = None
+    spelled: tuple[str, ...] = ()
+
+
+def pieces(segments: list[tuple[str, bool]], step: Step | None = None, spelled: tuple[str, ...] = ()
+           ) -> Iterator[Piece]:
+    """Text segments (text, parallel) as Pieces, empty ones left out, with the step (and its
+    tokens' spellings) on the last; a step whose text is still held back (half a character)
+    comes as one empty Piece."""
+    segments = [(text, parallel) for text, parallel in segments if text] or ([("", False)] if step else [])
+    for i, (text, parallel) in enumerate(segments):
+        last = i == len(segments) - 1
+        yield Piece(text, parallel, step if last else None, spelled if last else ())
+
+
+class OutOfMemory(RuntimeError):
+    """A forward pass ran out of device or host memory. The session was left consistent (the
+    half-done step dropped), so the conversation can go on, e.g. after dropping old turns."""

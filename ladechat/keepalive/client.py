@@ -26,8 +26,9 @@ from pathlib import Path
 
 import httpx
 
-from ladechat.bot import Notice
+from ladechat.bot import RemoteError, ServerFailure
 from ladechat.engine.config import ConfigError
+from ladechat.engine.events import Notice
 from ladechat.keepalive.runtime import (
     Paths,
     Spec,
@@ -41,7 +42,7 @@ from ladechat.keepalive.runtime import (
     remove_files,
     try_lock,
 )
-from ladechat.remote import Endpoint, RemoteBot, RemoteError, ServerFailure
+from ladechat.remote import Endpoint, RemoteBot
 
 BASE = "http://ladechat-warm"  # the host is a label: the transport goes to the socket
 URL = BASE + "/v1"
@@ -393,16 +394,24 @@ class WarmBot(RemoteBot):
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"the warm server could not clear the store: {exc}") from None
 
-    def failure(self, exc: Exception) -> str | None:
-        if isinstance(exc, ServerFailure) and self.warm.gone():
-            return (f"the warm server of {self.name} stopped mid-answer (its log: {self.warm.paths.log}); "
-                    "the next question loads the model again")
-        if isinstance(exc, RemoteError):
-            return str(exc).replace(f"the server at {URL}", "the warm server").replace(
-                "the connection to ladechat-warm", "the connection to the warm server")
-        return None
-
     def reply(self, conversation) -> Iterator:
+        """RemoteBot's answer, its failures said in terms of the warm server."""
+        try:
+            yield from self._reply(conversation)
+        except ServerFailure as exc:
+            if self.warm.gone():
+                raise ServerFailure(f"the warm server of {self.name} stopped mid-answer (its log: {self.warm.paths.log}); "
+                                    "the next question loads the model again") from None
+            raise ServerFailure(self._in_our_terms(exc)) from None
+        except RemoteError as exc:
+            raise RemoteError(self._in_our_terms(exc)) from None
+
+    @staticmethod
+    def _in_our_terms(exc: RemoteError) -> str:
+        return str(exc).replace(f"the server at {URL}", "the warm server").replace(
+            "the connection to ladechat-warm", "the connection to the warm server")
+
+    def _reply(self, conversation) -> Iterator:
         while self.notices:
             yield Notice(self.notices.pop(0))
         events = super().reply(conversation)

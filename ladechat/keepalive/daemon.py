@@ -146,18 +146,20 @@ def make_api(bot, settings):
                     item = {**item, "data": json.dumps(obj, ensure_ascii=False, separators=(",", ":"))}
             return item, sent + content
 
-    return WarmApi(bot, settings, ServeConfig(model_id=bot.name, max_queue=16, drain_timeout=GRACE), log=log)
+    return WarmApi(bot, bot.loaded.tokenizer, bot.loaded.context_length, settings,
+                   ServeConfig(model_id=bot.name, max_queue=16, drain_timeout=GRACE), log=log)
 
 
 class Daemon:
     """The ASGI app on the socket: /warm/* here, the rest to the API, every API request counted
     as activity (the idle clock starts when the last one ends)."""
 
-    def __init__(self, api, paths: Paths, lock_fd: int, spec: Spec, keep_alive: float, notices: list[str]) -> None:
+    def __init__(self, api, bot, paths: Paths, lock_fd: int, spec: Spec, keep_alive: float, notices: list[str]) -> None:
+        """api: the API of `bot`, the Bot this server loaded."""
         from starlette.applications import Starlette
         from starlette.routing import Route
 
-        self.api, self.paths, self.lock_fd, self.spec = api, paths, lock_fd, spec
+        self.api, self.bot, self.paths, self.lock_fd, self.spec = api, bot, paths, lock_fd, spec
         self.keep_alive = keep_alive
         self.notices = notices
         self.inner = api.app()
@@ -243,15 +245,15 @@ class Daemon:
     async def info(self, request):
         from starlette.responses import JSONResponse
 
-        loaded = self.api.bot.loaded
+        loaded = self.bot.loaded
         gpu = 0
         if loaded.device.type == "cuda":
             import torch
 
             gpu = torch.cuda.memory_reserved(loaded.device)
         return JSONResponse({
-            "build": build(), "version": __version__, "pid": os.getpid(), "model": self.api.bot.name,
-            "describe": self.api.bot.describe(), "device": f"{loaded.device} {str(loaded.dtype).removeprefix('torch.')}",
+            "build": build(), "version": __version__, "pid": os.getpid(), "model": self.bot.name,
+            "describe": self.bot.describe(), "device": f"{loaded.device} {str(loaded.dtype).removeprefix('torch.')}",
             "options": self.spec.options, "options_text": self.spec.describe_options(),
             "keep_alive": self.keep_alive, "idle_until": self.idle_until(), "busy": self.busy,
             "memory": resident_bytes(), "gpu_memory": gpu, "started": self.started, "notices": self.notices,
@@ -282,7 +284,7 @@ class Daemon:
 
         from starlette.responses import JSONResponse
 
-        forgotten = await asyncio.get_running_loop().run_in_executor(self.api.worker.executor, self.api.bot.clear_store)
+        forgotten = await asyncio.get_running_loop().run_in_executor(self.api.worker.executor, self.bot.clear_store)
         return JSONResponse({"forgotten": forgotten})
 
     # -- serving ------------------------------------------------------------------------------
@@ -360,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
     notices = list(bot.notices)  # the load's: every command that uses this server shows them
     bot.notices.clear()
     api = make_api(bot, settings)
-    daemon = Daemon(api, paths, args.lock_fd, spec, args.keep_alive, notices)
+    daemon = Daemon(api, bot, paths, args.lock_fd, spec, args.keep_alive, notices)
     try:
         sock = bind(paths.sock)
     except OSError as exc:

@@ -19,7 +19,7 @@ from ladechat.errors import UserError
 from ladechat.pending import LoadFailed, PendingBot
 from ladechat.settings import Settings, group, key, keys
 from ladechat.ui import commands
-from ladechat.ui.stream import debug_panel
+from ladechat.ui.stream import StreamPrinter, debug_panel, failure, footer
 
 
 def state_dir() -> Path:
@@ -65,12 +65,14 @@ class ChatApp:
 
     # -- answering ----------------------------------------------------------------------------
     def answer(self) -> None:
-        try:
-            printer = self.bot.printer(self.out, self.err, debug=self.debug, markdown=self.markdown)
-        except KeyboardInterrupt:  # it was waiting for the model to load
-            self.conversation.messages.append({"role": "assistant", "content": "", "interrupted": True})
-            self.err.print("[yellow]interrupted while the model loads (it goes on loading; /retry answers)[/]")
-            return
+        if isinstance(self.bot, PendingBot):
+            try:
+                self.bot.bot()  # wait for the model, with a spinner (LoadFailed ends the chat)
+            except KeyboardInterrupt:
+                self.conversation.messages.append({"role": "assistant", "content": "", "interrupted": True})
+                self.err.print("[yellow]interrupted while the model loads (it goes on loading; /retry answers)[/]")
+                return
+        printer = StreamPrinter(self.out, self.err, debug=self.debug, markdown=self.markdown)
         events = self.bot.reply(self.conversation)
         stats = None
         failed = None
@@ -83,9 +85,9 @@ class ChatApp:
         except KeyboardInterrupt:
             events.close()  # the session is consistent between events
         except Exception as exc:
-            # First the backend's own failures (out of memory, a server gone or failing: remote.RemoteError
+            # First the backend's own failures (out of memory, a server gone or failing: bot.RemoteError
             # is a UserError too), then the user's (e.g. the question alone does not fit the context).
-            failed = self.bot.failure(exc)
+            failed = failure(exc)
             if failed is None:
                 if not isinstance(exc, UserError):
                     raise
@@ -109,7 +111,7 @@ class ChatApp:
                 self.totals.add(stats)
             if self.debug:
                 self.err.print(debug_panel(stats))
-            self.err.print(f"[dim]{escape(self.bot.footer(stats))}[/]", highlight=False)
+            self.err.print(f"[dim]{escape(footer(stats, self.bot))}[/]", highlight=False)
         if failed:
             self.error(f"{failed} (the partial answer is kept; /retry answers again)")
         elif interrupted and printer.text:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from ladechat import settings
 from ladechat.errors import UserError
 
+
 def _set_keys() -> str:
     """The keys /set takes (settings.set_keys), W, N and G with their meaning, wrapped under /set."""
     named = [settings.LABELS[settings.keys()[k]].lower() if settings.keys()[k] in settings.LABELS else k

@@ -1,4 +1,5 @@
-"""Print a generation's event stream: text as it arrives, parallel tokens highlighted, a footer."""
+"""Show a backend's answer: its text as it arrives, parallel tokens highlighted, notices, the
+--debug lines and panel, the footer, and the message of a failure that ends it midway."""
 
 from __future__ import annotations
 
@@ -12,9 +13,8 @@ from rich.markup import escape
 from rich.segment import ControlType
 from rich.text import Text
 
-from ladechat.bot import Notice, Piece
-from ladechat.detok import Detokenizer
-from ladechat.engine.events import Stats, Step
+from ladechat.bot import RemoteError
+from ladechat.engine.events import Notice, OutOfMemory, Piece, Stats, Step
 
 GUESSED_STYLE = "bold cyan"
 # Block-level Markdown worth rendering: code fences, headings, lists, tables, quotes.
@@ -22,13 +22,10 @@ MARKDOWN_BLOCKS = re.compile(r"^\s*(```|#{1,6} |[-*+] \S|\d+[.)] \S|\|.*\|\s*$|>
 
 
 class StreamPrinter:
-    """Consumes Step/Piece/Notice events. Content goes to `out`, everything else to `err`.
-    tokenizer: decodes Steps' token ids; None where the text arrives decoded, as Pieces (a server)."""
+    """Consumes a backend's Piece and Notice events. Content goes to `out`, everything else to `err`."""
 
-    def __init__(self, tokenizer, out: Console, err: Console, debug: bool = False, markdown: bool = False) -> None:
-        self.detok = Detokenizer(tokenizer) if tokenizer is not None else None
-        self.received = ""  # the Pieces' text
-        self.tokenizer = tokenizer
+    def __init__(self, out: Console, err: Console, debug: bool = False, markdown: bool = False) -> None:
+        self.text = ""  # the answer so far: the Pieces' text
         self.out = out
         self.err = err
         self.debug = debug
@@ -38,31 +35,23 @@ class StreamPrinter:
     def handle(self, event) -> None:
         if isinstance(event, Notice):
             self.err.print(f"[yellow]notice:[/] {escape(event.text)}", highlight=False)
-        elif isinstance(event, Step):
-            self._step(event)
         elif isinstance(event, Piece):
-            self.received += event.text
-            self._show(event.text if event.parallel else "", "" if event.parallel else event.text)
+            self.text += event.text
+            self._show(event.text, event.parallel)
             if self.debug and event.step is not None:
-                self._debug_line(event.step, "")
+                self._debug_line(event.step, event.spelled)
 
-    def _step(self, step: Step) -> None:
-        self._show(*self.detok.add_step(step.tokens, step.guessed))
-        if self.debug:
-            pieces = " ".join(repr(self.tokenizer.decode([t])) + ("*" if g else "")
-                              for t, g in zip(step.tokens, step.guessed))
-            self._debug_line(step, f": {pieces}")
-
-    def _show(self, guessed_text: str, own_text: str) -> None:
-        text = Text()
-        text.append(guessed_text, style=GUESSED_STYLE)
-        text.append(own_text)
+    def _show(self, piece: str, parallel: bool) -> None:
+        text = Text(piece, style=GUESSED_STYLE if parallel else "")
         self.out.print(text, end="", soft_wrap=True, highlight=False)
         self.shown += text.plain
 
-    def _debug_line(self, step: Step, pieces: str) -> None:
+    def _debug_line(self, step: Step, spelled: tuple[str, ...]) -> None:
+        """The step's summary, and each token as the model's tokenizer spells it (a star: a
+        verified guess) where the backend decoded them one by one."""
+        tokens = f": {' '.join(repr(s) + ('*' if g else '') for s, g in zip(spelled, step.guessed))}" if spelled else ""
         self.err.print(f"[dim]  step: +{len(step.tokens)} from {step.source}, fed {step.fed}, "
-                       f"{step.seconds * 1000:.0f} ms{escape(pieces)}[/]", highlight=False)
+                       f"{step.seconds * 1000:.0f} ms{escape(tokens)}[/]", highlight=False)
 
     def finish(self, complete: bool = True) -> None:
         """End the answer's line; redraw a complete answer as rendered Markdown where that helps.
@@ -85,21 +74,33 @@ class StreamPrinter:
 
         self.out.print(Markdown(self.text.strip("\n")))
 
-    @property
-    def text(self) -> str:
-        return self.detok.text if self.detok is not None else self.received
-
 
 def screen_rows(text: str, width: int) -> int:
     """Rows that `text`, printed from column 0, covers on a terminal that wraps at `width` cells."""
     return sum(max(1, math.ceil(cell_len(line.expandtabs(8)) / width)) for line in text.split("\n"))
 
 
-def footer(stats: Stats) -> str:
-    mode = f"lookahead W={stats.window} N={stats.ngram} G={stats.candidates}" if stats.lookahead else "lookahead off"
+def footer(stats: Stats, backend) -> str:
+    """The line under an answer: its decoding statistics, or, from a server that reports none
+    (not ladechat serve), what it reported and the client measured."""
     extra = " (interrupted)" if stats.finish_reason == "interrupted" else ""
+    if not backend.stats_reported:
+        return (f"{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tok/s, first token after {stats.ttft_s:.2f} s, "
+                f"as {backend.host} reported{extra}")
+    mode = f"lookahead W={stats.window} N={stats.ngram} G={stats.candidates}" if stats.lookahead else "lookahead off"
     return (f"{stats.new_tokens} tokens, {stats.decode_tokens_per_s:.1f} tok/s, "
             f"{stats.compression:.2f} tokens/step, {mode}{extra}")
+
+
+def failure(exc: Exception) -> str | None:
+    """The one line for an error that ends an answer midway and is no bug: out of memory (with what
+    makes room), a server gone or failing. None for anything else."""
+    if isinstance(exc, OutOfMemory):
+        return (f"{exc}; try a shorter conversation (/clear), a smaller max_new_tokens, fewer tokens per step "
+                "(W, G) or --load-in-4bit")
+    if isinstance(exc, RemoteError):
+        return str(exc)
+    return None
 
 
 def debug_panel(stats: Stats):
