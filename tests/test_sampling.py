@@ -9,10 +9,11 @@ import torch
 from tiny_models import tiny_model
 
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
-from ladechat.engine.decode import Session, batched_pick, generate, verify
+from ladechat.engine.decode import Session, generate
 from ladechat.engine.layout import build_layout
-from ladechat.engine.sampling import Chooser, inverse_cdf
+from ladechat.engine.sampling import TokenPicker, inverse_cdf
 from ladechat.engine.store import AnswerStore
+from ladechat.engine.verify import batched_pick, verify
 
 ALPHA_Z = 3.09  # one-sided z for significance 0.001: a correct rule fails about 1 run in 1000
 
@@ -69,11 +70,11 @@ def exact_first_two():
     return {k: v for k, v in out.items() if v > 0}
 
 
-def sample_pairs(choose_factory, n=6000):
+def sample_pairs(pick_factory, n=6000):
     pairs = Counter()
     for i in range(n):
-        choose = choose_factory(i)
-        accepted, _, _ = verify(LAYOUT, choose)
+        pick = pick_factory(i)
+        accepted, _, _ = verify(LAYOUT, pick)
         if len(accepted) >= 2 and accepted[0] in (1, 4):
             pairs[tuple(accepted[:2])] += 1
         elif accepted[0] in (1, 4):
@@ -82,8 +83,8 @@ def sample_pairs(choose_factory, n=6000):
 
 
 def test_verify_rule_matches_exact_distribution():
-    chooser = Chooser(SamplingConfig(temperature=1.0, seed=1))
-    pairs = sample_pairs(lambda i: (lambda row, path: chooser.pick(LOGITS[row], path)))
+    picker = TokenPicker(SamplingConfig(temperature=1.0, seed=1))
+    pairs = sample_pairs(lambda i: (lambda row, path: picker.pick(LOGITS[row], path)))
     exact = exact_first_two()
     total = sum(exact.values())
     stat, dof = chi2_expected(pairs, {k: v / total for k, v in exact.items()})
@@ -93,9 +94,9 @@ def test_verify_rule_matches_exact_distribution():
 def test_batched_verification_matches_exact_distribution():
     """The GPU path: every row the trie could visit penalized and sampled at once (one uniform
     draw per depth), then walked."""
-    chooser = Chooser(SamplingConfig(temperature=1.0, seed=3))
+    picker = TokenPicker(SamplingConfig(temperature=1.0, seed=3))
     logits = torch.stack([LOGITS.get(row, torch.zeros(5)) for row in range(LAYOUT.size)])
-    pairs = sample_pairs(lambda i: batched_pick(LAYOUT, logits, chooser, []))
+    pairs = sample_pairs(lambda i: batched_pick(LAYOUT, logits, picker, []))
     exact = exact_first_two()
     total = sum(exact.values())
     stat, dof = chi2_expected(pairs, {k: v / total for k, v in exact.items()})
@@ -111,8 +112,8 @@ def test_batched_rows_see_the_same_penalties_as_rows_one_at_a_time(cfg):
     layout = build_layout([[7, 8], [9, 10]], [((3, 4, 5), "pool"), ((3, 6), "context"), ((11, 4), "pool")])
     logits = torch.randn(layout.size, 16) * 3
     history = [1, 2, 3, 12]
-    one_at_a_time = Chooser(SamplingConfig(**cfg, seed=5))
-    batched = Chooser(SamplingConfig(**cfg, seed=5))
+    one_at_a_time = TokenPicker(SamplingConfig(**cfg, seed=5))
+    batched = TokenPicker(SamplingConfig(**cfg, seed=5))
     rows = [0, *range(layout.window_rows, layout.size)]
     paths = {0: []}
     for row in rows[1:]:
@@ -146,12 +147,12 @@ def test_inverse_cdf_never_draws_a_filtered_token():
 
 def test_wrong_rule_is_detected():
     """Accepting a draft whenever the model allows it (instead of sampling) must fail the test."""
-    chooser = Chooser(SamplingConfig(temperature=1.0, seed=2))
+    picker = TokenPicker(SamplingConfig(temperature=1.0, seed=2))
 
     def greedy_for_drafts(row, path):
         children = LAYOUT.children[row]
         allowed = [tok for tok in children if DISTS[row][tok] > 0]
-        return allowed[0] if allowed else chooser.pick(LOGITS[row], path)
+        return allowed[0] if allowed else picker.pick(LOGITS[row], path)
 
     pairs = sample_pairs(lambda i: greedy_for_drafts)
     exact = exact_first_two()

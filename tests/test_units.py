@@ -5,12 +5,12 @@ import torch
 from transformers import DynamicCache
 
 from ladechat.engine import kv
-from ladechat.engine.decode import verify
 from ladechat.engine.layout import build_layout, step_inputs, tree_layout, tree_mask
 from ladechat.engine.loading import LoadSpec, choose_dtype, placement, resolve_dtype
 from ladechat.engine.ngram_pool import NGramPool
 from ladechat.engine.stopping import StopRule
 from ladechat.engine.suffix import SuffixIndex
+from ladechat.engine.verify import verify
 
 # The diagram of layout.py: W=3, N=3, candidates "a b" and "a c" (t=0, a=10, b=11, c=12).
 DIAGRAM = """
@@ -200,8 +200,8 @@ def test_acceptance_starts_at_the_prior_and_learns():
     assert acc.observed["recycle"] == 50 and acc.predicted["recycle"] > 0
 
 
-def test_draft_tree_merges_sources_and_choose_weighs_cost():
-    from ladechat.engine.draft import Acceptance, DraftTree, choose
+def test_draft_tree_merges_sources_and_worth_feeding_weighs_cost():
+    from ladechat.engine.draft import Acceptance, DraftTree, worth_feeding
 
     tree = DraftTree(Acceptance())
     tree.add_chain((10, 11, 12), "context", 4)
@@ -209,12 +209,12 @@ def test_draft_tree_merges_sources_and_choose_weighs_cost():
     tree.add_recycled(7, -1, lambda prev, tok: (successors.get(tok, []), False), limit=10)
     first = [n for n in tree.nodes if n.parent == -1]
     assert sorted(n.token for n in first) == [10, 20]  # 10 proposed twice, kept once
-    flat = choose(tree, lambda size: 1.0)
+    flat = worth_feeding(tree, lambda size: 1.0)
     assert len(flat) == len(tree.nodes)  # free rows: every node is worth feeding
     for i, node in enumerate(flat):
         assert node.parent < i and node.p <= (1.0 if node.parent < 0 else flat[node.parent].p) + 1e-9
-    assert choose(tree, lambda size: 1.0 if size == 1 else 10.0) == []  # too dear: a plain step
-    assert len(choose(tree, None, limit=2)) == 2
+    assert worth_feeding(tree, lambda size: 1.0 if size == 1 else 10.0) == []  # too dear: a plain step
+    assert len(worth_feeding(tree, None, limit=2)) == 2
     layout = tree_layout([[7]], flat)
     accepted, matched, source = verify(layout, lambda row, path: [10, 11, 12, 99][len(path)])
     assert accepted == [10, 11, 12, 99] and source == "context"

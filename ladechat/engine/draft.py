@@ -10,8 +10,8 @@ They are merged into one trie. Each node carries q = P(accepted | its parent acc
 online per bucket (source, match length or rank, depth, and the share of textual hits that agree
 or whether a recycled guess followed the same pair), and p = the product of q along its path,
 the probability that verification reaches it. A step of nodes T then yields 1 + sum(p) tokens on
-average and costs cost(1 + |T|): `choose` keeps the most likely nodes while that ratio improves,
-and nothing at all (a plain step) when no node is worth its cost.
+average and costs cost(1 + |T|): `worth_feeding` keeps the most likely nodes while that ratio
+improves, and nothing at all (a plain step) when no node is worth its cost.
 """
 
 from __future__ import annotations
@@ -78,6 +78,18 @@ class Acceptance:
         if trials > HALF_LIFE:
             trials, hits = trials / 2, hits / 2
         self._trials[bucket], self._hits[bucket] = trials, hits
+
+    def snapshot(self) -> tuple[dict[str, float], dict[str, float]]:
+        """The calibration counts now, for since()."""
+        return dict(self.predicted), dict(self.observed)
+
+    def since(self, snapshot: tuple[dict[str, float], dict[str, float]]) -> dict[str, tuple[float, float]]:
+        """Per source, (accepted nodes expected, accepted nodes seen) since the snapshot, for the
+        sources tried since."""
+        predicted, observed = snapshot
+        return {src: (round(self.predicted[src] - predicted.get(src, 0.0), 2),
+                      round(self.observed[src] - observed.get(src, 0.0), 2))
+                for src in self.predicted if self.predicted[src] != predicted.get(src, 0.0)}
 
 
 class DraftTree:
@@ -191,7 +203,7 @@ class DraftTree:
         return sorted(range(len(self.nodes)), key=lambda i: (-self.nodes[i].p, i))
 
 
-def choose(tree: DraftTree, step_cost: Callable[[int], float] | None, limit: int | None = None) -> list[Node]:
+def worth_feeding(tree: DraftTree, step_cost: Callable[[int], float] | None, limit: int | None = None) -> list[Node]:
     """The nodes worth feeding, re-indexed so that parents point into the returned list (-1: the
     input token). With a cost function: the likeliest prefix (parents first) that maximises the
     expected tokens per second, (1 + sum of p) / step_cost(1 + nodes), which is empty when no node

@@ -7,7 +7,7 @@ import torch
 from ladechat.engine.config import SamplingConfig
 
 
-class Chooser:
+class TokenPicker:
     """Greedy (argmax) or sampling with repetition penalty, temperature, top-k, top-p, min-p.
 
     A row's history is every token the model has seen before it (prompt + accepted tokens + the
