@@ -124,8 +124,15 @@ def _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, pr
           compile: bool = False, weights: str = "auto"):
     """The model, loaded with progress(message) shown during slow phases; its notices are the caller's.
     compile: the steps will be compiled, which takes the model's own Linear modules (no packing, no
-    int4). weights: --weights (engine/loading.py WEIGHTS)."""
-    from ladechat.engine.loading import LoadSpec, check_weights, load, parse_max_memory, resolve_device, resolve_dtype
+    int4). weights: --weights (engine/model/loading.py WEIGHTS)."""
+    from ladechat.engine.model.loading import (
+        LoadSpec,
+        check_weights,
+        load,
+        parse_max_memory,
+        resolve_device,
+        resolve_dtype,
+    )
 
     if compile and weights not in ("auto", "dense"):
         raise Fail(f"--compile compiles the model's own Linear modules: it cannot run --weights {weights}")
@@ -148,8 +155,8 @@ def _load_here(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_ma
 
 
 def _bot(loaded, settings, compile: bool, progress):
-    from ladechat.bot import Bot
-    from ladechat.engine.gguf import cache_root
+    from ladechat.backends.local import Bot
+    from ladechat.paths import cache_root
 
     bot = Bot(loaded, settings, compile=compile, store_root=cache_root())
     if compile:
@@ -161,7 +168,7 @@ def _bot(loaded, settings, compile: bool, progress):
 def _remote_bot(ctx: typer.Context, api: str, api_key: str | None, defaults: dict | None = None):
     """A RemoteBot for --api URL with the settings the user gave on the command line (`defaults`:
     the command's own choices, sent as if given)."""
-    from ladechat.remote import Endpoint, RemoteBot
+    from ladechat.backends.remote import Endpoint, RemoteBot
     from ladechat.settings import Settings
 
     given = _given(ctx)
@@ -273,7 +280,7 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = LOOKAHE
         run_chat(_remote_bot(ctx, api, api_key), system=system, debug=debug, markdown=markdown, out=stdout_console(),
                  err=err)
         return
-    from ladechat.pending import LoadFailed, PendingBot
+    from ladechat.backends.pending import LoadFailed, PendingBot
 
     given = _setting_flags(ctx.params)
     _settings(given)  # every flag checked before the (slow) model load
@@ -434,7 +441,7 @@ def serve(ctx: typer.Context, host: Annotated[str, typer.Option("--host", help="
           attn: Attn = "sdpa", template: Template = None, stop: Stop = None, compile: Compile = False,
           store: Store = LOOKAHEAD.store, weights: Weights = "auto") -> None:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions), with lookahead decoding."""
-    from ladechat import server
+    from ladechat.serve import app as server
 
     err = stderr_console()
     if not server.is_loopback(host) and not api_key:
@@ -481,42 +488,38 @@ def templates() -> None:
         print(name)
 
 
-@app.command()
-def bench(ctx: typer.Context, dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="Prompt set: mtbench, humaneval, gsm8k (from ../shared/data) or a JSONL path; repeatable.")] = ["mtbench"],
+bench_app = typer.Typer(rich_markup_mode=None, help="Compare HF generate, HF prompt lookup, ladechat plain and lookahead on real prompts, side by side; subcommands: step-cost (what one step costs), serving (serving overhead).")
+app.add_typer(bench_app, name="bench")
+BenchJson = Annotated[bool, typer.Option("--json", help="Print the results as JSON.")]
+Datasets = Annotated[list[str], typer.Option("--dataset", "-d", help="Prompt set: mtbench, humaneval, gsm8k (from ../shared/data) or a JSONL path; repeatable.")]
+Limit = Annotated[Optional[int], typer.Option("--limit", help="Items per dataset (default: all).")]
+
+# The forms of `ladechat bench` before its subcommands: the flag -> the subcommand now.
+BENCH_FLAGS = {"--step-cost": "step-cost", "--api": "serving"}
+
+
+@bench_app.callback(invoke_without_command=True)
+def bench(ctx: typer.Context, dataset: Datasets = ["mtbench"],
           methods: Annotated[str, typer.Option("--methods", help="Comma-separated: hf (always run, the reference), hf-lookup-3, hf-lookup-5, hf-lookup (10 tokens), hf-packed (HF greedy on ladechat's packed weights), plain, lookahead, lookahead-full.")] = "hf,hf-lookup-3,hf-lookup-5,hf-lookup,plain,lookahead",
           single_turn: Annotated[bool, typer.Option("--single-turn", help="Only the first turn of each item.")] = False,
           store: Annotated[str, typer.Option("--store", help="Each ladechat method's store of past answers: cold (empty at the start, filled as the run goes), warm (first filled with the answers to --warm-from) or off. Never the store of your chats.")] = "cold",
           warm_from: Annotated[Optional[list[str]], typer.Option("--warm-from", help="With --store warm: prompt set(s) whose answers fill the store first; must not share prompts with --dataset.")] = None,
           warm_limit: Annotated[Optional[int], typer.Option("--warm-limit", help="Items of each --warm-from set (default: all).")] = None,
           ablation: Annotated[bool, typer.Option("--ablation", help="Also run lookahead with each draft source alone (only-context, only-store, only-window, only-recycle) and print the ablation table.")] = False,
-          limit: Annotated[Optional[int], typer.Option("--limit", help="Items per dataset (default: all).")] = None,
-          model: Model = None, window: Window = None, ngram: Ngram = None, candidates: Cands = None,
+          limit: Limit = None, model: Model = None, window: Window = None, ngram: Ngram = None, candidates: Cands = None,
           context_candidates: ContextCands = None, context_len: ContextLen = None, recycle: Recycle = None,
-          max_new_tokens: MaxNew = MAX_NEW_TOKENS["bench"], temperature: Temperature = None, top_p: TopP = SAMPLING.top_p, top_k: TopK = SAMPLING.top_k,
-          seed: Seed = 0, dtype: Dtype = "auto", device: Device = "auto", attn: Attn = "sdpa",
-          template: Template = None, compile: Compile = False,
-          step_cost: Annotated[bool, typer.Option("--step-cost", help="Measure time per step against tokens fed (dynamic, static, --compile'd runners) instead of answering prompts.")] = False,
-          shape: Annotated[Optional[str], typer.Option("--shape", help="With --step-cost: a randomly initialised Llama of this shape instead of --model: llama-2-7b, llama-3-8b, smollm2-135m, tiny.")] = None,
-          sizes: Annotated[str, typer.Option("--sizes", help="With --step-cost: tokens fed per step, comma-separated (1 or multiples of 4).")] = "1,8,16,32,64,128,256",
-          context: Annotated[int, typer.Option("--context", help="With --step-cost: tokens already in the KV cache.")] = 512,
-          reps: Annotated[int, typer.Option("--reps", help="With --step-cost: timed steps per size (median).")] = 10,
-          as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
-          api: Annotated[str | None, typer.Option("--api", help="Serving overhead instead: each prompt's first turn answered in this process and through the ladechat serve at URL (same --model and --dtype), alternately.")] = None,
-          api_key: ApiKey = None,
-          weights: Annotated[Optional[str], typer.Option("--weights", help="Linear weights, as for the chat (auto, dense, packed, int4); default packed (the layout the bench's tables compare HF with), and auto with --api (as ladechat serve loads).")] = None) -> None:
+          max_new_tokens: MaxNew = MAX_NEW_TOKENS["bench"], temperature: Temperature = None, top_p: TopP = SAMPLING.top_p,
+          top_k: TopK = SAMPLING.top_k, seed: Seed = 0, dtype: Dtype = "auto", device: Device = "auto",
+          attn: Attn = "sdpa", template: Template = None, compile: Compile = False, as_json: BenchJson = False,
+          weights: Annotated[Optional[str], typer.Option("--weights", help="Linear weights, as for the chat (auto, dense, packed, int4); default packed (the layout the bench's tables compare HF with).")] = None) -> None:
     """Compare HF generate, HF prompt lookup, ladechat plain and lookahead on real prompts, side by side."""
-    from ladechat import bench as benchmark
+    if ctx.invoked_subcommand is not None:
+        return
+    from ladechat.bench import prompts as benchmark
     from ladechat.ui.report import bench_tables
 
     err = stderr_console()
-    if step_cost:
-        _step_cost(model, shape, sizes, context, reps, compile, dtype, device, attn, as_json, err, weights or "packed")
-        return
     given = _setting_flags(ctx.params, BENCH_SETTINGS)  # the bench's --store is a mode, not the setting
-    if api is not None:
-        _settings(given)  # every flag checked before the (slow) model load
-        _serve_bench(api, api_key, dataset, limit, model, dtype, device, attn, as_json, err, given, weights or "auto")
-        return
     method_list = [m.strip() for m in methods.split(",") if m.strip()] + (list(benchmark.ONLY) if ablation else [])
     benchmark.check_methods(method_list)
     for name in [*dataset, *(warm_from or [])]:
@@ -542,33 +545,54 @@ def bench(ctx: typer.Context, dataset: Annotated[list[str], typer.Option("--data
             stdout_console().print(table)
 
 
-def _serve_bench(api, api_key, dataset, limit, model, dtype, device, attn, as_json, err, given: dict,
-                 weights: str) -> None:
-    from ladechat import bench as benchmark
-    from ladechat import serve_bench
-    from ladechat.remote import Endpoint, RemoteBot
+@bench_app.command("serving")
+def bench_serving(ctx: typer.Context,
+                  api: Annotated[str, typer.Option("--api", help="The ladechat serve to measure, started with the same --model and --dtype and with --no-store.")],
+                  api_key: ApiKey = None, dataset: Datasets = ["mtbench"], limit: Limit = None, model: Model = None,
+                  window: Window = None, ngram: Ngram = None, candidates: Cands = None,
+                  context_candidates: ContextCands = None, context_len: ContextLen = None, recycle: Recycle = None,
+                  max_new_tokens: MaxNew = MAX_NEW_TOKENS["bench"], temperature: Temperature = None,
+                  top_p: TopP = SAMPLING.top_p, top_k: TopK = SAMPLING.top_k, seed: Seed = 0,
+                  dtype: Dtype = "auto", device: Device = "auto", attn: Attn = "sdpa", template: Template = None,
+                  as_json: BenchJson = False,
+                  weights: Annotated[str, typer.Option("--weights", help="Linear weights, as for the chat (auto, dense, packed, int4); as ladechat serve loads them by default.")] = "auto") -> None:
+    """Serving overhead: each prompt's first turn answered in this process and through the ladechat serve at --api URL, alternately."""
+    from ladechat.backends.remote import Endpoint, RemoteBot
+    from ladechat.bench import prompts, serving
     from ladechat.ui.report import serve_bench_table
 
-    prompts = [item["turns"][0] for name in dataset for item in benchmark.load_items(name, limit)]
+    err = stderr_console()
+    given = _setting_flags(ctx.params, BENCH_SETTINGS)
+    _settings(given)  # every flag checked before the (slow) model load
+    texts = [item["turns"][0] for name in dataset for item in prompts.load_items(name, limit)]
     remote = RemoteBot(Endpoint.of(api, api_key), None, {}, set())
-    serve_bench.check_server(remote)  # before the (slow) model load
+    serving.check_server(remote)  # before the (slow) model load
     _quiet_libraries()
     loaded = _load_here(model, dtype, device, attn, False, False, None, err, weights=weights)
     settings = _settings(given, loaded)
-    result = serve_bench.run(loaded, settings, remote, prompts,
-                             progress=lambda i, n: err.print(f"[dim]{i}/{n}[/]", highlight=False))
+    result = serving.run(loaded, settings, remote, texts, progress=lambda i, n: err.print(f"[dim]{i}/{n}[/]", highlight=False))
     if as_json:
         print(json.dumps(result, indent=2))
     else:
         stdout_console().print(serve_bench_table(result))
 
 
-def _step_cost(model, shape, sizes, context, reps, compile, dtype, device, attn, as_json, err, weights: str) -> None:
-    from ladechat import step_bench
-    from ladechat.engine.loading import resolve_device, resolve_dtype
+@bench_app.command("step-cost")
+def bench_step_cost(model: Model = None,
+                    shape: Annotated[Optional[str], typer.Option("--shape", help="A randomly initialised Llama of this shape instead of --model: llama-2-7b, llama-3-8b, smollm2-135m, tiny.")] = None,
+                    sizes: Annotated[str, typer.Option("--sizes", help="Tokens fed per step, comma-separated (1 or multiples of 4).")] = "1,8,16,32,64,128,256",
+                    context: Annotated[int, typer.Option("--context", help="Tokens already in the KV cache.")] = 512,
+                    reps: Annotated[int, typer.Option("--reps", help="Timed steps per size (median).")] = 10,
+                    compile: Compile = False, dtype: Dtype = "auto", device: Device = "auto", attn: Attn = "sdpa",
+                    as_json: BenchJson = False,
+                    weights: Annotated[str, typer.Option("--weights", help="Linear weights, as for the chat (auto, dense, packed, int4); default packed.")] = "packed") -> None:
+    """What one decoding step costs as it feeds more tokens (dynamic, static and --compile'd runners), next to HF generate's time per token."""
+    from ladechat.bench import steps
+    from ladechat.engine.model.loading import resolve_device, resolve_dtype
     from ladechat.ui.report import step_cost_table
 
-    size_list = step_bench.parse_sizes(sizes)
+    err = stderr_console()
+    size_list = steps.parse_sizes(sizes)
     if context < 1 or reps < 1:
         raise Fail(f"--context and --reps must be >= 1, got {context} and {reps}")
     if shape is not None and model is not None:
@@ -577,18 +601,32 @@ def _step_cost(model, shape, sizes, context, reps, compile, dtype, device, attn,
     if shape is not None:
         dev = resolve_device(device)
         with err.status(f"building a random {shape} model on {dev}", spinner="dots"):
-            net = step_bench.random_model(shape, resolve_dtype(dtype, dev), dev, pack_weights=not compile)
+            net = steps.random_model(shape, resolve_dtype(dtype, dev), dev, pack_weights=not compile)
             name = f"random {shape}"
     else:
         loaded = _load_here(model, dtype, device, attn, False, False, None, err, compile=compile,
                             weights="dense" if compile else weights)
         net, name = loaded.model, loaded.name
     with err.status("timing steps" + (" (compiling first)" if compile else ""), spinner="dots"):
-        result = step_bench.run(net, name, size_list, context, reps, compile)
+        result = steps.run(net, name, size_list, context, reps, compile)
     if as_json:
         print(json.dumps(result, indent=2))
     else:
         stdout_console().print(step_cost_table(result))
+
+
+def _old_bench_form(args: list[str]) -> str | None:
+    """What `ladechat bench` with a flag that became a subcommand is now ('ladechat bench --step-cost
+    ...' is 'ladechat bench step-cost ...'); None for any other command line."""
+    if args[:1] != ["bench"] or any(sub in args[1:2] for sub in BENCH_FLAGS.values()):
+        return None
+    for arg in args[1:]:
+        flag = arg.split("=", 1)[0]
+        if flag in BENCH_FLAGS:
+            rest = " ".join(a for a in args[1:] if a != "--step-cost")
+            return (f"'ladechat bench {flag}' is now a subcommand: "
+                    f"ladechat bench {BENCH_FLAGS[flag]} {rest}".rstrip())
+    return None
 
 
 @app.command()
@@ -628,8 +666,8 @@ app.add_typer(store_app, name="store")
 @store_app.command("list")
 def store_list() -> None:
     """Each model's store: answers, tokens, size on disk, file."""
-    from ladechat.engine.gguf import cache_root
-    from ladechat.engine.store import list_stores
+    from ladechat.engine.draft.store import list_stores
+    from ladechat.paths import cache_root
 
     infos = list_stores(cache_root())
     if not infos:
@@ -641,8 +679,8 @@ def store_list() -> None:
 @store_app.command("clear")
 def store_clear(model: Annotated[Optional[str], typer.Option("--model", "-m", help="Only this model's store (its name as 'ladechat store list' shows it).")] = None) -> None:
     """Delete the stores of past answers (every model's, or one)."""
-    from ladechat.engine.gguf import cache_root
-    from ladechat.engine.store import clear_stores, list_stores
+    from ladechat.engine.draft.store import clear_stores, list_stores
+    from ladechat.paths import cache_root
 
     if model is not None and model not in {info.model for info in list_stores(cache_root())}:
         raise Fail(f"no store for model {model!r} (see: ladechat store list)")
@@ -658,8 +696,12 @@ def main(argv: list[str] | None = None) -> None:
     # Every error typer meets parsing the command line derives from its click's ClickException (a
     # vendored copy in recent typer, click itself in older ones): found from its public BadParameter.
     parse_error = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+    args = sys.argv[1:] if argv is None else argv
     try:
-        code = app(args=argv, prog_name="ladechat", standalone_mode=False)
+        moved = _old_bench_form(args)
+        if moved is not None:
+            raise Fail(moved)
+        code = app(args=args, prog_name="ladechat", standalone_mode=False)
     except UserError as exc:
         _fail(str(exc), 1)
     except parse_error as exc:  # e.g. --top-k abc, an unknown option

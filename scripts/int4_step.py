@@ -1,6 +1,6 @@
 """Step cost of the embedded model on each weight layout ladechat can load on a CPU: dense (the
-Linear weights as transformers loads them), packed for oneDNN (engine/packing.py) and the GGUF's
-4-bit blocks as int4 (engine/int4.py, the rest packed). Behind the table in BENCHMARKS.md.
+Linear weights as transformers loads them), packed for oneDNN (engine/model/packing.py) and the GGUF's
+4-bit blocks as int4 (engine/model/int4.py, the rest packed). Behind the table in BENCHMARKS.md.
 
     python scripts/int4_step.py [--dtype float32] [--cached 192] [--rounds 15] [--sizes 1,2,4,8,16]
     python scripts/int4_step.py --profile int4 [--rows 1]   # where one step's time goes
@@ -30,8 +30,8 @@ import statistics
 
 import torch
 
-from ladechat.engine import int4
-from ladechat.engine.loading import LoadSpec, load
+from ladechat.engine.model import int4
+from ladechat.engine.model.loading import LoadSpec, load
 from ladechat.engine.runner import DynamicRunner
 from ladechat.engine.step_cost import chain, prefill_random, time_step
 
@@ -103,7 +103,7 @@ def margin(lm, ids: list[int], ours: int, theirs: int) -> float:
 
 
 def answers(args) -> None:
-    from ladechat.bot import Bot
+    from ladechat.backends.local import Bot
     from ladechat.conversation import Conversation
     from ladechat.engine.defaults import default_lookahead
     from ladechat.engine.events import Done

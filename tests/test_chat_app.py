@@ -8,7 +8,7 @@ import pytest
 from rich.console import Console
 from tiny_models import tiny_loaded
 
-from ladechat.bot import Bot
+from ladechat.backends.local import Bot
 from ladechat.conversation import Conversation, ConversationError
 from ladechat.settings import Settings
 from ladechat.ui.chat import ChatApp
@@ -168,7 +168,7 @@ def test_encode_changes_nothing_when_the_last_message_alone_does_not_fit():
 def test_store_command_toggles_and_clears_the_store(tmp_path):
     """/store off: answers are neither drafted from nor added to the store; /store on adds them
     (to the file under the store folder); /store clear forgets them, on disk too."""
-    from ladechat.engine.store import list_stores
+    from ladechat.engine.draft.store import list_stores
 
     loaded = tiny_loaded()
     settings = Settings(window=2, ngram=3, candidates=1, max_new_tokens=8)

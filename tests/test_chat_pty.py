@@ -7,7 +7,6 @@ import signal
 import time
 
 import pexpect
-
 from conftest import ladechat_bin
 
 from ladechat.ui.stream import MARKDOWN_BLOCKS

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import ladechat_bin
 
-from ladechat.engine import packing
+from ladechat.engine.model import packing
 
 # whether ladechat packs fp32 CPU weights here (x86-64 with oneDNN), so hf-packed joins greedy benches
 PACKED = packing.supported(torch.device("cpu"), torch.float32)
@@ -58,8 +58,13 @@ def test_ask_json_fields(embedded_fp32):
     (["ask", "--max-memory", "cpu=lots", "--device-map", "auto", "hi"], "--max-memory wants DEVICE=SIZE pairs"),
     (["ask", "--max-memory", "cpu=4GiB", "hi"], "--max-memory needs --device-map"),
     (["ask", "--compile", "-W", "64", "-N", "16", "-G", "64", "hi"], "more than the 512 a fixed-shape step allows"),
-    (["bench", "--step-cost", "--sizes", "1,3"], "step sizes must be 1 or multiples of 4"),
-    (["bench", "--step-cost", "--shape", "llama-99b"], "unknown --shape 'llama-99b'"),
+    (["bench", "step-cost", "--sizes", "1,3"], "step sizes must be 1 or multiples of 4"),
+    (["bench", "step-cost", "--shape", "llama-99b"], "unknown --shape 'llama-99b'"),
+    # the forms from before `ladechat bench` had subcommands name the subcommand they became
+    (["bench", "--step-cost", "--shape", "tiny"],
+     "'ladechat bench --step-cost' is now a subcommand: ladechat bench step-cost --shape tiny"),
+    (["bench", "--api", "http://127.0.0.1:9/v1", "-d", "mtbench"],
+     "'ladechat bench --api' is now a subcommand: ladechat bench serving --api http://127.0.0.1:9/v1 -d mtbench"),
 ])
 def test_bad_input_one_line_error(args, message):
     r = ladechat(*args, env_extra={"HF_HUB_OFFLINE": "1"})
@@ -156,7 +161,7 @@ def test_chat_template_that_refuses_the_conversation(tmp_path, embedded_fp32):
 
 
 def test_gguf_file_model():
-    from ladechat.engine.gguf import embedded_gguf
+    from ladechat.engine.model.gguf import embedded_gguf
 
     path = embedded_gguf()
     r = ladechat("ask", "--model", str(path), "--max-new-tokens", "8", "--json", "Say hello.")
@@ -207,7 +212,7 @@ def test_flash_attention_falls_back_to_sdpa_with_a_notice(tmp_path):
 
 
 def test_step_cost_bench_on_a_random_model():
-    r = ladechat("bench", "--step-cost", "--shape", "tiny", "--sizes", "1,8,16", "--reps", "2", "--context", "64",
+    r = ladechat("bench", "step-cost", "--shape", "tiny", "--sizes", "1,8,16", "--reps", "2", "--context", "64",
                  "--dtype", "float32", "--json")
     assert r.returncode == 0, r.stderr.decode()
     result = json.loads(r.stdout)

@@ -9,9 +9,9 @@ from tiny_models import FAMILIES, tiny_model
 
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
+from ladechat.engine.draft.store import AnswerStore
 from ladechat.engine.events import Done, Step
 from ladechat.engine.step_cost import CostModel
-from ladechat.engine.store import AnswerStore
 
 MODELS = {}
 

@@ -9,11 +9,11 @@ from rich.console import Console
 from test_exactness import hf_greedy
 from tiny_models import tiny_model
 
-from ladechat.bot import Bot
+from ladechat.backends.local import Bot
 from ladechat.engine import kv
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
-from ladechat.engine.decode import OutOfMemory, Session, generate
-from ladechat.engine.events import Done, Step
+from ladechat.engine.decode import Session, generate
+from ladechat.engine.events import Done, OutOfMemory, Step
 from ladechat.engine.runner import StaticRunner
 from ladechat.engine.step_cost import CostModel
 from ladechat.settings import Settings
@@ -182,7 +182,7 @@ def test_out_of_memory_while_loading_is_a_load_error(tmp_path, monkeypatch, erro
     from test_cli import tiny_model_folder
     from tiny_models import tiny_tokenizer
 
-    from ladechat.engine.loading import LoadError, LoadSpec, load
+    from ladechat.engine.model.loading import LoadError, LoadSpec, load
 
     folder = tiny_model_folder(tmp_path, tiny_tokenizer())
 

@@ -3,7 +3,7 @@ copy of the working tree, then every call of the plan in its dry run (LADECHAT_G
 GPU not asked for, cpu for cuda, a tiny model, one item per prompt set, a few test nodes per half).
 What a dry run cannot show is checked on its own: the sizes of the carried paths, the stripped
 bitsandbytes wheel, a step stopped at its limit, a test stopped at its own, the split of the suite,
-the plan's budget, and ladechat.bench's per-item callback that the stage records from."""
+the plan's budget, and ladechat.bench.prompts' per-item callback that the stage records from."""
 
 import hashlib
 import json
@@ -101,7 +101,7 @@ def test_prepare_fits_each_call_in_what_one_call_carries(staged):
     wheels2 = {p.name.split("-")[0] for p in (repo / ".gpu/call2/wheels").glob("*.whl")}
     assert {"transformers", "typer", "pydantic", "gguf"} <= wheels1 and "bitsandbytes" not in wheels1
     assert wheels2 == {"bitsandbytes", "pytest_timeout"}
-    from ladechat.engine.gguf import embedded_gguf
+    from ladechat.engine.model.gguf import embedded_gguf
 
     parts = (repo / ".gpu/call1/gguf.part1", repo / ".gpu/call2/gguf.part2")
     whole = hashlib.sha256(b"".join(part.read_bytes() for part in parts))
@@ -371,22 +371,22 @@ def test_the_plan_with_one_retry_fits_25_minutes_and_the_header_shows_it():
 
 
 def test_the_dry_run_changes_only_what_a_cpu_needs():
-    args = ["bench", "--step-cost", "--shape", "llama-2-7b", "--device", "cuda", "--dtype", "float16", "--compile",
+    args = ["bench", "step-cost", "--shape", "llama-2-7b", "--device", "cuda", "--dtype", "float16", "--compile",
             "--sizes", "1", "--json"]
-    assert stage.dry(args) == ["bench", "--step-cost", "--shape", "tiny", "--device", "cpu", "--dtype", "float32",
+    assert stage.dry(args) == ["bench", "step-cost", "--shape", "tiny", "--device", "cpu", "--dtype", "float32",
                                "--sizes", "1", "--json", "--reps", "1", "--context", "32"]
     ask = next(s for s in stage.CALLS["call2"].steps if s.name == "ask-compile").args
     assert stage.dry(ask)[-1] == stage.PROMPT and "--compile" not in stage.dry(ask) and "cuda" not in stage.dry(ask)
 
 
 def test_bench_reports_each_item_as_it_ends(tmp_path):
-    """ladechat.bench.run's on_item: one record per item after every method answered it, the same
+    """ladechat.bench.prompts.run's on_item: one record per item after every method answered it, the same
     numbers as the summary's per-item list."""
     from dataclasses import replace
 
     from tiny_models import tiny_loaded
 
-    from ladechat.bench import run
+    from ladechat.bench.prompts import run
     from ladechat.settings import Settings
 
     data = tmp_path / "set.jsonl"

@@ -1,4 +1,4 @@
-"""A GGUF's 4-bit blocks run at 4 bits (engine/int4.py): the exact int4 form of Q4_0, Q4_1 and Q4_K
+"""A GGUF's 4-bit blocks run at 4 bits (engine/model/int4.py): the exact int4 form of Q4_0, Q4_1 and Q4_K
 blocks, products within bf16 rounding of the dense weights `gguf` dequantizes, rows independent of
 the step's size (so lookahead answers equal plain decoding's on these weights), and what happens
 with files and choices it cannot run."""
@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from ladechat import templates
-from ladechat.engine import int4, packing
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.defaults import default_lookahead
-from ladechat.engine.loading import LoadError, LoadSpec, load
+from ladechat.engine.model import int4, packing
+from ladechat.engine.model.loading import LoadError, LoadSpec, load
 
 gguf = pytest.importorskip("gguf")
 T = gguf.GGMLQuantizationType
@@ -288,7 +288,7 @@ def test_embedded_int4_products_match_gguf_dequantize(embedded_int4):
 
 
 def gguf_path() -> Path:
-    from ladechat.engine.gguf import embedded_gguf
+    from ladechat.engine.model.gguf import embedded_gguf
 
     return embedded_gguf()
 

@@ -1,4 +1,4 @@
-"""Linear weights packed for oneDNN (engine/packing.py): the same products, exact greedy decoding on
+"""Linear weights packed for oneDNN (engine/model/packing.py): the same products, exact greedy decoding on
 the packed model, and the way back to the model as transformers loads it."""
 
 import gc
@@ -11,9 +11,9 @@ import torch
 from test_exactness import hf_greedy, repetitive_prompt, run
 from tiny_models import FAMILIES, tiny_model
 
-from ladechat.engine import packing
 from ladechat.engine.config import LookaheadConfig
-from ladechat.engine.loading import LoadSpec, load
+from ladechat.engine.model import packing
+from ladechat.engine.model.loading import LoadSpec, load
 
 pytestmark = pytest.mark.skipif(not packing.supported(torch.device("cpu"), torch.float32),
                                 reason="packing needs an x86-64 CPU with oneDNN (every machine the tests run on "
@@ -177,8 +177,8 @@ def test_compile_loads_the_weights_as_they_are_and_refuses_packed_ones(tiny_fold
 
 
 def test_bench_refuses_hf_packed_on_weights_that_are_not_packed(tiny_folder):
-    from ladechat.bench import BenchError
-    from ladechat.bench import run as bench_run
+    from ladechat.bench.prompts import BenchError
+    from ladechat.bench.prompts import run as bench_run
     from ladechat.settings import Settings
 
     loaded = load(LoadSpec(model=tiny_folder, dtype="float32", device="cpu", pack_weights=False))
@@ -187,8 +187,8 @@ def test_bench_refuses_hf_packed_on_weights_that_are_not_packed(tiny_folder):
 
 
 def test_step_cost_curves_of_packed_and_plain_weights_are_cached_apart(tmp_path, monkeypatch):
-    from ladechat.engine.gguf import cache_root
     from ladechat.engine.step_cost import cached_curve
+    from ladechat.paths import cache_root
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     plain, packed = packed_twin("llama")

@@ -1,4 +1,4 @@
-"""The chat's model loading in a background thread (ladechat.pending): the prompt does not wait for
+"""The chat's model loading in a background thread (ladechat.backends.pending): the prompt does not wait for
 it, whatever needs the model does, and a failed load ends the chat with its one-line reason."""
 
 import io
@@ -8,11 +8,11 @@ import pytest
 from rich.console import Console
 from tiny_models import tiny_loaded
 
-from ladechat.bot import Bot
+from ladechat.backends.local import Bot
+from ladechat.backends.pending import LoadFailed, PendingBot
 from ladechat.conversation import Conversation
 from ladechat.engine.events import Done
 from ladechat.errors import UserError
-from ladechat.pending import LoadFailed, PendingBot
 from ladechat.settings import Settings
 from ladechat.ui.chat import ChatApp, chat_loop
 

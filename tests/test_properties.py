@@ -19,7 +19,7 @@ from rich.console import Console
 from tiny_models import tiny_loaded
 
 from ladechat import templates
-from ladechat.bot import Bot
+from ladechat.backends.local import Bot
 from ladechat.cli import main
 from ladechat.engine import kv
 from ladechat.settings import Settings, set_keys

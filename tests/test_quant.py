@@ -2,10 +2,10 @@
 
 import pytest
 
-from ladechat.engine import gguf, packing
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
-from ladechat.engine.loading import LoadSpec, load
+from ladechat.engine.model import gguf, packing
+from ladechat.engine.model.loading import LoadSpec, load
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["Write a Python function that checks if a number is prime.",

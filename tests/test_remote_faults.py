@@ -20,7 +20,7 @@ from conftest import ladechat_bin
 from rich.console import Console
 from serve_process import Server
 
-from ladechat.remote import Endpoint, RemoteBot
+from ladechat.backends.remote import Endpoint, RemoteBot
 from ladechat.ui.chat import ChatApp
 
 MODEL = "scripted"

@@ -10,9 +10,9 @@ from tiny_models import tiny_model
 
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
+from ladechat.engine.draft.store import AnswerStore
 from ladechat.engine.layout import build_layout
 from ladechat.engine.sampling import TokenPicker, inverse_cdf
-from ladechat.engine.store import AnswerStore
 from ladechat.engine.verify import batched_pick, verify
 
 ALPHA_Z = 3.09  # one-sided z for significance 0.001: a correct rule fails about 1 run in 1000

@@ -238,7 +238,7 @@ finally:
 def test_serving_benchmark_answers_the_same_tokens_both_ways(server, tmp_path):
     data = tmp_path / "two.jsonl"
     data.write_text("".join(json.dumps({"id": i, "turns": [q]}) + "\n" for i, q in enumerate([QUESTION, "Name a fruit."])))
-    r = ladechat("bench", "--api", server.url, "--api-key", KEY, "-d", str(data), "--max-new-tokens", "12",
+    r = ladechat("bench", "serving", "--api", server.url, "--api-key", KEY, "-d", str(data), "--max-new-tokens", "12",
                  "--dtype", "float32", "--json")
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout)
@@ -254,8 +254,8 @@ def test_serving_benchmark_refuses_a_server_with_a_store():
             "ladechat": {"model": "SmolLM2-135M-Instruct (embedded, Q4_1) on cpu (float32)",
                          "settings": {"store": True}}}
     transport = httpx.MockTransport(lambda request: httpx.Response(200, json={"object": "list", "data": [card]}))
-    from ladechat import serve_bench
-    from ladechat.remote import Endpoint, RemoteBot
+    from ladechat.backends.remote import Endpoint, RemoteBot
+    from ladechat.bench import serving as serve_bench
     from ladechat.settings import Settings
 
     remote = RemoteBot(Endpoint.of("http://127.0.0.1:9/v1", None), None, {}, set(), client=httpx.Client(transport=transport))

@@ -20,9 +20,9 @@ import pytest
 from rich.console import Console
 from test_properties import send
 
-from ladechat.bot import Bot
+from ladechat.backends.local import Bot
 from ladechat.engine import kv
-from ladechat.engine.recycle import PAIR_SLOTS
+from ladechat.engine.draft.recycle import PAIR_SLOTS
 from ladechat.settings import Settings
 from ladechat.ui.chat import ChatApp
 

@@ -73,7 +73,7 @@ def test_compiled_step_is_exact():
     the grouped-query attention the chat runs, against HF greedy on the unchanged model."""
     import copy
 
-    from ladechat.engine.attention import use_grouped_sdpa
+    from ladechat.engine.model.attention import use_grouped_sdpa
 
     plain = model_for("llama")
     model = copy.deepcopy(plain)
@@ -217,8 +217,9 @@ def test_the_cache_grows_before_a_turn_never_during_it():
 def test_the_chat_says_why_a_turn_waits_for_the_cache_to_grow():
     from tiny_models import tiny_loaded
 
-    from ladechat.bot import Bot, Notice
+    from ladechat.backends.local import Bot
     from ladechat.conversation import Conversation
+    from ladechat.engine.events import Notice
     from ladechat.settings import Settings
 
     loaded = tiny_loaded()
@@ -254,7 +255,7 @@ def test_compiled_steps_have_an_explicit_limit_not_a_silent_eager_fallback():
 def test_one_compiled_forward_per_model_shared_by_its_runners():
     from tiny_models import tiny_loaded
 
-    from ladechat.bot import Bot
+    from ladechat.backends.local import Bot
     from ladechat.settings import Settings
 
     loaded = tiny_loaded()

@@ -7,7 +7,7 @@ import io
 import pytest
 from rich.console import Console
 
-from ladechat.detok import StepText
+from ladechat.backends.detok import StepText
 from ladechat.engine.events import Step
 from ladechat.ui.stream import StreamPrinter, screen_rows
 

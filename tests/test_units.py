@@ -5,11 +5,11 @@ import torch
 from transformers import DynamicCache
 
 from ladechat.engine import kv
+from ladechat.engine.draft.pool import NGramPool
+from ladechat.engine.draft.suffix import SuffixIndex
 from ladechat.engine.layout import build_layout, step_inputs, tree_layout, tree_mask
-from ladechat.engine.loading import LoadSpec, choose_dtype, placement, resolve_dtype
-from ladechat.engine.ngram_pool import NGramPool
+from ladechat.engine.model.loading import LoadSpec, choose_dtype, placement, resolve_dtype
 from ladechat.engine.stopping import StopRule
-from ladechat.engine.suffix import SuffixIndex
 from ladechat.engine.verify import verify
 
 # The diagram of layout.py: W=3, N=3, candidates "a b" and "a c" (t=0, a=10, b=11, c=12).
@@ -156,7 +156,7 @@ def test_gpu_defaults_follow_the_step_cost_curve():
 def test_successor_table_keeps_the_latest_top_k_per_token():
     import numpy as np
 
-    from ladechat.engine.recycle import SuccessorTable
+    from ladechat.engine.draft.recycle import SuccessorTable
 
     table = SuccessorTable(k=3)
     assert table.successors(5) == [] and len(table) == 0
@@ -170,7 +170,7 @@ def test_successor_table_keeps_the_latest_top_k_per_token():
 def test_successor_table_prefers_the_pair_of_tokens_and_falls_back_to_the_token():
     import numpy as np
 
-    from ladechat.engine.recycle import SuccessorTable
+    from ladechat.engine.draft.recycle import SuccessorTable
 
     table = SuccessorTable(k=2)
     table.update([5, 5, 9], np.array([[1, 2], [3, 4], [6, 7]]), [8, 2, -1])
@@ -186,7 +186,7 @@ def test_successor_table_prefers_the_pair_of_tokens_and_falls_back_to_the_token(
 
 
 def test_acceptance_starts_at_the_prior_and_learns():
-    from ladechat.engine.draft import Acceptance
+    from ladechat.engine.draft.tree import Acceptance
 
     acc = Acceptance()
     bucket = ("recycle", 0, 1)
@@ -201,7 +201,7 @@ def test_acceptance_starts_at_the_prior_and_learns():
 
 
 def test_draft_tree_merges_sources_and_worth_feeding_weighs_cost():
-    from ladechat.engine.draft import Acceptance, DraftTree, worth_feeding
+    from ladechat.engine.draft.tree import Acceptance, DraftTree, worth_feeding
 
     tree = DraftTree(Acceptance())
     tree.add_chain((10, 11, 12), "context", 4)
@@ -236,7 +236,7 @@ def test_suffix_index_sorted_and_recent_parts_agree():
     front give what a brute-force scan of the text gives."""
     import random
 
-    from ladechat.engine.suffix import REINDEX
+    from ladechat.engine.draft.suffix import REINDEX
 
     rng = random.Random(1)
     text = [rng.randrange(6) for _ in range(3 * REINDEX + 17)]
@@ -270,7 +270,7 @@ def test_suffix_index_sorted_and_recent_parts_agree():
 
 
 def test_suffix_matches_never_cross_a_segment_end():
-    from ladechat.engine.suffix import SEP
+    from ladechat.engine.draft.suffix import SEP
 
     ctx = SuffixIndex()
     ctx.extend([1, 2, 3, SEP, 4, 5, SEP])
@@ -280,7 +280,7 @@ def test_suffix_matches_never_cross_a_segment_end():
 
 
 def test_answer_store_persists_caps_and_clears(tmp_path):
-    from ladechat.engine.store import AnswerStore, clear_stores, list_stores, store_path
+    from ladechat.engine.draft.store import AnswerStore, clear_stores, list_stores, store_path
 
     path = store_path(tmp_path, "org/model")
     store = AnswerStore.open(path, "org/model", vocab_size=100)
@@ -304,7 +304,7 @@ def test_answer_store_persists_caps_and_clears(tmp_path):
 
 
 def test_draft_counts_agreeing_hits():
-    from ladechat.engine.draft import Acceptance, DraftTree
+    from ladechat.engine.draft.tree import Acceptance, DraftTree
 
     tree = DraftTree(Acceptance())
     tree.add_matches("store", [((1, 2, 3), 4), ((1, 2, 9), 4), ((1, 5), 2), ((7,), 1)])
@@ -333,8 +333,8 @@ def test_cost_model_interpolates_in_cached_length():
 def test_step_cost_curve_is_measured_once_then_read_back(tmp_path, monkeypatch):
     from tiny_models import tiny_model
 
-    from ladechat.engine.gguf import cache_root
     from ladechat.engine.step_cost import cached_curve
+    from ladechat.paths import cache_root
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     model = tiny_model("llama")
@@ -366,7 +366,7 @@ AVX512_NO_BF16 = "flags : fpu avx2 avx512f avx512dq avx512bw avx512vl avx512_vnn
                                                   (AVX512_NO_BF16, False, torch.float32), ("", False, torch.float32)])
 def test_auto_dtype_on_each_cpu_class(cpuinfo, native, dtype):
     """bf16 by default only where the CPU computes it natively; fp32 on the AVX2-only class."""
-    from ladechat.engine.loading import cpu_has_native_bf16
+    from ladechat.engine.model.loading import cpu_has_native_bf16
 
     assert cpu_has_native_bf16(cpuinfo) is native
     assert choose_dtype("auto", "cpu", cpu_has_native_bf16(cpuinfo)) == dtype
@@ -403,8 +403,8 @@ def test_mask_probe_verdict_is_remembered_per_folder(tmp_path, monkeypatch):
     from test_cli import tiny_model_folder
     from tiny_models import tiny_tokenizer
 
-    from ladechat.engine.gguf import cache_root
-    from ladechat.engine.loading import honours_tree_mask, load
+    from ladechat.engine.model.loading import honours_tree_mask, load
+    from ladechat.paths import cache_root
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     folder = tiny_model_folder(tmp_path / "model", tiny_tokenizer())
@@ -417,15 +417,16 @@ def test_mask_probe_verdict_is_remembered_per_folder(tmp_path, monkeypatch):
     assert honours_tree_mask(model, str(folder), attn) and len(list(verdicts.iterdir())) == 2  # asked again
     assert honours_tree_mask(model, None, attn) and len(list(verdicts.iterdir())) == 2  # hub ids: never kept
     # our mask and attention code is part of every kept verdict: an upgraded ladechat asks again
-    from ladechat.engine import attention, layout
-    from ladechat.engine.gguf import source_digest
+    from ladechat.engine import layout
+    from ladechat.engine.model import attention
+    from ladechat.engine.model.gguf import source_digest
 
     ours = source_digest(attention.__file__, layout.__file__)
     assert all(ours in verdict.read_text() for verdict in verdicts.iterdir())
 
 
 def test_source_digest_follows_the_files_content(tmp_path):
-    from ladechat.engine.gguf import source_digest
+    from ladechat.engine.model.gguf import source_digest
 
     a, b = tmp_path / "a.py", tmp_path / "b.py"
     a.write_text("x = 1\n")
@@ -440,7 +441,7 @@ def test_source_digest_follows_the_files_content(tmp_path):
 def test_random_step_bench_model_is_built_in_its_dtype(dtype):
     """A 7B shape is built in its dtype (an fp32 build then a cast peaks at twice the memory), and
     the size the out-of-memory message quotes is the real parameter count."""
-    from ladechat import step_bench
+    from ladechat.bench import steps as step_bench
 
     model = step_bench.random_model("tiny", dtype, torch.device("cpu"), pack_weights=False)  # weights as parameters
     assert {p.dtype for p in model.parameters()} == {dtype} and model.config.dtype == dtype

@@ -1,8 +1,18 @@
 """Tiny randomly initialised decoder-only models of several families, built from configs."""
 
 import torch
-from transformers import (GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (
+    GemmaConfig,
+    GemmaForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.15, eos_token_id=None,
@@ -45,7 +55,7 @@ def tiny_tokenizer(chat_template: str | None = "{% for m in messages %}{{ m['rol
 
 def tiny_loaded(context_length: int = 1024):
     """A LoadedModel of a tiny random Llama with tiny_tokenizer(), for the chat's tests."""
-    from ladechat.engine.loading import LoadedModel
+    from ladechat.engine.model.loading import LoadedModel
 
     tokenizer = tiny_tokenizer()
     torch.manual_seed(0)

@@ -1,9 +1,9 @@
 """The decoding loop: one forward pass per step, lookahead on or off, as a stream of events.
 
     Session.step(t):
-      window    -> the Jacobi window's levels from t (window.py)
+      window    -> the Jacobi window's levels from t (draft/window.py)
       plan      -> draft tree from the conversation's and the store's suffix matches, pool
-                   n-grams and recycled top-k (draft.py), cut to the nodes worth their cost;
+                   n-grams and recycled top-k (draft/tree.py), cut to the nodes worth their cost;
                    window columns ride along when ~free (no side effects: the layout only)
       forward   -> one call over t + window + draft, 4D mask from layout.py; every row's top-k
       verify    -> the longest draft path that equals the model's own choices, + bonus token
@@ -27,19 +27,19 @@ import torch
 
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.cost_envelope import CostEnvelope
-from ladechat.engine.draft import Acceptance, DraftTree, worth_feeding
+from ladechat.engine.draft.pool import NGramPool
+from ladechat.engine.draft.recycle import SuccessorTable
+from ladechat.engine.draft.store import AnswerStore
+from ladechat.engine.draft.suffix import SuffixIndex
+from ladechat.engine.draft.tree import Acceptance, DraftTree, worth_feeding
+from ladechat.engine.draft.window import JacobiWindow
 from ladechat.engine.events import Done, OutOfMemory, Step, Tally
 from ladechat.engine.layout import StepLayout, tree_layout
-from ladechat.engine.ngram_pool import NGramPool
-from ladechat.engine.recycle import SuccessorTable
 from ladechat.engine.runner import DynamicRunner, max_step_size, top_k
 from ladechat.engine.sampling import TokenPicker
 from ladechat.engine.step_cost import CostModel
 from ladechat.engine.stopping import StopRule
-from ladechat.engine.store import AnswerStore
-from ladechat.engine.suffix import SuffixIndex
 from ladechat.engine.verify import batched_pick, verify
-from ladechat.engine.window import JacobiWindow
 
 # Window columns ride along only where the cost curve says they are (nearly) free: at most 1% more
 # step cost, as on a flat curve. On a CPU (each extra row +2-5%) that is practically never, and

@@ -1,6 +1,6 @@
 """The typed events of an answer, and how its stream can fail.
 
-The engine (decode.generate) streams Step events (token ids), then one Done. A backend (bot.py:
+The engine (decode.generate) streams Step events (token ids), then one Done. A backend (backends/:
 a model in this process, or one behind a server) streams what every front end consumes, the same
 whichever answers: Notices, Pieces (the answer's text, each step's on its last piece), then one
 Done; or it raises OutOfMemory or a RemoteError midway.

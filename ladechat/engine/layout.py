@@ -31,7 +31,7 @@ column j and the column-j tokens of levels 1..l; a candidate token sees t and it
 branch sees another. Window row of (level l, column j) is l*W + j; candidate rows follow.
 A step reads the logits of every row: row 0 and the candidate rows for verification (the model's
 next token, and the bonus token after the last matched one), the window's last level for its new
-guesses, and every row's top-k for the recycled successor table (recycle.py).
+guesses, and every row's top-k for the recycled successor table (draft/recycle.py).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ladechat.engine.draft import Node
+from ladechat.engine.draft.tree import Node
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Lookahead pays off only when the tokens a step accepts outweigh what the extra rows cost, and on a
 CPU that cost curve is far from flat and differs between machines and weight layouts (the embedded
 model in fp32 on a 2-core EPYC, 192 cached tokens: with the weights as transformers loads them 1
-token ~58 ms, 2-8 tokens 86-120 ms; packed for oneDNN (packing.py) 43-47 ms up to 8 tokens, 57 at
+token ~58 ms, 2-8 tokens 86-120 ms; packed for oneDNN (model/packing.py) 43-47 ms up to 8 tokens, 57 at
 16). The curve is measured once per model, device, dtype and weight layout (a second or two) and
 cached, so the decoder can size its steps from it.
 """
@@ -19,11 +19,13 @@ from pathlib import Path
 
 import torch
 
-from ladechat.engine import attention, int4, kv, layout, packing
+from ladechat.engine import kv, layout
 from ladechat.engine import runner as runners
-from ladechat.engine.gguf import cache_root, source_digest
 from ladechat.engine.layout import StepLayout, build_layout
+from ladechat.engine.model import attention, int4, packing
+from ladechat.engine.model.gguf import source_digest
 from ladechat.engine.runner import DynamicRunner, top_k
+from ladechat.paths import cache_root
 
 SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 CONTEXTS = (192, 1536)  # cached tokens: a fresh question, and a conversation a few turns in

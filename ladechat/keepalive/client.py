@@ -26,7 +26,8 @@ from pathlib import Path
 
 import httpx
 
-from ladechat.bot import RemoteError, ServerFailure
+from ladechat.backends.base import RemoteError, ServerFailure
+from ladechat.backends.remote import Endpoint, RemoteBot
 from ladechat.engine.config import ConfigError
 from ladechat.engine.events import Notice
 from ladechat.keepalive.runtime import (
@@ -42,7 +43,6 @@ from ladechat.keepalive.runtime import (
     remove_files,
     try_lock,
 )
-from ladechat.remote import Endpoint, RemoteBot
 
 BASE = "http://ladechat-warm"  # the host is a label: the transport goes to the socket
 URL = BASE + "/v1"

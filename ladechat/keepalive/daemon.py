@@ -2,7 +2,7 @@
 
 It loads the model as `ladechat serve` does (cli._chat_bot), tells the command that started it how
 the load goes through a pipe (`phase TEXT`, `notice TEXT`, then `ready` or `error TEXT`), then
-serves server.Api's app on its Unix socket, in its own session (a terminal's Ctrl-C or hang-up
+serves serve.app.Api's app on its Unix socket, in its own session (a terminal's Ctrl-C or hang-up
 never reaches it) with the folder / as its working directory. It holds its key's lock for its
 whole life, so a dead server's files are known for what they are. It stops:
 
@@ -12,7 +12,7 @@ whole life, so a dead server's files are known for what they are. It stops:
                    clients say so and keep the question)
     POST /warm/stop {"wait": true}   (a command of another ladechat version replaces it) gives up
                    its socket and lock at once, and gives the answers in progress 30 s to finish
-    SIGTERM        answers in progress get 30 s (server.Api.drain), then end with an error event
+    SIGTERM        answers in progress get 30 s (serve.app.Api.drain), then end with an error event
 
 Routes besides the API's: GET /warm/info (what `ladechat ps` shows, and the build a command
 compares with its own), POST /warm/store/clear (the chat's /store clear, on the model thread).
@@ -99,11 +99,11 @@ def resident_bytes() -> int:
 
 
 def make_api(bot, settings):
-    from ladechat.detok import Detokenizer
-    from ladechat.server import Api, ServeConfig
+    from ladechat.backends.detok import Detokenizer
+    from ladechat.serve.app import Api, ServeConfig
 
     class WarmApi(Api):
-        """server.Api whose settings for a request take the store and template that request gave
+        """serve.app.Api whose settings for a request take the store and template that request gave
         (put in its scope's state by Daemon), and whose streams keep the stop string that ended an
         answer, as the chat and `ask` show it when they answer in-process."""
 

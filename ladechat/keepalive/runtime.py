@@ -29,6 +29,7 @@ from pathlib import Path
 
 from ladechat import __version__
 from ladechat.errors import UserError
+from ladechat.paths import cache_root
 
 FOREVER = -1.0  # --keep-alive -1 (any negative duration)
 SOCKET_PATH_MAX = 103 if sys.platform == "darwin" else 107  # sun_path less its NUL byte
@@ -88,8 +89,7 @@ def runtime_root(environ: Mapping[str, str]) -> Path:
             return run_user / "ladechat"
     except OSError:
         pass
-    cache = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "ladechat" / "run"
+    return cache_root(environ) / "run"
 
 
 def private_folder(path: Path) -> Path:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import sys
 from collections import defaultdict
@@ -12,19 +11,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from ladechat.bot import Backend
+from ladechat.backends.base import Backend
+from ladechat.backends.pending import LoadFailed, PendingBot
 from ladechat.conversation import Conversation, ConversationError
 from ladechat.engine.events import Done, Stats
 from ladechat.errors import UserError
-from ladechat.pending import LoadFailed, PendingBot
+from ladechat.paths import state_root
 from ladechat.settings import Settings, group, key, keys
 from ladechat.ui import commands
 from ladechat.ui.stream import StreamPrinter, debug_panel, failure, footer
-
-
-def state_dir() -> Path:
-    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return Path(base) / "ladechat"
 
 
 class Totals:
@@ -85,7 +80,7 @@ class ChatApp:
         except KeyboardInterrupt:
             events.close()  # the session is consistent between events
         except Exception as exc:
-            # First the backend's own failures (out of memory, a server gone or failing: bot.RemoteError
+            # First the backend's own failures (out of memory, a server gone or failing: backends.base.RemoteError
             # is a UserError too), then the user's (e.g. the question alone does not fit the context).
             failed = failure(exc)
             if failed is None:
@@ -273,7 +268,7 @@ def _prompt_session():
     from prompt_toolkit.history import FileHistory
     from prompt_toolkit.key_binding import KeyBindings
 
-    folder = state_dir()
+    folder = state_root()
     folder.mkdir(parents=True, exist_ok=True)
     bindings = KeyBindings()
 

@@ -34,7 +34,7 @@ def bench_tables(results: dict) -> list[Table]:
 
 
 def _layout_caption(results: dict) -> str | None:
-    """Which weight layout each method ran on, when ladechat's were packed (engine/packing.py)."""
+    """Which weight layout each method ran on, when ladechat's were packed (engine/model/packing.py)."""
     if not results.get("packed_weights"):
         return None
     caption = ("hf and HF's prompt lookup run the weights as transformers loads them; ladechat's methods "

@@ -13,7 +13,7 @@ from rich.markup import escape
 from rich.segment import ControlType
 from rich.text import Text
 
-from ladechat.bot import RemoteError
+from ladechat.backends.base import RemoteError
 from ladechat.engine.events import Notice, OutOfMemory, Piece, Stats, Step
 
 GUESSED_STYLE = "bold cyan"

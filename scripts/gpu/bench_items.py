@@ -1,5 +1,5 @@
 """`ladechat bench ARGS...` that appends one JSON line per item to $LADECHAT_GPU_RESULTS as each item
-finishes (ladechat.bench.run's on_item), each with the fields of $LADECHAT_GPU_STAMP (call, step,
+finishes (ladechat.bench.prompts.run's on_item), each with the fields of $LADECHAT_GPU_STAMP (call, step,
 GPU), so a bench stopped at its limit keeps every item it finished. The summary still goes to
 stdout at the end. Used by scripts/gpu/stage.py."""
 
@@ -7,7 +7,8 @@ import json
 import os
 import sys
 
-from ladechat import bench, cli
+from ladechat import cli
+from ladechat.bench import prompts as bench
 
 
 def main() -> None:
@@ -19,7 +20,7 @@ def main() -> None:
             fh.write(json.dumps({**stamp, **record}) + "\n")
 
     run = bench.run
-    bench.run = lambda *args, **kwargs: run(*args, on_item=on_item, **kwargs)  # cli.bench calls bench.run
+    bench.run = lambda *args, **kwargs: run(*args, on_item=on_item, **kwargs)  # cli.bench calls prompts.run
     cli.main(["bench", *sys.argv[1:]])
 
 

@@ -89,7 +89,7 @@ class Call:
 
 
 def step_cost(shape: str, *extra: str) -> list[str]:
-    return ["bench", "--step-cost", "--shape", shape, "--device", "cuda", "--dtype", "float16", *extra, "--json"]
+    return ["bench", "step-cost", "--shape", shape, "--device", "cuda", "--dtype", "float16", *extra, "--json"]
 
 
 # In the order of what each device-minute buys: the 7B step's cost (the CUDA defaults, the full-step
@@ -280,7 +280,7 @@ def dry(args: list[str]) -> list[str]:
             arg = swap[out[-1]]
         out.append(arg)
     model = os.environ.get("LADECHAT_GPU_DRY_MODEL")  # a tiny model folder instead of the embedded one
-    if "--step-cost" in args:
+    if args[:2] == ["bench", "step-cost"]:
         out += ["--reps", "1", "--context", "32"]
     elif model:
         out += ["--model", model]
@@ -394,7 +394,7 @@ def check_imports(run: Run, step: Step) -> int:
 
 FIND_MODEL = r"""
 import json, os
-from ladechat.engine.gguf import embedded_gguf, ensure_converted
+from ladechat.engine.model.gguf import embedded_gguf, ensure_converted
 found = {"embedded_gguf": str(embedded_gguf())}
 if os.environ.get("LADECHAT_GPU_DRY_RUN") != "1":  # converting takes minutes on a busy 2-core CPU
     found["converted"] = str(ensure_converted(embedded_gguf()))

@@ -199,7 +199,7 @@ def cache_path(folder: Path) -> Path:
     """The file of a converted GGUF's 4-bit weights in the kernel's layout, which depends on the
     torch version and the CPU's vector width (AVX2, AVX-512), and named for this module's code too
     (a change to how blocks are read is read afresh)."""
-    from ladechat.engine.gguf import source_digest
+    from ladechat.engine.model.gguf import source_digest
 
     capability = torch.backends.cpu.get_cpu_capability().lower()
     return Path(folder) / f"{CACHE_PREFIX}{source_digest(__file__)}-{torch.__version__}-{capability}.safetensors"
@@ -339,7 +339,7 @@ def _replace(model, get: Callable[[str], torch.Tensor], kinds: dict[str, str], n
 def weight_layout(model) -> str:
     """Which kernels the model's Linear weights run on, e.g. 'int4:210,packed:1' (a key of the
     step-cost cache: each layout has its own cost curve)."""
-    from ladechat.engine.packing import PackedLinear
+    from ladechat.engine.model.packing import PackedLinear
 
     counts = {"int4": 0, "packed": 0, "dense": 0}
     for module in model.modules():
@@ -355,7 +355,7 @@ def weight_layout(model) -> str:
 def describe(model) -> str:
     """The Linear weights and their kernels in words (for the banner, /show and --debug); empty for
     a model whose Linear modules are all as transformers loads them."""
-    from ladechat.engine.packing import PackedLinear
+    from ladechat.engine.model.packing import PackedLinear
 
     int4 = [m for m in model.modules() if type(m) is Int4Linear]
     packed = [m for m in model.modules() if type(m) is PackedLinear]

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import torch
 
-from ladechat.engine import gguf, int4, packing
-from ladechat.engine.attention import use_grouped_sdpa
-from ladechat.engine.gguf import ModelNotFound
+from ladechat.engine.model import gguf, int4, packing
+from ladechat.engine.model.attention import use_grouped_sdpa
+from ladechat.engine.model.gguf import ModelNotFound
 from ladechat.errors import UserError
+from ladechat.paths import cache_root
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -43,7 +44,7 @@ class LoadSpec:
     device_map: str | None = None
     max_memory: tuple[tuple[str, str], ...] = ()  # (device, size) pairs for device_map, e.g. ("cpu", "8GiB")
     # Linear weights in oneDNN's packed layout where measured to pay (x86-64 CPUs, fp32/bf16;
-    # engine/packing.py). Off for --compile, whose graphs take the model's own Linear modules:
+    # engine/model/packing.py). Off for --compile, whose graphs take the model's own Linear modules:
     # then every Linear stays as loaded, whatever `weights` says.
     pack_weights: bool = True
     weights: str = "auto"  # one of WEIGHTS
@@ -153,7 +154,7 @@ def placement(spec: LoadSpec, device: torch.device) -> dict:
         if spec.max_memory:
             # Layers that fit nowhere are offloaded to disk, into a folder of ours.
             kwargs["max_memory"] = {int(d) if d.isdigit() else d: size for d, size in spec.max_memory}
-            kwargs["offload_folder"] = str(gguf.cache_root() / "offload")
+            kwargs["offload_folder"] = str(cache_root() / "offload")
         return kwargs
     if spec.load_in_4bit or spec.load_in_8bit or device.type != "cpu":
         return {"device_map": {"": str(device)}}
@@ -380,12 +381,13 @@ def honours_tree_mask(model, folder: str | None, attn: str) -> bool:
 
     import transformers
 
-    from ladechat.engine import attention, layout
+    from ladechat.engine import layout
+    from ladechat.engine.model import attention
 
     files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in Path(folder).iterdir() if f.is_file())
     key = json.dumps(["v1", str(Path(folder).resolve()), files, str(model.dtype), model.device.type, attn,
                       torch.__version__, transformers.__version__, gguf.source_digest(attention.__file__, layout.__file__)])
-    path = gguf.cache_root() / "mask-probe" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    path = cache_root() / "mask-probe" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     if path.is_file():
         return True
     if not mask_probe(model):

@@ -13,11 +13,11 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from ladechat.bot import Bot
+from ladechat.backends.local import Bot
+from ladechat.backends.remote import RemoteBot
 from ladechat.conversation import Conversation
 from ladechat.engine.events import Done
 from ladechat.errors import UserError
-from ladechat.remote import RemoteBot
 from ladechat.settings import Settings
 
 

@@ -23,7 +23,7 @@ class LoadFailed(BaseException):
 
 
 class PendingBot:
-    """A Backend (ladechat.bot) that becomes `load(progress)`'s once that returns. `label` names the
+    """A Backend (base.py) that becomes `load(progress)`'s once that returns. `label` names the
     model until then; `err` shows the spinner while something waits for the load."""
 
     stats_reported = True  # it is a local Bot

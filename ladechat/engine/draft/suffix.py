@@ -6,7 +6,7 @@ occur before, and how long is each match? For each key length m in KEY_LENS, lon
 places that follow an m-token key equal to the tail's last m tokens are looked up (the most recent
 SCAN of them), then each match is measured backwards token by token (up to MAX_MATCH) so hits can
 be ranked by how much context they share with now, then by recency. The tokens after a hit are a
-draft; draft.py counts the hits into a trie, so a continuation that several hits agree on ranks
+draft; tree.py counts the hits into a trie, so a continuation that several hits agree on ranks
 above one seen once (frequency), and the most recent breaks ties.
 
 Layout: `text` is a growable int32 array. Keys of text[:indexed] are kept sorted per key length

@@ -543,7 +543,7 @@ def usage(stats) -> dict:
 
 
 class Api:
-    """The routes, around one backend (bot.Backend) that answers. tokenizer and context_length: its
+    """The routes, around one backend (backends.base.Backend) that answers. tokenizer and context_length: its
     model's, with which prompts are judged before they reach it (config: ServeConfig; base: the
     settings requests start from)."""
 

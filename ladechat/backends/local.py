@@ -1,57 +1,21 @@
-"""A loaded model plus its decoding session: turns a Conversation into a stream of events."""
+"""The local backend: a model loaded in this process and its decoding session (engine/), which
+turns a Conversation into the events every front end consumes (its Steps become Pieces)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from ladechat.conversation import Conversation, dropped_notice, prompt_budget
 from ladechat.engine.config import ConfigError
 from ladechat.engine.events import Done, Notice, Piece
-from ladechat.errors import UserError
 from ladechat.settings import Settings
 
-# The protocol and its errors are imported by front ends that run no model (`--api`): torch and
-# transformers are imported only where a Bot is built.
+# torch and transformers are imported only where a Bot is built.
 if TYPE_CHECKING:
-    from ladechat.engine.loading import LoadedModel
-
-
-class Backend(Protocol):
-    """Whatever answers the chat, `ask` and `serve`: a Bot (a model in this process), a
-    pending.PendingBot (one still loading) or a remote.RemoteBot (a model behind an OpenAI-compatible
-    server). Data and answers only: how they are shown (the printer, the footer, the message of a
-    failure) is the front end's choice. Every one streams the same events (engine/events.py)."""
-
-    settings: Settings
-    compiled: bool  # configure() then needs warm_up() (compiles)
-    name: str  # the model, as /save records it
-    stats_reported: bool  # Done carries real decoding statistics (steps, lookahead): /stats, /debug
-    ready: bool  # it answers without waiting (a pending.PendingBot is False while its model loads)
-    host: str | None  # the server that answers (host:port), None for a model in this process
-
-    def describe(self) -> str: ...  # the model and where it runs, for the banner and /show
-    def configure(self, settings: Settings) -> None: ...  # ConfigError for what it cannot do
-    def warm_up(self) -> None: ...
-    def clear_store(self) -> int: ...  # forget the model's past answers; how many
-    def reply(self, conversation: Conversation) -> Iterator[Notice | Piece | Done]: ...  # may raise
-    # OutOfMemory or a RemoteError midway
-
-
-class RemoteError(UserError):
-    """The server cannot be used or failed; the message is one line. retry: the same request may
-    be answered later (the chat then keeps the question for /retry)."""
-
-    retry = False
-
-
-class ServerFailure(RemoteError):
-    """The server is gone (unreachable, the connection broke) or failed the answer (an error event,
-    a 5xx status, a stream that ended unfinished): asked again once it is back, it may answer."""
-
-    retry = True
+    from ladechat.engine.model.loading import LoadedModel
 
 
 class Bot:
@@ -80,7 +44,7 @@ class Bot:
             self.session = Session(loaded.model, la, step_cost=step_cost or loaded.cost_model(), store=store)
 
     def _open_store(self):
-        from ladechat.engine.store import AnswerStore, StoreError, store_path
+        from ladechat.engine.draft.store import AnswerStore, StoreError, store_path
 
         vocab = self.loaded.model.config.get_text_config().vocab_size
         if self.store_root is None:
@@ -120,7 +84,7 @@ class Bot:
 
     def clear_store(self) -> int:
         """Forget every answer this model's store holds (on disk too). Returns how many."""
-        from ladechat.engine.store import clear_stores
+        from ladechat.engine.draft.store import clear_stores
 
         store = self.session.store
         forgotten = store.answers if store is not None else 0
@@ -154,7 +118,7 @@ class Bot:
         if grown is not None:  # generate() grows it before its first step: say why that step waits
             yield Notice(f"growing the KV cache to {grown} tokens for this turn"
                          + ("; compiling its steps (once per length)" if self.compiled else ""))
-        from ladechat.detok import StepText
+        from ladechat.backends.detok import StepText
         from ladechat.engine.decode import generate
 
         tokenizer = self.loaded.tokenizer

@@ -1,6 +1,6 @@
 """`--api URL`: the chat and `ask` as clients of an OpenAI-compatible server.
 
-RemoteBot answers like a local Bot (bot.Backend), as the same event stream: the server's text
+RemoteBot answers like a local Bot (base.Backend), as the same event stream: the server's text
 comes as Pieces (with ladechat serve: the parts accepted in parallel marked, and each step's
 tokens), then one Done. Against ladechat serve its Stats are the server's; against any other
 server (vLLM, TGI, llama.cpp, ollama, TensorRT-LLM, ...) they hold what that server reported
@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from ladechat.bot import RemoteError, ServerFailure
+from ladechat.backends.base import RemoteError, ServerFailure
 from ladechat.conversation import Conversation, ConversationError, dropped_notice
 from ladechat.engine.config import ConfigError, LookaheadConfig
 from ladechat.engine.events import Done, Notice, Piece, Stats, Step, Tally, pieces

@@ -4,7 +4,7 @@ N-1 levels of W guesses for the positions after the step's input t. Every step t
 window recomputes its columns: each level moves down one and the last level takes the model's
 new guesses (argmax of its rows), so a column's guesses converge towards what the model would
 say. Once each level has been recomputed, a column's levels and its new guess form an n-gram,
-which goes into the pool (ngram_pool.py); the pool's n-grams are what the window contributes to
+which goes into the pool (pool.py); the pool's n-grams are what the window contributes to
 the draft tree. A step may carry only the first columns (the planner decides how many); the
 others keep their guesses.
 """
@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from ladechat.engine.ngram_pool import NGramPool
+from ladechat.engine.draft.pool import NGramPool
 
 
 class JacobiWindow:

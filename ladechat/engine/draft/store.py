@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ladechat.engine.suffix import SEP, SuffixIndex
+from ladechat.engine.draft.suffix import SEP, SuffixIndex
 from ladechat.errors import UserError
 
 MAX_TOKENS = 1 << 18  # ~1000 answers of 256 tokens; 1 MB on disk, ~8 MB of index in memory

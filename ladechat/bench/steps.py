@@ -17,10 +17,10 @@ import time
 
 import torch
 
-from ladechat.engine import packing
-from ladechat.engine.attention import use_grouped_sdpa
 from ladechat.engine.config import LookaheadConfig
 from ladechat.engine.layout import build_layout
+from ladechat.engine.model import packing
+from ladechat.engine.model.attention import use_grouped_sdpa
 from ladechat.engine.runner import CompiledForward, DynamicRunner, StaticRunner
 from ladechat.engine.step_cost import prefill_random, time_step
 from ladechat.errors import UserError

@@ -1,0 +1,3 @@
+"""The backends the front ends answer through (base.Backend): a model in this process (local),
+one still loading (pending), one behind an OpenAI-compatible server (remote); detok turns a local
+model's token ids into the text they all stream."""

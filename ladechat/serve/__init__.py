@@ -1,0 +1,1 @@
+"""`ladechat serve`: the OpenAI-compatible HTTP API over any backend (app.py)."""
