@@ -442,9 +442,10 @@ def serve(ctx: typer.Context, host: Annotated[str, typer.Option("--host", help="
           store: Store = LOOKAHEAD.store, weights: Weights = "auto") -> None:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions), with lookahead decoding."""
     from ladechat.serve import app as server
+    from ladechat.serve.guard import allowed_hosts, is_loopback, normal_origin
 
     err = stderr_console()
-    if not server.is_loopback(host) and not api_key:
+    if not is_loopback(host) and not api_key:
         raise Fail(f"--host {host} can be reached from other machines: give --api-key (or set LADECHAT_API_KEY)")
     if max_queue < 0:
         raise Fail(f"--max-queue must be >= 0, got {max_queue}")
@@ -453,7 +454,7 @@ def serve(ctx: typer.Context, host: Annotated[str, typer.Option("--host", help="
     if not drain_timeout >= 0 or drain_timeout == float("inf"):
         raise Fail(f"--drain-timeout must be a finite number of seconds >= 0, got {drain_timeout}")
     try:
-        origins = frozenset(server.normal_origin(o) for o in allow_origin or [])
+        origins = frozenset(normal_origin(o) for o in allow_origin or [])
     except ValueError as exc:
         raise Fail(f"--allow-origin: {exc}") from None
     given = _setting_flags(ctx.params)
@@ -468,7 +469,7 @@ def serve(ctx: typer.Context, host: Annotated[str, typer.Option("--host", help="
     model_id = served_model_name or model or bot.name.split(" (")[0]
     bound_host, bound_port = sock.getsockname()[:2]
     config = server.ServeConfig(model_id=model_id, api_key=api_key, max_queue=max_queue,
-                                hosts=server.allowed_hosts(host, bound_host), origins=origins,
+                                hosts=allowed_hosts(host, bound_host), origins=origins,
                                 drain_timeout=drain_timeout)
     api = server.Api(bot, bot.loaded.tokenizer, bot.loaded.context_length, settings, config,
                      log=lambda line: err.print(line, markup=False, highlight=False, soft_wrap=True))
