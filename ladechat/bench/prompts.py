@@ -87,7 +87,7 @@ def load_items(name: str, limit: int | None) -> list[dict]:
 
 
 @dataclass
-class Tally:
+class MethodTally:
     tokens: int = 0
     seconds: float = 0.0
     steps: int = 0
@@ -99,6 +99,28 @@ class Tally:
 
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
+
+    def add_item(self, answer: list[int], seconds: float, steps: int | None, by_depth: list[int], identical: bool,
+                 identical_to_hf: bool) -> None:
+        self.tokens += len(answer)
+        self.seconds += seconds
+        self.steps += steps or 0
+        self.items += 1
+        self.identical += int(identical)
+        self.identical_to_hf += int(identical_to_hf)
+        self.per_item.append((len(answer), seconds))
+        self.by_depth = _add(self.by_depth, by_depth)
+
+    def add_summary(self, d: dict) -> None:
+        """A prompt set's summary (_summary), for the totals over every set."""
+        self.tokens += d["tokens"]
+        self.seconds += d["seconds"]
+        self.steps += d["steps"]
+        self.items += d["items"]
+        self.identical += d["identical_items"]
+        self.identical_to_hf += d["identical_to_hf_items"]
+        self.per_item += d["per_item"]
+        self.by_depth = _add(self.by_depth, d["accepted_by_depth"])
 
 
 def _hf_answer(model, ids: list[int], sampling: SamplingConfig, eos: list[int], lookup: int
@@ -253,51 +275,47 @@ def run(loaded, datasets: list[str], methods: list[str], settings: Settings, lim
         results["warm_answers"] = _warm_stores(loaded, stores, warm_items,
                                                [i for items in measured.values() for i in items], la, template,
                                                step_cost)
+    def answer(item: dict, method: str):
+        return run_item(loaded, item, method, la, sampling, template, step_cost, runners.get(method),
+                        stores.get(method), layouts)
+
     for name in datasets:
-        items = measured[name]
-        tallies = {m: Tally() for m in methods}
-        for i, item in enumerate(items):
-            answers: dict[str, list[int]] = {}
-            per_method: dict[str, dict] = {}
-            for m in methods:
-                answer, seconds, steps, by_depth = run_item(loaded, item, m, la, sampling, template, step_cost,
-                                                            runners.get(m), stores.get(m), layouts)
-                answers[m] = answer
-                reference = answers.get("hf-packed" if packed and m in ours else "hf")
-                t = tallies[m]
-                t.tokens += len(answer)
-                t.seconds += seconds
-                t.steps += steps or 0
-                t.items += 1
-                t.identical += int(sampling.greedy and answer == reference)
-                t.identical_to_hf += int(sampling.greedy and answer == answers["hf"])
-                t.per_item.append((len(answer), seconds))
-                t.by_depth = _add(t.by_depth, by_depth)
-                per_method[m] = {"tokens": len(answer), "seconds": seconds, "steps": steps,
-                                 "identical": sampling.greedy and answer == reference,
-                                 "identical_to_hf": sampling.greedy and answer == answers["hf"]}
-            if on_item:
-                on_item({"dataset": name, "item": i, "turns": len(item["turns"]), "methods": per_method})
-            if progress:
-                progress(name, i + 1, len(items))
-        results["datasets"][name] = {m: _summary(t, tallies["hf"]) for m, t in tallies.items()}
-    total = {m: Tally() for m in methods}
+        results["datasets"][name] = _run_set(name, measured[name], methods, answer, sampling.greedy,
+                                             lambda m: "hf-packed" if packed and m in ours else "hf", on_item,
+                                             progress)
+    total = {m: MethodTally() for m in methods}
     for name in datasets:
         for m in methods:
-            d = results["datasets"][name][m]
-            total[m].tokens += d["tokens"]
-            total[m].seconds += d["seconds"]
-            total[m].steps += d["steps"]
-            total[m].items += d["items"]
-            total[m].identical += d["identical_items"]
-            total[m].identical_to_hf += d["identical_to_hf_items"]
-            total[m].per_item += d["per_item"]
-            total[m].by_depth = _add(total[m].by_depth, d["accepted_by_depth"])
+            total[m].add_summary(results["datasets"][name][m])
     results["overall"] = {m: _summary(t, total["hf"]) for m, t in total.items()}
     return results
 
 
-def _summary(t: Tally, hf: Tally) -> dict:
+def _run_set(name: str, items: list[dict], methods: list[str], answer, greedy: bool, reference, on_item,
+             progress) -> dict:
+    """One prompt set: each item answered by every method in turn (answer(item, method)), each
+    answer compared with its reference method's (reference(method)) and hf's; per method, its
+    summary against hf."""
+    tallies = {m: MethodTally() for m in methods}
+    for i, item in enumerate(items):
+        answers: dict[str, list[int]] = {}
+        per_method: dict[str, dict] = {}
+        for m in methods:
+            ids, seconds, steps, by_depth = answer(item, m)
+            answers[m] = ids
+            identical = greedy and ids == answers.get(reference(m))
+            identical_to_hf = greedy and ids == answers["hf"]
+            tallies[m].add_item(ids, seconds, steps, by_depth, identical, identical_to_hf)
+            per_method[m] = {"tokens": len(ids), "seconds": seconds, "steps": steps, "identical": identical,
+                             "identical_to_hf": identical_to_hf}
+        if on_item:
+            on_item({"dataset": name, "item": i, "turns": len(item["turns"]), "methods": per_method})
+        if progress:
+            progress(name, i + 1, len(items))
+    return {m: _summary(t, tallies["hf"]) for m, t in tallies.items()}
+
+
+def _summary(t: MethodTally, hf: MethodTally) -> dict:
     base = hf.tokens_per_s()
     ratios = [(tok / sec) / (hf_tok / hf_sec) for (tok, sec), (hf_tok, hf_sec) in zip(t.per_item, hf.per_item)
               if tok and sec and hf_tok and hf_sec]

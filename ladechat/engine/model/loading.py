@@ -195,9 +195,45 @@ def check_weights(spec: LoadSpec) -> None:
 
 
 def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | None = None) -> LoadedModel:
-    from huggingface_hub.errors import StrictDataclassError
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    """The model `spec` names, with its tokenizer, prepared for lookahead (its Linear weights' layout,
+    the attention function, a checked tree mask); progress(message) is shown during slow phases.
+    LoadError (or ModelNotFound) with one line for whatever the user can fix."""
+    device, dtype = _checked(spec)
+    notices: list[str] = []
+    attn = _attention(spec.attn, notices)
+    source, name, gguf_file = _source(spec.model, progress)
+    if spec.weights == "int4" and gguf_file is None:
+        raise LoadError(f"--weights int4 runs a .gguf file's 4-bit (Q4_0, Q4_1, Q4_K) blocks; {name} is not a GGUF file")
+    kwargs: dict = {"dtype": dtype, "attn_implementation": attn, **_quantization(spec, dtype, notices)}
+    if spec.max_memory and not spec.device_map:
+        raise LoadError("--max-memory needs --device-map (e.g. --device-map auto)")
+    kwargs.update(placement(spec, device))
+    tokenizer, model = _read(spec.model or source, source, name, device, kwargs)
+    # Linear layouts (int4, packing) not with quantized weights (bitsandbytes, or a checkpoint's own
+    # quantization_config) or a device map: accelerate's hooks sit on the modules they replace.
+    quantized = "quantization_config" in kwargs or getattr(model, "hf_quantizer", None) is not None
+    layouts = spec.pack_weights and "device_map" not in kwargs and not quantized
+    # 4-bit blocks first: the dense copies of those weights are then never read (they stay
+    # unread pages of the converted file), and the mask probe below runs on what will answer.
+    if layouts and spec.weights in ("auto", "int4") and gguf_file is not None and int4.supported(device):
+        applied = int4.apply(model, gguf_file, Path(source), progress)
+        notices.extend(applied.notices)
+        if spec.weights == "int4" and not applied.replaced:
+            notices.append(f"{name} has no 4-bit (Q4_0, Q4_1, Q4_K) Linear weights the int4 kernel takes; "
+                           "running them as --weights packed")
+    if attn == "sdpa":
+        use_grouped_sdpa(model)  # lookahead's masked steps without a copy of the cache per query head
+    _check_tree_mask(model, name, attn, source if Path(source).is_dir() else None, notices)
+    # pack() itself leaves weights on devices and in dtypes it does not pack.
+    if layouts and spec.weights != "dense":
+        packing.pack(model)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, device=model.device, dtype=model.dtype,
+                       eos_ids=eos_ids(model, tokenizer), context_length=context_length(model.config),
+                       notices=tuple(notices), weights=int4.describe(model))
 
+
+def _checked(spec: LoadSpec) -> tuple[torch.device, torch.dtype]:
+    """The device and dtype `spec` asks for, once its options are known to go together."""
     if spec.attn not in ATTENTION:
         raise LoadError(f"unknown --attn {spec.attn!r} (choose sdpa, eager, flash)")
     if spec.load_in_4bit and spec.load_in_8bit:
@@ -211,39 +247,47 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
     if spec.weights == "packed" and not packing.supported(device, dtype):
         raise LoadError(f"--weights packed needs an x86-64 CPU with oneDNN (bf16: with native bf16), "
                         f"not {device} in {str(dtype).removeprefix('torch.')}; use --weights auto")
-    notices: list[str] = []
-    attn = spec.attn
-    if attn == "flash":
-        # The lookahead step needs an arbitrary 4D mask, which flash-attn kernels cannot take.
-        if importlib.util.find_spec("flash_attn") is None:
-            notices.append("flash-attn is not installed (pip install 'ladechat[flash]'); using sdpa")
-        else:
-            notices.append("flash-attn cannot take the lookahead step's tree mask; using sdpa for every step")
-        attn = "sdpa"
-    source, name, gguf_file = _source(spec.model, progress)
-    if spec.weights == "int4" and gguf_file is None:
-        raise LoadError(f"--weights int4 runs a .gguf file's 4-bit (Q4_0, Q4_1, Q4_K) blocks; {name} is not a GGUF file")
-    kwargs: dict = {"dtype": dtype, "attn_implementation": attn}
-    if spec.load_in_4bit or spec.load_in_8bit:
-        flag = "--load-in-4bit" if spec.load_in_4bit else "--load-in-8bit"
-        try:
-            import bitsandbytes  # noqa: F401
-        except ImportError as exc:
-            raise LoadError(f"{flag} needs bitsandbytes, which is not installed or does not import ({exc}): "
-                            "pip install 'ladechat[quant]'") from None
-        from transformers import BitsAndBytesConfig
+    return device, dtype
 
-        if spec.load_in_8bit:
-            notices.append("8-bit weights (LLM.int8) compute each row of a step in ways that depend on the other "
-                           "rows, so lookahead answers can differ from plain decoding after a near-tie; "
-                           "--load-in-4bit keeps them identical")
 
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=spec.load_in_4bit, load_in_8bit=spec.load_in_8bit,
-            bnb_4bit_compute_dtype=dtype if spec.load_in_4bit else None)
-    if spec.max_memory and not spec.device_map:
-        raise LoadError("--max-memory needs --device-map (e.g. --device-map auto)")
-    kwargs.update(placement(spec, device))
+def _attention(attn: str, notices: list[str]) -> str:
+    """The attention implementation to load with: flash's kernels cannot take the lookahead step's
+    arbitrary 4D mask, so it is sdpa then (with a notice)."""
+    if attn != "flash":
+        return attn
+    if importlib.util.find_spec("flash_attn") is None:
+        notices.append("flash-attn is not installed (pip install 'ladechat[flash]'); using sdpa")
+    else:
+        notices.append("flash-attn cannot take the lookahead step's tree mask; using sdpa for every step")
+    return "sdpa"
+
+
+def _quantization(spec: LoadSpec, dtype: torch.dtype, notices: list[str]) -> dict:
+    """from_pretrained's quantization_config for --load-in-4bit / --load-in-8bit ({} for neither)."""
+    if not (spec.load_in_4bit or spec.load_in_8bit):
+        return {}
+    flag = "--load-in-4bit" if spec.load_in_4bit else "--load-in-8bit"
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as exc:
+        raise LoadError(f"{flag} needs bitsandbytes, which is not installed or does not import ({exc}): "
+                        "pip install 'ladechat[quant]'") from None
+    from transformers import BitsAndBytesConfig
+
+    if spec.load_in_8bit:
+        notices.append("8-bit weights (LLM.int8) compute each row of a step in ways that depend on the other "
+                       "rows, so lookahead answers can differ from plain decoding after a near-tie; "
+                       "--load-in-4bit keeps them identical")
+    return {"quantization_config": BitsAndBytesConfig(load_in_4bit=spec.load_in_4bit, load_in_8bit=spec.load_in_8bit,
+                                                      bnb_4bit_compute_dtype=dtype if spec.load_in_4bit else None)}
+
+
+def _read(asked: str, source: str, name: str, device: torch.device, kwargs: dict):
+    """(tokenizer, model in eval mode on its device) from `source` (a folder or hub id; `asked`: what
+    the user gave, for messages), loaded with from_pretrained's `kwargs`."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     local = Path(source).is_dir()
     try:
         config = AutoConfig.from_pretrained(source)
@@ -251,7 +295,7 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
         # a local folder's config.json that is not valid JSON or has a field of the wrong type
         if local:
             raise LoadError(f"cannot load model {name}: bad config.json: {_one_line(exc)}") from None
-        raise ModelNotFound(_not_found(spec.model or source, exc)) from None
+        raise ModelNotFound(_not_found(asked, exc)) from None
     if getattr(config, "is_encoder_decoder", False):
         raise LoadError(f"{name} is an encoder-decoder model; ladechat needs a decoder-only causal LM")
     if local and not any((Path(source) / f).is_file() for f in TOKENIZER_FILES):
@@ -260,14 +304,13 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError, TypeError) as exc:
         raise LoadError(f"cannot load the tokenizer of {name}: {_one_line(exc)}" if local
-                        else _not_found(spec.model or source, exc)) from None
+                        else _not_found(asked, exc)) from None
     try:
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
         if "device_map" not in kwargs:  # on the CPU, where it was loaded
             model = model.to(device)
     except (OSError, ValueError) as exc:
-        raise LoadError(_not_found(spec.model or source, exc) if not local
-                        else f"cannot load model {name}: {_one_line(exc)}") from None
+        raise LoadError(_not_found(asked, exc) if not local else f"cannot load model {name}: {_one_line(exc)}") from None
     except (torch.OutOfMemoryError, MemoryError) as exc:
         raise LoadError(_out_of_memory(name, device, exc)) from None
     except RuntimeError as exc:
@@ -277,38 +320,21 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
             raise LoadError(f"cannot load model {name}: its weights do not have the shapes its config.json "
                             "gives (a mismatched or corrupt checkpoint)") from None
         raise
-    model.eval()
-    # 4-bit blocks first: the dense copies of those weights are then never read (they stay
-    # unread pages of the converted file), and the mask probe below runs on what will answer.
-    quantized = "quantization_config" in kwargs or getattr(model, "hf_quantizer", None) is not None
-    layouts = spec.pack_weights and "device_map" not in kwargs and not quantized
-    if layouts and spec.weights in ("auto", "int4") and gguf_file is not None and int4.supported(device):
-        applied = int4.apply(model, gguf_file, Path(source), progress)
-        notices.extend(applied.notices)
-        if spec.weights == "int4" and not applied.replaced:
-            notices.append(f"{name} has no 4-bit (Q4_0, Q4_1, Q4_K) Linear weights the int4 kernel takes; "
-                           "running them as --weights packed")
-    if attn == "sdpa":
-        use_grouped_sdpa(model)  # lookahead's masked steps without a copy of the cache per query head
-    if not honours_tree_mask(model, source if local else None, model.config._attn_implementation):
-        if attn != "eager":
-            model.set_attn_implementation("eager")
-            if mask_probe(model):
-                notices.append(f"{name} ignores 4D masks under {attn}; switched to eager attention")
-            else:
-                raise LoadError(f"{name} does not honour a 4D attention mask with position ids, "
-                                "so lookahead cannot run on it")
-        else:
-            raise LoadError(f"{name} does not honour a 4D attention mask with position ids, "
-                            "so lookahead cannot run on it")
-    # Not with quantized weights (bitsandbytes, or a checkpoint's own quantization_config) or a
-    # device map: accelerate's hooks sit on the modules packing replaces.
-    # pack() itself leaves weights on devices and in dtypes it does not pack.
-    if layouts and spec.weights != "dense":
-        packing.pack(model)
-    return LoadedModel(model=model, tokenizer=tokenizer, name=name, device=model.device, dtype=model.dtype,
-                       eos_ids=eos_ids(model, tokenizer), context_length=context_length(model.config),
-                       notices=tuple(notices), weights=int4.describe(model))
+    return tokenizer, model.eval()
+
+
+def _check_tree_mask(model, name: str, attn: str, folder: str | None, notices: list[str]) -> None:
+    """LoadError unless the model honours the step's 4D mask with explicit positions, after
+    switching to eager attention (with a notice) where only that does."""
+    if honours_tree_mask(model, folder, model.config._attn_implementation):
+        return
+    if attn != "eager":
+        model.set_attn_implementation("eager")
+        if mask_probe(model):
+            notices.append(f"{name} ignores 4D masks under {attn}; switched to eager attention")
+            return
+    raise LoadError(f"{name} does not honour a 4D attention mask with position ids, "
+                    "so lookahead cannot run on it")
 
 
 def parse_max_memory(text: str) -> tuple[tuple[str, str], ...]:

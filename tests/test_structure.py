@@ -1,0 +1,106 @@
+"""The package's shape (issue #28): no import cycle inside ladechat/ (imports inside functions
+count), no function over 80 lines, at most 7 modules at the top of ladechat/ besides its packages,
+and an engine that imports nothing above it but the shared basics. Read from the source (ast),
+nothing imported."""
+
+import ast
+from pathlib import Path
+
+import ladechat
+
+PACKAGE = Path(ladechat.__file__).parent
+LONGEST = 80  # lines of one function, its signature and docstring included
+TOP_MODULES = 7  # modules at the top of ladechat/ (cli, settings, conversation, errors, paths, __init__, __main__)
+
+
+def modules() -> dict[str, ast.Module]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = ast.parse(path.read_text(encoding="utf-8"))
+    return found
+
+
+def imports(tree: ast.Module, known: set[str]) -> set[str]:
+    """The ladechat modules a module imports, anywhere in it but under `if TYPE_CHECKING:`."""
+    skipped = {id(node) for block in ast.walk(tree) if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+               for node in ast.walk(block)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ladechat"):
+            found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("ladechat")}
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    trees = modules()
+    return {name: imports(tree, set(trees)) - {name} for name, tree in trees.items()}
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in edges:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle_inside_the_package():
+    edges = graph()
+    assert len(edges) > 40 and "ladechat.engine.decode" in edges["ladechat.backends.local"]
+    assert cycles(edges) == []
+
+
+def test_no_function_is_longer_than_80_lines():
+    long = [(f"{name}.{node.name}", node.end_lineno - node.lineno + 1) for name, tree in modules().items()
+            for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > LONGEST]
+    assert long == []
+
+
+def test_the_top_of_the_package_holds_few_modules():
+    top = sorted(path.name for path in PACKAGE.glob("*.py"))
+    assert len(top) <= TOP_MODULES, top
+
+
+def test_the_engine_imports_nothing_above_it_but_the_shared_basics():
+    """Token ids in, token ids out: the engine knows no front end, backend or settings model."""
+    allowed = ("ladechat.engine", "ladechat.errors", "ladechat.paths")
+    outside = {(name, dep) for name, deps in graph().items() if name.startswith("ladechat.engine")
+               for dep in deps if not dep.startswith(allowed)}
+    assert outside == set()
