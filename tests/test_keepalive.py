@@ -323,7 +323,7 @@ def test_a_server_killed_mid_answer(warm, tmp_path):
 # -- servers of their own -----------------------------------------------------------------------
 def test_concurrent_first_asks_start_one_server_which_expires_when_idle(fresh):
     run = fresh(keep="4s")
-    procs = [run.popen("ask", "--json", "--max-new-tokens", "8", QUESTION) for _ in range(3)]
+    procs = [run.popen("ask", "--json", "--no-lookahead", "--max-new-tokens", "8", QUESTION) for _ in range(3)]
     results = [(p.wait(300), p.stdout.read(), p.stderr.read()) for p in procs]
     assert all(code == 0 for code, _, _ in results), results
     assert len({json.dumps(json.loads(out)["token_ids"]) for _, out, _ in results}) == 1
