@@ -383,11 +383,18 @@ def install2(run: Run, step: Step) -> int:
 def check_imports(run: Run, step: Step) -> int:
     """The staged imports, in a process of their own: ladechat from the checkout, transformers
     from the carried wheels (not the image's)."""
-    if run.json_step(step, [sys.executable, "-c", IMPORTS]) != 0:
+    return _staged_path(run, step, IMPORTS, "transformers_file",
+                        "imports: transformers does not come from the carried wheels")
+
+
+def _staged_path(run: Run, step: Step, code: str, key: str, complaint: str) -> int:
+    """Run `code` as the step's JSON step; 0 when its result's `key` is a path under the staged
+    site-packages, else log `complaint` and return 1."""
+    if run.json_step(step, [sys.executable, "-c", code]) != 0:
         return 1
-    imports = last_result(run, step.name)
-    if not imports or not imports["transformers_file"].startswith(str(SITE)):
-        run.log("imports: transformers does not come from the carried wheels")
+    result = last_result(run, step.name)
+    if not result or not result[key].startswith(str(SITE)):
+        run.log(complaint)
         return 1
     return 0
 
@@ -403,13 +410,8 @@ print(json.dumps(found))
 
 
 def check_model(run: Run, step: Step) -> int:
-    if run.json_step(step, [sys.executable, "-c", FIND_MODEL]) != 0:
-        return 1
-    found = last_result(run, step.name)
-    if not found or not found["embedded_gguf"].startswith(str(SITE)):
-        run.log("model: ladechat does not find the assembled GGUF first")
-        return 1
-    return 0
+    return _staged_path(run, step, FIND_MODEL, "embedded_gguf",
+                        "model: ladechat does not find the assembled GGUF first")
 
 
 def last_result(run: Run, step: str):
