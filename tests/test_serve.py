@@ -99,8 +99,15 @@ def test_stop_strings_end_the_answer_without_being_sent(client, local_answer):
     stop = local_answer["text"].split()[3]  # a word in the middle of the reference answer
     whole = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
                                            max_tokens=24, temperature=0, stop=[stop])
-    assert whole.choices[0].message.content == local_answer["text"][:local_answer["text"].index(stop)]
+    before = local_answer["text"][:local_answer["text"].index(stop)]
+    assert whole.choices[0].message.content == before
     assert whole.choices[0].finish_reason == "stop"
+    for lookahead in (True, False):  # streamed: no character of the stop string is ever sent
+        chunks = list(client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=24, temperature=0, stop=[stop],
+            stream=True, extra_body={"ladechat": {"lookahead": lookahead}}))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == before
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
 
 
 def test_two_concurrent_clients_are_answered_in_order(server, client, local_answer):

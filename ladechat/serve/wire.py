@@ -264,12 +264,18 @@ class TextStream:
         self.parallel += [piece.parallel] * len(piece.text)
 
     def release(self) -> list[tuple[str, bool]]:
-        """The segments added since the last release, but those held back."""
-        return self._release(len(self.text) - self.hold)
+        """The segments added since the last release, but those held back: the characters that
+        could begin a stop string, and a whole one with what follows it (the step that completes a
+        stop string can bring it in at once, with text after it)."""
+        return self._release(min(len(self.text) - self.hold, self._stop_at()))
 
     def finish(self) -> list[tuple[str, bool]]:
+        return self._release(self._stop_at(), final=True)
+
+    def _stop_at(self) -> int:
+        """Where the first stop string in the text begins (its length when there is none)."""
         found = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
-        return self._release(min(found, default=len(self.text)), final=True)
+        return min(found, default=len(self.text))
 
     def _release(self, end: int, final: bool = False) -> list[tuple[str, bool]]:
         if final:
