@@ -39,9 +39,10 @@ class Bot:
         store = self._open_store() if la.store else None
         if compile:
             runner = StaticRunner(loaded.model, la, loaded.context_length, compiled=loaded.compiled_forward)
-            self.session = Session(loaded.model, la, runner=runner, store=store)
+            self.session = Session(loaded.model, la, runner=runner, store=store, threads=loaded.threads)
         else:
-            self.session = Session(loaded.model, la, step_cost=step_cost or loaded.cost_model(), store=store)
+            self.session = Session(loaded.model, la, step_cost=step_cost or loaded.cost_model(), store=store,
+                                   threads=loaded.threads)
 
     def _open_store(self):
         from ladechat.engine.draft.store import AnswerStore, StoreError, store_path

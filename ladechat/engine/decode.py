@@ -39,6 +39,7 @@ from ladechat.engine.runner import DynamicRunner, max_step_size, top_k
 from ladechat.engine.sampling import TokenPicker
 from ladechat.engine.step_cost import CostModel
 from ladechat.engine.stopping import StopRule
+from ladechat.engine.threads import CpuThreads
 from ladechat.engine.verify import batched_pick, verify
 
 # Window columns ride along only where the cost curve says they are (nearly) free: at most 1% more
@@ -84,11 +85,14 @@ class Session:
 
     def __init__(self, model, lookahead: LookaheadConfig,
                  step_cost: CostEnvelope | CostModel | None = None, runner=None,
-                 store: AnswerStore | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+                 store: AnswerStore | None = None, clock: Callable[[], float] = time.perf_counter,
+                 threads: CpuThreads | None = None) -> None:
         """step_cost: a CostEnvelope learns from the steps it times with `clock`; a CostModel plans
-        every step from the same fixed costs."""
+        every step from the same fixed costs. threads: sets the CPU thread count before each
+        forward pass from the machine's other load (threads.py); None leaves torch's as it is."""
         self.model = model
         self.clock = clock
+        self.threads = threads
         self.store = store
         self.runner = runner or DynamicRunner(model)
         self.runner.configure(lookahead)
@@ -152,6 +156,8 @@ class Session:
         todo = prompt[keep:-1]
         if todo:
             ranked = self.lookahead.enabled and self.lookahead.recycle > 0
+            if self.threads:
+                self.threads.adjust()
             top = self.runner.prefill(todo, keep, ranked=ranked)
             self.cached = list(prompt[:-1])
             if ranked:  # the model's own ranking of what follows each prompt token
@@ -251,6 +257,8 @@ class Session:
             layout, self.skipped = self.plan(t, window, probe, self.skipped)
         else:
             layout = tree_layout([[t]], [])
+        if self.threads:
+            self.threads.adjust()
         start = self.clock()
         logits = self.runner.step(layout, past)
         top = top_k(logits)  # one host sync

@@ -70,6 +70,14 @@ class LoadedModel:
 
         return CompiledForward(self.model)
 
+    @functools.cached_property
+    def threads(self):
+        """On a CPU, the model's steps' thread count, following the machine's other load
+        (engine/threads.py); None elsewhere."""
+        from ladechat.engine.threads import CpuThreads
+
+        return CpuThreads() if self.device.type == "cpu" else None
+
     def step_cost(self) -> dict[int, float]:
         """This model's step-cost curve on this device (measured once, then read from the cache)."""
         from ladechat.engine.step_cost import cached_curve

@@ -1,0 +1,93 @@
+"""How many threads a CPU step runs on, as the machine's other load comes and goes.
+
+torch splits every op of a step across its threads (OpenMP), and each op ends at a barrier that
+waits for all of them. On a small machine where something else is running (a build, a browser, a
+second model), one of our threads is often off its core: every barrier waits for the scheduler,
+thousands of times a step. Measured on the 2-core machine, with another process keeping one core
+busy, the embedded model's one-row step: 20 ms alone, 90 ms to 2.4 s on 2 threads, 26 ms on 1.
+So the thread count follows the cores other processes leave free: before a step, at most every
+`interval_s`, the CPU time the machine spent outside this process since the last look says how
+many cores are taken; the steps use the rest (at least one, at most what torch started with,
+which honours OMP_NUM_THREADS). A quiet machine keeps every thread.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+# Others' load (in cores) tolerated before giving up a thread: a quiet desktop's background noise
+# (a few % of a core) must not cost a thread; a process using a fifth of a core already makes the
+# barrier waits worse than a thread less.
+SLACK = 0.2
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    """A look at the machine: when, how long all its CPUs have idled, how much CPU time this
+    process has used (seconds)."""
+
+    wall: float
+    idle: float
+    own: float
+
+
+def sample_cpu() -> CpuSample:
+    import psutil
+
+    times = psutil.cpu_times()
+    idle = times.idle + getattr(times, "iowait", 0.0)  # waiting for a disk is not using a core
+    return CpuSample(time.monotonic(), idle, time.process_time())
+
+
+def cpu_count() -> int:
+    """The CPUs whose idle time psutil.cpu_times() sums: all of the machine's."""
+    return os.cpu_count() or 1
+
+
+class CpuThreads:
+    """Sets torch's thread count before each step from the machine's other load (see above).
+    sample, get_threads, set_threads: the machine and torch's thread count, replaceable for tests."""
+
+    def __init__(self, ceiling: int | None = None, cpus: int | None = None, interval_s: float = 0.5,
+                 sample: Callable[[], CpuSample] = sample_cpu, get_threads: Callable[[], int] | None = None,
+                 set_threads: Callable[[int], None] | None = None) -> None:
+        import torch
+
+        self.get_threads = get_threads or torch.get_num_threads
+        self.set_threads = set_threads or torch.set_num_threads
+        self.ceiling = ceiling or self.get_threads()
+        self.cpus = cpus or cpu_count()
+        self.interval_s = interval_s
+        self.sample = sample
+        self.threads = self.ceiling
+        self.others = 0.0  # cores the rest of the machine used over the last interval
+        self.last = sample()
+
+    def adjust(self) -> int:
+        """Look at the machine if the last look is `interval_s` old, and set the thread count for
+        the steps that follow; returns it."""
+        if self.ceiling == 1:
+            return 1
+        now = self.sample()
+        span = now.wall - self.last.wall
+        if span < self.interval_s:
+            return self.threads
+        busy = self.cpus * span - (now.idle - self.last.idle)
+        self.others = max(0.0, (busy - (now.own - self.last.own)) / span)
+        self.last = now
+        self.threads = self.wanted(self.others)
+        if self.get_threads() != self.threads:  # asked, not remembered: torch's count is the process's
+            self.set_threads(self.threads)
+        return self.threads
+
+    def wanted(self, others: float) -> int:
+        """Threads for a machine whose other processes keep `others` cores busy."""
+        free = self.cpus - math.ceil(max(0.0, others - SLACK))
+        return max(1, min(self.ceiling, free))
+
+    def describe(self) -> str:
+        return f"{self.threads} of {self.ceiling} threads (others used {self.others:.1f} of {self.cpus} cores)"

@@ -1,0 +1,109 @@
+"""The CPU steps' thread count follows the machine's other load (engine/threads.py)."""
+
+import os
+import subprocess
+import sys
+import time
+
+import torch
+from tiny_models import tiny_model
+
+from ladechat.engine.config import LookaheadConfig, SamplingConfig
+from ladechat.engine.decode import Session, generate
+from ladechat.engine.events import Done
+from ladechat.engine.threads import CpuSample, CpuThreads
+
+
+class Machine:
+    """A machine of `cpus` CPUs whose other processes keep `others` cores busy while this process
+    uses `own` cores; time moves only when told."""
+
+    def __init__(self):
+        self.now = self.idle = self.own_time = 0.0
+        self.cpus, self.others, self.own = 2, 0.0, 1.0
+
+    def run(self, seconds: float) -> None:
+        self.now += seconds
+        self.own_time += self.own * seconds
+        self.idle += (self.cpus - self.others - self.own) * seconds
+
+    def sample(self) -> CpuSample:
+        return CpuSample(self.now, self.idle, self.own_time)
+
+
+def governor(machine, ceiling=2):
+    calls = []
+    threads = CpuThreads(ceiling=ceiling, cpus=machine.cpus, interval_s=0.5, sample=machine.sample,
+                         get_threads=lambda: calls[-1] if calls else ceiling, set_threads=calls.append)
+    return threads, calls
+
+
+def test_a_busy_core_costs_a_thread_and_a_quiet_machine_gives_it_back():
+    machine = Machine()
+    threads, calls = governor(machine)
+    machine.run(1.0)
+    assert threads.adjust() == 2 and calls == []  # quiet: torch's threads as they are
+    machine.others = 0.9  # a build starts on the other core
+    machine.run(0.3)
+    assert threads.adjust() == 2  # not looked at yet: the last look is 0.3 s old
+    machine.run(0.3)
+    assert threads.adjust() == 1 and calls == [1]
+    assert abs(threads.others - 0.9) < 1e-9
+    machine.run(2.0)
+    assert threads.adjust() == 1 and calls == [1]  # set once, not at every step
+    machine.others = 0.05  # background noise does not count
+    machine.run(0.6)
+    assert threads.adjust() == 2 and calls == [1, 2]
+    calls.append(1)  # something else in the process set torch's count: set again at the next look
+    machine.run(0.6)
+    assert threads.adjust() == 2 and calls == [1, 2, 1, 2]
+
+
+def test_the_count_stays_between_one_and_the_ceiling():
+    machine = Machine()
+    machine.cpus = 8
+    threads, calls = governor(machine, ceiling=4)
+    assert [threads.wanted(o) for o in (0.0, 0.2, 0.3, 3.5, 4.0, 7.9, 12.0)] == [4, 4, 4, 4, 4, 1, 1]
+    one, calls = governor(machine, ceiling=1)
+    machine.others = 7.0
+    machine.run(1.0)
+    assert one.adjust() == 1 and calls == []
+
+
+def test_a_real_busy_process_is_seen():
+    """psutil's CPU times: a process spinning on one core while this one sleeps reads as about one
+    core used by others."""
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        threads = CpuThreads(ceiling=2, interval_s=0.4, get_threads=lambda: 2, set_threads=lambda n: None)
+        time.sleep(1.0)
+        threads.adjust()
+    finally:
+        spin.kill()
+        spin.wait()
+    assert 0.7 <= threads.others <= (os.cpu_count() or 1)
+    if (os.cpu_count() or 1) <= 2:
+        assert threads.threads == 1
+
+
+def test_a_session_sets_the_count_before_every_forward_pass():
+    model = tiny_model("llama")
+    machine = Machine()
+    seen = []
+
+    class Recording(CpuThreads):
+        def adjust(self):
+            seen.append(torch.get_num_threads())
+            machine.run(1.0)
+            return super().adjust()
+
+    threads = Recording(ceiling=2, cpus=2, interval_s=0.5, sample=machine.sample, get_threads=lambda: 2,
+                        set_threads=lambda n: None)
+    machine.others = 1.0
+    la = LookaheadConfig(window=2, ngram=3, candidates=1)
+    events = list(generate(Session(model, la, threads=threads), [1, 5, 9, 12, 7, 3], SamplingConfig(max_new_tokens=12),
+                           frozenset()))
+    done = events[-1]
+    assert isinstance(done, Done)
+    assert len(seen) == done.stats.steps + 1  # the prompt's prefill, then every step
+    assert threads.threads == 1
