@@ -107,3 +107,28 @@ def test_a_session_sets_the_count_before_every_forward_pass():
     assert isinstance(done, Done)
     assert len(seen) == done.stats.steps + 1  # the prompt's prefill, then every step
     assert threads.threads == 1
+
+
+def test_the_step_cost_curves_are_read_at_the_full_thread_count(tmp_path, monkeypatch):
+    """The curves are kept per thread count: a busy spell's count must not make a chat measure
+    them again (minutes) under another key."""
+    from ladechat.engine import step_cost
+    from ladechat.engine.model.loading import LoadedModel
+
+    model = tiny_model("llama")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    counts = []
+    monkeypatch.setattr(step_cost, "measure", lambda *a, **k: counts.append(torch.get_num_threads()) or {1: 1.0, 2: 1.5})
+    loaded = LoadedModel(model, None, "tiny", torch.device("cpu"), torch.float32, frozenset(), 512)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(max(1, before))
+        loaded.threads.ceiling = 2
+        torch.set_num_threads(1)  # what a busy machine leaves the steps
+        first = loaded.cost_model()
+        assert torch.get_num_threads() == 1  # the steps' count, as it was
+        again = loaded.cost_model()
+    finally:
+        torch.set_num_threads(before)
+    assert counts == [2, 2]  # both cache lengths measured once, at the full count
+    assert first.measured == again.measured

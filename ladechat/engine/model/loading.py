@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,7 +82,8 @@ class LoadedModel:
         """This model's step-cost curve on this device (measured once, then read from the cache)."""
         from ladechat.engine.step_cost import cached_curve
 
-        return cached_curve(self.model, self.name)
+        with self.threads.full() if self.threads else nullcontext():
+            return cached_curve(self.model, self.name)
 
     def cost_model(self):
         """Step cost against tokens fed and cached (a cost_envelope.CostEnvelope): measured once per
@@ -90,7 +91,10 @@ class LoadedModel:
         really cost."""
         from ladechat.engine.cost_envelope import learned_cost_model
 
-        return learned_cost_model(self.model, self.name)
+        # the curves are kept per thread count: read (or measured) at the machine's full count,
+        # whatever the thread count a busy spell has set for the steps
+        with self.threads.full() if self.threads else nullcontext():
+            return learned_cost_model(self.model, self.name)
 
 
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
