@@ -116,8 +116,9 @@ def test_pool_seed_and_context_index():
     assert ctx.tokens() == [5, 6, 7] and ctx.matches(ctx.tokens(), 3, 2) == []
 
 
-def test_commit_kv_gathers_accepted_rows():
-    cache = DynamicCache()
+@pytest.mark.parametrize("make", [DynamicCache, kv.GrowingCache])
+def test_commit_kv_gathers_accepted_rows(make):
+    cache = make()
     past, step = 4, 6
     keys = torch.arange(past + step, dtype=torch.float32).view(1, 1, -1, 1).repeat(1, 2, 1, 3)
     cache.update(keys.clone(), keys.clone() + 100, 0)
@@ -128,6 +129,34 @@ def test_commit_kv_gathers_accepted_rows():
         assert layer.values[0, 1, :, 0].tolist() == [100, 101, 102, 103, 104, 107, 109]
     kv.commit_kv(cache, 5, [0, 1])  # a prefix: plain crop
     assert kv.cache_length(cache) == 7
+
+
+def test_a_growing_cache_writes_after_what_it_keeps_and_grows_past_its_room():
+    """Steps of 1-9 rows, each keeping some: a GrowingCache holds what a DynamicCache holds, through
+    truncations, gathers and buffers doubling (the first hold 256 positions)."""
+    import random
+
+    rng = random.Random(5)
+    growing, dynamic = kv.GrowingCache(), DynamicCache()
+    committed = 0
+    for step in range(120):
+        rows = rng.randint(1, 9)
+        states = torch.randn(1, 2, rows, 4)
+        for cache in (growing, dynamic):
+            keys, values = cache.update(states, states * 2, 0)
+            assert keys.shape[-2] == committed + rows
+        keep = sorted({0, *rng.sample(range(rows), rng.randint(0, rows - 1))})
+        for cache in (growing, dynamic):
+            kv.commit_kv(cache, committed, keep, rows)
+        committed += len(keep)
+        if step == 60:  # a new turn reusing part of the conversation
+            committed -= 7
+            for cache in (growing, dynamic):
+                kv.truncate(cache, committed)
+        assert torch.equal(growing.layers[0].keys, dynamic.layers[0].keys)
+        assert torch.equal(growing.layers[0].values, dynamic.layers[0].values)
+    assert committed > kv.GROWING_MIN  # the buffers grew at least once
+    assert growing.layers[0]._buffers[0].shape[-2] >= committed
 
 
 def test_stop_rule():

@@ -1,7 +1,9 @@
 """The KV cache across steps: keep what was accepted, drop the rest, never recompute.
 
 Two kinds of cache hold the same committed sequence:
-- DynamicCache: grows with every step; dropping rows means slicing the tensors shorter.
+- GrowingCache (a DynamicCache): grows with every step, into buffers with room to spare rather
+  than by concatenation; dropping rows means slicing the tensors shorter. (The embedded model,
+  int4, 1024 tokens cached: a one-row step 27.2 -> 26.1 ms, an 8-row step 54.4 -> 49.7 ms.)
 - StaticCache: pre-allocated to a fixed length (for compiled / CUDA-graph steps); its tensors
   never move, so dropping rows only moves the write position back, and kept rows are gathered
   in place. Slots past the write position hold junk that the step's mask never shows.
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, StaticCache
+from transformers.cache_utils import Cache, DynamicLayer
 
 
 def cache_argument(model) -> str:
@@ -28,10 +31,59 @@ def cache_argument(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+class GrowingLayer(DynamicLayer):
+    """A DynamicLayer whose keys and values are views of buffers with room to spare: a step writes
+    its rows after the committed ones instead of concatenating (DynamicLayer copies the whole
+    layer's cache every step: 60 copies a step for a 30-layer model, growing with the
+    conversation). The buffers double when full. `keys` and `values` are the filled part, as a
+    DynamicLayer's: cutting them shorter (truncate, commit_kv) is all dropping rows takes, and
+    the next step writes after what they hold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        held = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+        end = held + key_states.shape[-2]
+        if self._buffers is None or end > self._buffers[0].shape[-2]:
+            self._buffers = tuple(self._room_for(end, new, old) for new, old in
+                                  ((key_states, self.keys), (value_states, self.values)))
+        keys, values = self._buffers
+        keys[..., held:end, :] = key_states
+        values[..., held:end, :] = value_states
+        self.keys, self.values = keys[..., :end, :], values[..., :end, :]
+        return self.keys, self.values
+
+    @staticmethod
+    def _room_for(length: int, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        batch, heads, _, dim = new.shape
+        buffer = new.new_empty((batch, heads, max(2 * length, GROWING_MIN), dim))
+        if old.dim() == 4:
+            buffer[..., : old.shape[-2], :] = old
+        return buffer
+
+    def reset(self) -> None:
+        self._buffers = None
+        super().reset()
+
+
+GROWING_MIN = 256  # positions a layer's first buffers hold
+
+
+class GrowingCache(DynamicCache):
+    """A DynamicCache of GrowingLayers (lazily, one per layer as the forward pass reaches it)."""
+
+    def __init__(self) -> None:
+        Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
+
+
 def new_cache() -> DynamicCache:
     # Plain full-attention layers: lookahead passes its own 4D mask, so every layer sees the
     # same explicit mask and the cache must keep every position the mask can point at.
-    return DynamicCache()
+    return GrowingCache()
 
 
 def new_static_cache(config, length: int) -> StaticCache:
