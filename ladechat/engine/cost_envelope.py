@@ -131,7 +131,8 @@ class CostEnvelope:
         self._saved = self._state()
 
 
-def learned_cost_model(model, name: str) -> CostEnvelope:
+def learned_cost_model(model, name: str, threads: int | None = None) -> CostEnvelope:
     """The cost model a chat plans with: the measured one, lowered by what real steps cost on this
-    machine, saved beside it."""
-    return CostEnvelope.load(cached_cost_model(model, name), cache_path(model, name, "envelope", list(CONTEXTS)))
+    machine, saved beside it; kept for `threads` (step_cost.cache_path)."""
+    return CostEnvelope.load(cached_cost_model(model, name, threads),
+                             cache_path(model, name, "envelope", list(CONTEXTS), threads=threads))

@@ -79,21 +79,23 @@ def measure(model, sizes=SIZES, context: int = 192, reps: int = 5) -> dict[int, 
     return {size: statistics.median(times[size]) for size in sizes}
 
 
-def cache_path(model, name: str, *what) -> Path:
+def cache_path(model, name: str, *what, threads: int | None = None) -> Path:
     """The cache file of this model's step costs on this device: `what` says which (a measured
-    curve's sizes and cache length, or the envelope learned from real steps)."""
+    curve's sizes and cache length, or the envelope learned from real steps). threads: the thread
+    count the costs are kept for (None: torch's count now)."""
     # our code that a step runs is part of the key (the attention function, the mask, the cache,
     # this measurement), so a change to it measures afresh rather than trusting a curve of the old code
     code = source_digest(attention.__file__, layout.__file__, kv.__file__, packing.__file__, int4.__file__,
                          runners.__file__, __file__)
     key = json.dumps([code, name, str(model.device), str(model.dtype), int4.weight_layout(model), torch.__version__,
-                      torch.get_num_threads(), *what])
+                      threads or torch.get_num_threads(), *what])
     return cache_root() / "step-cost" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
-def cached_curve(model, name: str, context: int = 192) -> dict[int, float]:
+def cached_curve(model, name: str, context: int = 192, threads: int | None = None) -> dict[int, float]:
+    """The curve kept for `threads` (cache_path), else measured now, at torch's thread count now."""
     sizes = GPU_SIZES if model.device.type == "cuda" else SIZES
-    path = cache_path(model, name, list(sizes), context)
+    path = cache_path(model, name, list(sizes), context, threads=threads)
     try:
         return {int(k): float(v) for k, v in json.loads(path.read_text()).items()}
     except (OSError, ValueError):
@@ -126,9 +128,9 @@ class CostModel:
         return at_lo + (at_hi - at_lo) * share
 
 
-def cached_cost_model(model, name: str) -> CostModel:
+def cached_cost_model(model, name: str, threads: int | None = None) -> CostModel:
     """This model's cost model on this device as measured: once per context length, then cached."""
-    return CostModel({context: cached_curve(model, name, context) for context in CONTEXTS})
+    return CostModel({context: cached_curve(model, name, context, threads) for context in CONTEXTS})
 
 
 def cost(curve: dict[int, float], size: int) -> float:

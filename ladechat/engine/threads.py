@@ -16,8 +16,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 # Others' load (in cores) tolerated before giving up a thread: a quiet desktop's background noise
@@ -89,18 +88,6 @@ class CpuThreads:
         """Threads for a machine whose other processes keep `others` cores busy."""
         free = self.cpus - math.ceil(max(0.0, others - SLACK))
         return max(1, min(self.ceiling, free))
-
-    @contextmanager
-    def full(self) -> Iterator[None]:
-        """Every thread torch started with, for what inside needs the machine's full count whatever
-        its load (measuring the step-cost curves, which are kept per thread count); the count as
-        it was afterwards."""
-        before = self.get_threads()
-        self.set_threads(self.ceiling)
-        try:
-            yield
-        finally:
-            self.set_threads(before)
 
     def describe(self) -> str:
         return f"{self.threads} of {self.ceiling} threads (others used {self.others:.1f} of {self.cpus} cores)"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,8 +82,7 @@ class LoadedModel:
         """This model's step-cost curve on this device (measured once, then read from the cache)."""
         from ladechat.engine.step_cost import cached_curve
 
-        with self.threads.full() if self.threads else nullcontext():
-            return cached_curve(self.model, self.name)
+        return cached_curve(self.model, self.name, threads=self._measuring_threads())
 
     def cost_model(self):
         """Step cost against tokens fed and cached (a cost_envelope.CostEnvelope): measured once per
@@ -91,10 +90,18 @@ class LoadedModel:
         really cost."""
         from ladechat.engine.cost_envelope import learned_cost_model
 
-        # the curves are kept per thread count: read (or measured) at the machine's full count,
-        # whatever the thread count a busy spell has set for the steps
-        with self.threads.full() if self.threads else nullcontext():
-            return learned_cost_model(self.model, self.name)
+        return learned_cost_model(self.model, self.name, threads=self._measuring_threads())
+
+    def _measuring_threads(self) -> int | None:
+        """The thread count the step costs are kept for: the machine's full count, whatever a busy
+        spell has set for the steps (else a chat begun then would measure them again, for minutes,
+        under another key). A curve measured now runs at the count the machine's load allows (on
+        all threads under load, its steps would wait at every barrier: minutes instead of seconds);
+        the envelope lowers what a busy spell overpriced as real steps run."""
+        if self.threads is None:
+            return None
+        self.threads.adjust()
+        return self.threads.ceiling
 
 
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
