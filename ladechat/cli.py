@@ -158,6 +158,9 @@ def _bot(loaded, settings, compile: bool, progress):
     from ladechat.backends.local import Bot
     from ladechat.paths import cache_root
 
+    if not compile and not loaded.costs_measured():  # the first use on this machine (or of this version)
+        with progress("measuring what a step costs on this machine (one time, ~15 s)"):
+            loaded.cost_model()
     bot = Bot(loaded, settings, compile=compile, store_root=cache_root())
     if compile:
         with progress("compiling the decoding steps (once per W/N/G)"):

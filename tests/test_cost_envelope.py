@@ -7,6 +7,7 @@ import json
 import random
 
 import pytest
+import torch
 from test_exactness import hf_greedy, repetitive_prompt
 from tiny_models import tiny_model
 
@@ -192,3 +193,36 @@ def test_the_loaded_model_plans_with_a_saved_envelope(tmp_path, monkeypatch):
     first.persist()
     second = learned_cost_model(model, "tiny-llama")
     assert second.cost(1, CONTEXTS[0]) == pytest.approx(1e-9) and second.observed == {64}
+
+
+def test_the_first_use_measures_the_step_costs_under_a_progress_message(tmp_path, monkeypatch):
+    """A chat's first use on a machine measures the curves (seconds) with a progress message; later
+    ones read them, silently."""
+    from contextlib import contextmanager
+
+    from ladechat import cli
+    from ladechat.engine import step_cost as step_cost_module
+    from ladechat.engine.model.loading import LoadedModel
+    from ladechat.settings import Settings
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    measured, shown = [], []
+    real_measure = step_cost_module.measure
+    monkeypatch.setattr(step_cost_module, "measure",
+                        lambda *a, **k: measured.append(shown[-1] if shown else None) or real_measure(*a, **k))
+
+    @contextmanager
+    def progress(message):
+        shown.append(message)
+        yield
+
+    model = tiny_model("llama")
+    tokenizer = None
+    loaded = LoadedModel(model, tokenizer, "tiny-llama", torch.device("cpu"), torch.float32, frozenset(), 512)
+    assert not loaded.costs_measured()
+    cli._bot(loaded, Settings(), compile=False, progress=progress)
+    assert shown == ["measuring what a step costs on this machine (one time, ~15 s)"]
+    assert measured == [shown[0]] * len(CONTEXTS)  # every curve measured while the message showed
+    assert loaded.costs_measured()
+    cli._bot(loaded, Settings(), compile=False, progress=progress)
+    assert len(shown) == 1 and len(measured) == len(CONTEXTS)

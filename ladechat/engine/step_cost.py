@@ -128,6 +128,12 @@ class CostModel:
         return at_lo + (at_hi - at_lo) * share
 
 
+def curves_cached(model, name: str, threads: int | None = None) -> bool:
+    """Whether cached_cost_model would read every curve rather than measure one."""
+    sizes = GPU_SIZES if model.device.type == "cuda" else SIZES
+    return all(cache_path(model, name, list(sizes), context, threads=threads).is_file() for context in CONTEXTS)
+
+
 def cached_cost_model(model, name: str, threads: int | None = None) -> CostModel:
     """This model's cost model on this device as measured: once per context length, then cached."""
     return CostModel({context: cached_curve(model, name, context, threads) for context in CONTEXTS})

@@ -92,6 +92,12 @@ class LoadedModel:
 
         return learned_cost_model(self.model, self.name, threads=self._measuring_threads())
 
+    def costs_measured(self) -> bool:
+        """Whether cost_model() reads its curves rather than measuring them (seconds)."""
+        from ladechat.engine.step_cost import curves_cached
+
+        return curves_cached(self.model, self.name, self.threads.ceiling if self.threads else None)
+
     def _measuring_threads(self) -> int | None:
         """The thread count the step costs are kept for: the machine's full count, whatever a busy
         spell has set for the steps (else a chat begun then would measure them again, for minutes,
