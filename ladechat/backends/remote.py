@@ -85,6 +85,7 @@ class RemoteBot:
         except ConfigError as exc:
             raise RemoteError(str(exc)) from None
         self.given = set(given)
+        self.usage: dict | None = None  # the usage the server reported with the last answer, if any
 
     # -- Backend ------------------------------------------------------------------------------
     def describe(self) -> str:
@@ -158,6 +159,7 @@ class RemoteBot:
     def _events(self, response: httpx.Response) -> Iterator[Piece | Done]:
         run = _Run(start=time.perf_counter())
         ended = False
+        self.usage = None
         try:
             for line in response.iter_lines():
                 if not line.startswith("data:"):
@@ -175,6 +177,7 @@ class RemoteBot:
             response.close()  # a server stops generating when its client goes
         if not ended and run.finish is None:  # neither [DONE] nor a finish_reason: cut off
             raise ServerFailure(f"the server at {self.endpoint.url} ended the stream before the answer was finished")
+        self.usage = run.usage
         yield run.done(self.settings)
 
     # -- HTTP ---------------------------------------------------------------------------------
