@@ -492,7 +492,7 @@ def templates() -> None:
         print(name)
 
 
-bench_app = typer.Typer(rich_markup_mode=None, help="Compare HF generate, HF prompt lookup, ladechat plain and lookahead on real prompts, side by side; subcommands: step-cost (what one step costs), serving (serving overhead).")
+bench_app = typer.Typer(rich_markup_mode=None, help="Compare HF generate, HF prompt lookup, ladechat plain and lookahead on real prompts, side by side (and other engines' servers: --peer NAME=URL); subcommands: step-cost (what one step costs), serving (serving overhead).")
 app.add_typer(bench_app, name="bench")
 BenchJson = Annotated[bool, typer.Option("--json", help="Print the results as JSON.")]
 Datasets = Annotated[list[str], typer.Option("--dataset", "-d", help="Prompt set: mtbench, humaneval, gsm8k (from ../shared/data) or a JSONL path; repeatable.")]
@@ -510,15 +510,17 @@ def bench(ctx: typer.Context, dataset: Datasets = ["mtbench"],
           warm_from: Annotated[Optional[list[str]], typer.Option("--warm-from", help="With --store warm: prompt set(s) whose answers fill the store first; must not share prompts with --dataset.")] = None,
           warm_limit: Annotated[Optional[int], typer.Option("--warm-limit", help="Items of each --warm-from set (default: all).")] = None,
           ablation: Annotated[bool, typer.Option("--ablation", help="Also run lookahead with each draft source alone (only-context, only-store, only-window, only-recycle) and print the ablation table.")] = False,
+          peer: Annotated[Optional[list[str]], typer.Option("--peer", help="NAME=URL: an OpenAI-compatible server (llama.cpp's llama-server, vLLM, ...) answering the same prompts as one more method, NAME, with the same settings; its tokens are the server's usage (else its text tokenized here); never compared with hf's answers. Repeatable.")] = None,
           limit: Limit = None, model: Model = None, window: Window = None, ngram: Ngram = None, candidates: Cands = None,
           context_candidates: ContextCands = None, context_len: ContextLen = None, recycle: Recycle = None,
           max_new_tokens: MaxNew = MAX_NEW_TOKENS["bench"], temperature: Temperature = None, top_p: TopP = SAMPLING.top_p,
           top_k: TopK = SAMPLING.top_k, seed: Seed = 0, dtype: Dtype = "auto", device: Device = "auto",
           attn: Attn = "sdpa", template: Template = None, compile: Compile = False, as_json: BenchJson = False,
           weights: Annotated[Optional[str], typer.Option("--weights", help="Linear weights, as for the chat (auto, dense, packed, int4); default packed (the layout the bench's tables compare HF with).")] = None) -> None:
-    """Compare HF generate, HF prompt lookup, ladechat plain and lookahead on real prompts, side by side."""
+    """Compare HF generate, HF prompt lookup, ladechat plain and lookahead on real prompts, side by side (and other engines' servers: --peer)."""
     if ctx.invoked_subcommand is not None:
         return
+    from ladechat.bench import peers as peer_bench
     from ladechat.bench import prompts as benchmark
     from ladechat.ui.report import bench_tables
 
@@ -534,13 +536,14 @@ def bench(ctx: typer.Context, dataset: Datasets = ["mtbench"],
         raise Fail("--store warm needs --warm-from (a prompt set to build the store from), and only it")
     if limit is not None and limit < 1:
         raise Fail(f"--limit must be >= 1, got {limit}")
-    _settings(given)  # every flag checked before the (slow) model load
+    # every flag checked, and every peer asked for its models, before the (slow) model load
+    peers = peer_bench.connect(peer or [], set(benchmark.METHODS), _settings(given))
     _quiet_libraries()
     loaded = _load_here(model, dtype, device, attn, False, False, None, err, compile=compile,
                         weights=weights or ("dense" if compile else "packed"))
     settings = _settings(given, loaded)
     results = benchmark.run(loaded, dataset, method_list, settings, limit, compile=compile, single_turn=single_turn,
-                            store=store, warm_from=warm_from, warm_limit=warm_limit,
+                            store=store, warm_from=warm_from, warm_limit=warm_limit, peers=peers,
                             progress=lambda name, i, n: err.print(f"[dim]{escape(name)}: {i}/{n}[/]", highlight=False))
     if as_json:
         print(json.dumps(results, indent=2))

@@ -1,7 +1,8 @@
 """`ladechat bench`: methods side by side on a JSONL prompt set (schema: ../shared/data/README.md).
 
 Every item runs each method back to back (so machine noise hits them alike); multi-turn items
-run as conversations, each method answering with its own previous answers in the context.
+run as conversations, each method answering with its own previous answers in the context. Peers
+(peers.py: another engine behind an OpenAI-compatible server) run as methods of their own, last.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ladechat import templates
+from ladechat.bench import peers as peer_bench
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.draft.store import AnswerStore
@@ -92,6 +94,7 @@ class MethodTally:
     seconds: float = 0.0
     steps: int = 0
     identical: int = 0  # items whose answer equals the reference's (hf, or hf-packed for ladechat's methods)
+    comparable: bool = True  # False for a peer (another engine): identity is not applicable
     identical_to_hf: int = 0  # items whose answer equals hf's
     items: int = 0
     per_item: list = field(default_factory=list)  # (tokens, seconds) per item
@@ -100,15 +103,17 @@ class MethodTally:
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
 
-    def add_item(self, answer: list[int], seconds: float, steps: int | None, by_depth: list[int], identical: bool,
-                 identical_to_hf: bool) -> None:
-        self.tokens += len(answer)
+    def add_item(self, tokens: int, seconds: float, steps: int | None, by_depth: list[int],
+                 identical: bool | None, identical_to_hf: bool | None) -> None:
+        """identical, identical_to_hf: None for an answer that is not compared (a peer's)."""
+        self.tokens += tokens
         self.seconds += seconds
         self.steps += steps or 0
         self.items += 1
-        self.identical += int(identical)
-        self.identical_to_hf += int(identical_to_hf)
-        self.per_item.append((len(answer), seconds))
+        self.comparable = self.comparable and identical is not None
+        self.identical += int(bool(identical))
+        self.identical_to_hf += int(bool(identical_to_hf))
+        self.per_item.append((tokens, seconds))
         self.by_depth = _add(self.by_depth, by_depth)
 
     def add_summary(self, d: dict) -> None:
@@ -117,8 +122,9 @@ class MethodTally:
         self.seconds += d["seconds"]
         self.steps += d["steps"]
         self.items += d["items"]
-        self.identical += d["identical_items"]
-        self.identical_to_hf += d["identical_to_hf_items"]
+        self.comparable = self.comparable and d["identical_items"] is not None
+        self.identical += d["identical_items"] or 0
+        self.identical_to_hf += d["identical_to_hf_items"] or 0
         self.per_item += d["per_item"]
         self.by_depth = _add(self.by_depth, d["accepted_by_depth"])
 
@@ -218,9 +224,30 @@ def check_methods(methods: list[str]) -> None:
             raise BenchError(f"unknown method {m!r} (choose from {', '.join(METHODS)})")
 
 
+def _order(methods: list[str], packed: bool, greedy: bool) -> tuple[list[str], list[str]]:
+    """(the methods in the order they run, ladechat's among them): hf first, the reference; on
+    packed weights hf-packed second, the reference of ladechat's answers, before any answer
+    compared with it (greedy runs, or when asked)."""
+    check_methods(methods)
+    if "hf-packed" in methods and not packed:
+        raise BenchError("hf-packed needs packed weights, which ladechat uses only on an x86-64 CPU in fp32 or "
+                         "bf16 without --compile; here it would be hf again")
+    others = [m for m in dict.fromkeys(methods) if m not in ("hf", "hf-packed")]
+    ours = [m for m in others if m not in HF_METHODS]
+    wants_packed = "hf-packed" in methods or (packed and ours and greedy)
+    return ["hf"] + (["hf-packed"] if wants_packed else []) + others, ours
+
+
+def _check_store(store: str, warm_from: list[str] | None) -> None:
+    if store not in STORE_MODES:
+        raise BenchError(f"unknown store mode {store!r} (choose from {', '.join(STORE_MODES)})")
+    if (store == "warm") != bool(warm_from):
+        raise BenchError("--store warm needs --warm-from (a prompt set to build it from), and only it")
+
+
 def run(loaded, datasets: list[str], methods: list[str], settings: Settings, limit: int | None, progress=None,
         compile: bool = False, single_turn: bool = False, store: str = "cold", warm_from: list[str] | None = None,
-        warm_limit: int | None = None, on_item=None) -> dict:
+        warm_limit: int | None = None, on_item=None, peers: dict[str, peer_bench.Peer] | None = None) -> dict:
     """Greedy runs also report whether each method's answers equal HF greedy's, token for token
     (hf always runs, first, as the reference; on packed weights hf-packed runs too, second, as the
     reference of ladechat's methods, whose fp32 sums differ from hf's in the last bits); sampled
@@ -233,22 +260,14 @@ def run(loaded, datasets: list[str], methods: list[str], settings: Settings, lim
     method's answers as it goes ("cold", what a new user has), filled first with the answers to
     the items of `warm_from` ("warm"), or none ("off"). on_item: called with a dict after each item
     (every method answered it), so a run cut short keeps what it measured: the prompt set, the item's
-    index, and per method its tokens, seconds, steps and whether it equals the reference and hf."""
-    check_methods(methods)
+    index, and per method its tokens, seconds, steps and whether it equals the reference and hf.
+    peers: methods of their own, last, answered by other engines (peers.py; identity None)."""
     la, sampling, template = settings.lookahead_config(), settings.sampling_config(), settings.template
     packed = packing.is_packed(loaded.model)
-    if "hf-packed" in methods and not packed:
-        raise BenchError("hf-packed needs packed weights, which ladechat uses only on an x86-64 CPU in fp32 or "
-                         "bf16 without --compile; here it would be hf again")
-    others = [m for m in dict.fromkeys(methods) if m not in ("hf", "hf-packed")]
-    ours = [m for m in others if m not in HF_METHODS]
-    # hf-packed, the reference of ladechat's answers, runs second: before any answer compared with it
-    wants_packed = "hf-packed" in methods or (packed and ours and sampling.greedy)
-    methods = ["hf"] + (["hf-packed"] if wants_packed else []) + others
-    if store not in STORE_MODES:
-        raise BenchError(f"unknown store mode {store!r} (choose from {', '.join(STORE_MODES)})")
-    if (store == "warm") != bool(warm_from):
-        raise BenchError("--store warm needs --warm-from (a prompt set to build it from), and only it")
+    methods, ours = _order(methods, packed, sampling.greedy)
+    peers = peers or {}
+    methods += list(peers)
+    _check_store(store, warm_from)
     stores = {m: AnswerStore() for m in ours} if store != "off" else {}
     if store == "off":
         la = LookaheadConfig(**{**la.__dict__, "store": False})
@@ -263,10 +282,13 @@ def run(loaded, datasets: list[str], methods: list[str], settings: Settings, lim
                                compiled=loaded.compiled_forward) if compile else None
                for m in ours}
     # warm-up: first calls allocate and pick kernels (and compile)
-    warm = {"turns": ["Hello"]}
     for m in methods:
-        run_item(loaded, warm, m, la, SamplingConfig(max_new_tokens=8), template, step_cost, runners.get(m),
-                 layouts=layouts)
+        if m in peers:
+            peer_bench.sample_like(peers[m], settings)
+            peer_bench.warm_up(peers[m], loaded.tokenizer)
+        else:
+            run_item(loaded, {"turns": ["Hello"]}, m, la, SamplingConfig(max_new_tokens=8), template, step_cost,
+                     runners.get(m), layouts=layouts)
     measured = {name: load_items(name, limit) for name in datasets}
     if single_turn:
         measured = {name: [{**item, "turns": item["turns"][:1]} for item in items] for name, items in measured.items()}
@@ -276,37 +298,46 @@ def run(loaded, datasets: list[str], methods: list[str], settings: Settings, lim
                                                [i for items in measured.values() for i in items], la, template,
                                                step_cost)
     def answer(item: dict, method: str):
-        return run_item(loaded, item, method, la, sampling, template, step_cost, runners.get(method),
-                        stores.get(method), layouts)
+        if method in peers:
+            return None, *peer_bench.answer(peers[method], item, loaded.tokenizer), None, []
+        ids, seconds, steps, by_depth = run_item(loaded, item, method, la, sampling, template, step_cost,
+                                                 runners.get(method), stores.get(method), layouts)
+        return ids, len(ids), seconds, steps, by_depth
 
     for name in datasets:
         results["datasets"][name] = _run_set(name, measured[name], methods, answer, sampling.greedy,
                                              lambda m: "hf-packed" if packed and m in ours else "hf", on_item,
                                              progress)
-    total = {m: MethodTally() for m in methods}
-    for name in datasets:
-        for m in methods:
-            total[m].add_summary(results["datasets"][name][m])
-    results["overall"] = {m: _summary(t, total["hf"]) for m, t in total.items()}
+    results["overall"] = _overall(results["datasets"], methods)
+    results["peers"] = {name: peer.info() for name, peer in peers.items()}
     return results
+
+
+def _overall(sets: dict[str, dict], methods: list[str]) -> dict:
+    """Each method's summary over every prompt set."""
+    total = {m: MethodTally() for m in methods}
+    for rows in sets.values():
+        for m in methods:
+            total[m].add_summary(rows[m])
+    return {m: _summary(t, total["hf"]) for m, t in total.items()}
 
 
 def _run_set(name: str, items: list[dict], methods: list[str], answer, greedy: bool, reference, on_item,
              progress) -> dict:
-    """One prompt set: each item answered by every method in turn (answer(item, method)), each
-    answer compared with its reference method's (reference(method)) and hf's; per method, its
-    summary against hf."""
+    """One prompt set: each item answered by every method in turn (answer(item, method): its ids
+    or None, tokens, seconds, steps, accepted by depth), each answer compared with its reference
+    method's (reference(method)) and hf's, but a peer's; per method, its summary against hf."""
     tallies = {m: MethodTally() for m in methods}
     for i, item in enumerate(items):
         answers: dict[str, list[int]] = {}
         per_method: dict[str, dict] = {}
         for m in methods:
-            ids, seconds, steps, by_depth = answer(item, m)
+            ids, tokens, seconds, steps, by_depth = answer(item, m)  # ids None: a peer's (not compared)
             answers[m] = ids
-            identical = greedy and ids == answers.get(reference(m))
-            identical_to_hf = greedy and ids == answers["hf"]
-            tallies[m].add_item(ids, seconds, steps, by_depth, identical, identical_to_hf)
-            per_method[m] = {"tokens": len(ids), "seconds": seconds, "steps": steps, "identical": identical,
+            identical = None if ids is None else greedy and ids == answers.get(reference(m))
+            identical_to_hf = None if ids is None else greedy and ids == answers["hf"]
+            tallies[m].add_item(tokens, seconds, steps, by_depth, identical, identical_to_hf)
+            per_method[m] = {"tokens": tokens, "seconds": seconds, "steps": steps, "identical": identical,
                              "identical_to_hf": identical_to_hf}
         if on_item:
             on_item({"dataset": name, "item": i, "turns": len(item["turns"]), "methods": per_method})
@@ -328,7 +359,8 @@ def _summary(t: MethodTally, hf: MethodTally) -> dict:
             "compression": round(t.tokens / t.steps, 3) if t.steps else None,
             "ms_per_step": round(1000 * t.seconds / t.steps, 2) if t.steps else None,
             "accepted_by_depth": t.by_depth,
-            "identical_items": t.identical, "identical_to_hf_items": t.identical_to_hf, "per_item": t.per_item}
+            "identical_items": t.identical if t.comparable else None,
+            "identical_to_hf_items": t.identical_to_hf if t.comparable else None, "per_item": t.per_item}
 
 
 def _percentile(values: list[float], q: float) -> float:

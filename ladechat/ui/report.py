@@ -23,9 +23,10 @@ def bench_tables(results: dict) -> list[Table]:
             comp = f"{r['compression']:.2f}" if r["compression"] else "-"
             geomean = f"{r['item_geomean_vs_hf']:.2f}x" if r.get("item_geomean_vs_hf") else "-"
             p10 = f"{r['item_p10_vs_hf']:.2f}x" if r.get("item_p10_vs_hf") else "-"
+            identical = ("-" if results.get("temperature") else "n/a" if r["identical_items"] is None
+                         else f"{r['identical_items']}/{r['items']}")
             table.add_row(method, str(r["items"]), str(r["tokens"]), f"{r['tokens_per_s']:.1f}", speed, geomean, p10,
-                          f"{r.get('items_slower_than_hf', 0)}/{r['items']}", comp,
-                          f"{r['identical_items']}/{r['items']}" if not results.get("temperature") else "-")
+                          f"{r.get('items_slower_than_hf', 0)}/{r['items']}", comp, identical)
         tables.append(table)
     ablation = {m: r for m, r in results["overall"].items() if m.startswith("only-") or m == "lookahead"}
     if any(m.startswith("only-") for m in ablation):
@@ -34,12 +35,21 @@ def bench_tables(results: dict) -> list[Table]:
 
 
 def _layout_caption(results: dict) -> str | None:
-    """Which weight layout each method ran on, when ladechat's were packed (engine/model/packing.py)."""
-    if not results.get("packed_weights"):
-        return None
-    caption = ("hf and HF's prompt lookup run the weights as transformers loads them; ladechat's methods "
-               "and hf-packed run them packed")
-    return caption if results.get("temperature") else caption + ", and their answers are compared with hf-packed's"
+    """Which weight layout each method ran on, when ladechat's were packed (engine/model/packing.py),
+    and where each peer is and how its tokens were counted."""
+    lines = [_peer_line(name, peer) for name, peer in (results.get("peers") or {}).items()]
+    if results.get("packed_weights"):
+        caption = ("hf and HF's prompt lookup run the weights as transformers loads them; ladechat's methods "
+                   "and hf-packed run them packed")
+        lines.insert(0, caption if results.get("temperature") else
+                     caption + ", and their answers are compared with hf-packed's")
+    return "\n".join(lines) or None
+
+
+def _peer_line(name: str, peer: dict) -> str:
+    counted = {"usage": "tokens: the server's usage", "tokenizer": "tokens: its text tokenized here (no usage)"}.get(
+        peer.get("tokens_from"), "tokens: the server's usage, else its text tokenized here")
+    return f"{name} = {peer['url']} · {counted} · identical: n/a (another engine)"
 
 
 def ablation_table(results: dict, rows: dict) -> Table:
