@@ -4,7 +4,8 @@
 # A measuring tool, never a dependency of ladechat.
 #     bash scripts/llama_cpp.sh            # ~10-15 min on 2 cores, once
 #     .llama.cpp/bin/llama-bench -m MODEL.gguf -t 2 -n 128
-#     .llama.cpp/bin/llama-server -m MODEL.gguf -t 2 --port 8089    # then: ladechat bench --peer ...
+#     .llama.cpp/bin/llama-server -m MODEL.gguf -t 2 --port 8089    # then: ladechat bench --peer llama.cpp=http://127.0.0.1:8089/v1
+#     scripts/peer_bench.sh -d mtbench --limit 3    # both servers (plain, n-gram) and the bench in one run
 # Built with -DGGML_NATIVE=ON (this CPU's own instruction set: AVX2 or AVX-512, as llama.cpp's
 # users build it) and without libcurl (no downloads).
 set -euo pipefail
