@@ -548,8 +548,11 @@ def bench(ctx: typer.Context, dataset: Datasets = ["mtbench"],
     if as_json:
         print(json.dumps(results, indent=2))
     else:
+        out = stdout_console()
         for table in bench_tables(results):
-            stdout_console().print(table)
+            if not out.is_terminal:  # a pipe or a file: whole (rich would squeeze it into 80 columns)
+                out.width = max(out.width, out.measure(table, options=out.options.update_width(1000)).maximum)
+            out.print(table)
 
 
 @bench_app.command("serving")

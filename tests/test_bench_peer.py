@@ -187,3 +187,22 @@ def test_bad_peers_are_one_line_errors(peers, dataset, specs, message):
     r = ladechat("bench", "-d", dataset, "--methods", "plain", "--model", "/no/such/model", *args)
     assert r.returncode == 1 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1
     assert r.stderr.startswith("ladechat: error: " + message.format(url=url, root=root))
+
+
+def test_the_command_runs_peers_and_prints_their_names_whole_in_a_pipe(peers, dataset, tmp_path):
+    """`ladechat bench --peer` end to end: the peer's row, named in full though stdout is a pipe
+    (rich would squeeze the table into 80 columns: two peers would both read 'llam…')."""
+    from test_cli import tiny_model_folder
+    from tiny_models import tiny_tokenizer
+
+    folder = tiny_model_folder(tmp_path / "model", tiny_tokenizer())
+    url = peers["with"][2]
+    common = ("bench", "-d", dataset, "--methods", "plain", "--model", str(folder), "--dtype", "float32",
+              "--max-new-tokens", "4", "--limit", "1", "--peer", f"llama.cpp-ngram={url}")
+    r = ladechat(*common)
+    assert r.returncode == 0, r.stderr
+    row = next(line for line in r.stdout.splitlines() if "llama.cpp-ngram " in line and "n/a" in line)
+    assert f" {2 * USAGE} " in row
+    results = json.loads(ladechat(*common, "--json").stdout)
+    assert results["overall"]["llama.cpp-ngram"]["identical_items"] is None
+    assert results["peers"]["llama.cpp-ngram"]["tokens_from"] == "usage"
