@@ -165,14 +165,18 @@ def run_item(loaded, item: dict, method: str, la: LookaheadConfig, sampling: Sam
     seconds = 0.0
     steps = 0
     by_depth: list[int] = []
+    # the thread count follows the machine's load, as in a chat (engine/threads.py); HF's methods
+    # get the count it sets before each of their answers
     session = Session(loaded.model, method_config(method, la), None if method == "lookahead-full" else step_cost,
-                      runner=runner, store=store)
+                      runner=runner, store=store, threads=loaded.threads)
     for turn in item["turns"]:
         messages.append({"role": "user", "content": turn})
         ids = templates.encode(tok, messages, template)
         if method in HF_METHODS:
             if sampling.seed is not None:
                 torch.manual_seed(sampling.seed)
+            if loaded.threads:
+                loaded.threads.adjust()
             with nullcontext() if method == "hf-packed" or layouts is None else layouts.as_loaded():
                 answer, took = _hf_answer(loaded.model, ids, sampling, eos, LOOKUP.get(method, 0))
             steps = None  # HF does not report its forward passes
