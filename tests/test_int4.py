@@ -204,6 +204,32 @@ def test_every_4bit_kind_of_a_gguf_runs_as_int4_and_the_rest_stays_dense(tiny_gg
         assert torch.equal(again(ids).logits, ours)
 
 
+def test_a_lean_load_reads_only_the_tensors_that_stay_dense(tiny_gguf, tmp_path):
+    """Once the 4-bit form is kept, the model is built empty and only its other tensors are read
+    (the peak memory of a chat): the same model, bit for bit, as the full load then int4.apply."""
+    from transformers import AutoModelForCausalLM
+
+    from ladechat.engine.model.gguf import ensure_converted
+
+    copy = tmp_path / "tiny.gguf"  # a file of its own: its own converted folder
+    shutil.copyfile(tiny_gguf, copy)
+    folder = ensure_converted(copy)
+    kwargs = {"dtype": torch.float32, "attn_implementation": "sdpa"}
+    assert int4.load_lean(folder, copy, kwargs) is None  # no kept form yet: the first load reads the GGUF
+    full = AutoModelForCausalLM.from_pretrained(folder, **kwargs).eval()
+    int4.apply(full, copy, folder)
+    lean, applied = int4.load_lean(folder, copy, kwargs)
+    assert applied.replaced == 6 * LAYERS and int4.weight_layout(lean) == int4.weight_layout(full)
+    assert not any(t.is_meta for t in (*lean.parameters(), *lean.buffers()))
+    assert set(lean.state_dict()) == set(full.state_dict())
+    ids = torch.randint(3, VOCAB, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(lean(ids).logits, full(ids).logits)
+    # bf16: the dense tensors read in the model's dtype
+    lean16, _ = int4.load_lean(folder, copy, {**kwargs, "dtype": torch.bfloat16})
+    assert lean16.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
 def corrupt_copy(source: Path, target: Path, tensor_name: str, offset: int, value: bytes) -> Path:
     """A copy of `source` with `value` written `offset` bytes into one tensor's data, and a folder
     beside it for its 4-bit form."""
@@ -262,6 +288,27 @@ def test_auto_runs_the_embedded_model_as_int4(embedded_int4):
     assert lm.notices == ()
     auto = load(LoadSpec(dtype="float32", device="cpu"))
     assert int4.weight_layout(auto.model) == "int4:210,packed:1"
+
+
+def test_the_embedded_model_loads_lean_and_equals_the_full_load(embedded_int4):
+    """load() of a GGUF whose 4-bit form is kept (the fixture's load made it) builds the model empty
+    and reads only the dense tensors: the same logits as from_pretrained then int4.apply, with the
+    output layer still tied to the embedding."""
+    from transformers import AutoModelForCausalLM
+
+    from ladechat.engine.model.gguf import ensure_converted
+
+    folder = ensure_converted(gguf_path())
+    lean, _ = int4.load_lean(folder, gguf_path(), {"dtype": torch.float32, "attn_implementation": "sdpa"})
+    full = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
+    int4.apply(full, gguf_path(), folder)
+    assert lean.lm_head.weight is lean.model.embed_tokens.weight
+    assert lean.generation_config.eos_token_id == full.generation_config.eos_token_id
+    ids = torch.randint(0, 49152, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        assert torch.equal(lean(ids).logits, full(ids).logits)
+        again = load(LoadSpec(dtype="float32", device="cpu", weights="int4")).model
+        assert torch.equal(again(ids).logits, embedded_int4.model(ids).logits)
 
 
 def test_embedded_int4_products_match_gguf_dequantize(embedded_int4):

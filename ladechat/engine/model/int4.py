@@ -319,6 +319,47 @@ def apply(model, gguf_path: Path, folder: Path,
         return _replace(model, fh.get_tensor, kinds, notices)
 
 
+def load_lean(folder: Path, gguf_path: Path, kwargs: dict):
+    """The model of `folder` (the converted copy of `gguf_path`) with its 4-bit Linear weights never
+    made dense: built empty (parameters on the meta device, buffers as usual), its int4 modules put
+    in from the kept 4-bit form, only the other tensors read from the converted files, in
+    kwargs["dtype"]. A load through from_pretrained reads every weight and casts it (a bf16 load
+    of the embedded model: its 540 MB of fp32 pages touched, 270 MB of bf16 made, then dropped
+    for the int4 modules), which set the chat's peak memory. Returns (model in eval mode,
+    Applied), or None where this does not apply (no kept 4-bit form yet: the first load reads the
+    GGUF against the dense weights; no int4 module; a tensor left unread): then load as usual."""
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    folder = Path(folder)
+    if not cache_path(folder).is_file():
+        return None
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), **kwargs)
+    applied = apply(model, gguf_path, folder)
+    if not applied.replaced:
+        return None
+    int4_weights = {f"{name}.weight" for name, module in model.named_modules() if type(module) is Int4Linear}
+    dtype = kwargs["dtype"]
+    state = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        if file.name.startswith(CACHE_PREFIX):
+            continue
+        with safe_open(str(file), framework="pt") as fh:
+            for key in fh.keys():
+                if key not in int4_weights:
+                    tensor = fh.get_tensor(key)
+                    state[key] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        return None
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    return model.eval(), applied
+
+
 def _replace(model, get: Callable[[str], torch.Tensor], kinds: dict[str, str], notices: list[str]) -> Applied:
     count = 0
     with torch.no_grad():

@@ -233,15 +233,17 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
     if spec.max_memory and not spec.device_map:
         raise LoadError("--max-memory needs --device-map (e.g. --device-map auto)")
     kwargs.update(placement(spec, device))
-    tokenizer, model = _read(spec.model or source, source, name, device, kwargs)
     # Linear layouts (int4, packing) not with quantized weights (bitsandbytes, or a checkpoint's own
     # quantization_config) or a device map: accelerate's hooks sit on the modules they replace.
-    quantized = "quantization_config" in kwargs or getattr(model, "hf_quantizer", None) is not None
-    layouts = spec.pack_weights and "device_map" not in kwargs and not quantized
-    # 4-bit blocks first: the dense copies of those weights are then never read (they stay
-    # unread pages of the converted file), and the mask probe below runs on what will answer.
-    if layouts and spec.weights in ("auto", "int4") and gguf_file is not None and int4.supported(device):
-        applied = int4.apply(model, gguf_file, Path(source), progress)
+    layouts = spec.pack_weights and "device_map" not in kwargs and "quantization_config" not in kwargs
+    to_int4 = layouts and spec.weights in ("auto", "int4") and gguf_file is not None and int4.supported(device)
+    lean = (lambda: int4.load_lean(Path(source), gguf_file, kwargs)) if to_int4 else None
+    tokenizer, model, lean_applied = _read(spec.model or source, source, name, device, kwargs, lean)
+    layouts = layouts and getattr(model, "hf_quantizer", None) is None
+    # 4-bit blocks first (here, or already by the lean load): the mask probe below runs on what
+    # will answer.
+    if layouts and to_int4:
+        applied = lean_applied or int4.apply(model, gguf_file, Path(source), progress)
         notices.extend(applied.notices)
         if spec.weights == "int4" and not applied.replaced:
             notices.append(f"{name} has no 4-bit (Q4_0, Q4_1, Q4_K) Linear weights the int4 kernel takes; "
@@ -307,9 +309,10 @@ def _quantization(spec: LoadSpec, dtype: torch.dtype, notices: list[str]) -> dic
                                                       bnb_4bit_compute_dtype=dtype if spec.load_in_4bit else None)}
 
 
-def _read(asked: str, source: str, name: str, device: torch.device, kwargs: dict):
-    """(tokenizer, model in eval mode on its device) from `source` (a folder or hub id; `asked`: what
-    the user gave, for messages), loaded with from_pretrained's `kwargs`."""
+def _read(asked: str, source: str, name: str, device: torch.device, kwargs: dict, lean=None):
+    """(tokenizer, model in eval mode on its device, what `lean` applied) from `source` (a folder or
+    hub id; `asked`: what the user gave, for messages), loaded with from_pretrained's `kwargs`, or
+    by `lean()` (int4.load_lean: (model, Applied), or None where it does not apply) first."""
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -331,6 +334,9 @@ def _read(asked: str, source: str, name: str, device: torch.device, kwargs: dict
         raise LoadError(f"cannot load the tokenizer of {name}: {_one_line(exc)}" if local
                         else _not_found(asked, exc)) from None
     try:
+        built = _lean(lean)
+        if built is not None:
+            return tokenizer, *built
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
         if "device_map" not in kwargs:  # on the CPU, where it was loaded
             model = model.to(device)
@@ -345,7 +351,18 @@ def _read(asked: str, source: str, name: str, device: torch.device, kwargs: dict
             raise LoadError(f"cannot load model {name}: its weights do not have the shapes its config.json "
                             "gives (a mismatched or corrupt checkpoint)") from None
         raise
-    return tokenizer, model.eval()
+    return tokenizer, model.eval(), None
+
+
+def _lean(lean):
+    """lean()'s model, or None to load as usual: also when it fails on files that from_pretrained
+    then reports in its own words (a lean load is an optimization, never a new way to fail)."""
+    if lean is None:
+        return None
+    try:
+        return lean()
+    except (OSError, ValueError, KeyError, RuntimeError):
+        return None
 
 
 def _check_tree_mask(model, name: str, attn: str, folder: str | None, notices: list[str]) -> None:
