@@ -24,9 +24,12 @@ import split_tests
 import stage
 
 # fast nodes that need no embedded model (the dry run does not convert it): one per half is run
+# quick nodes of many files, so that each half of any split holds one
 FAST_NODES = ["tests/test_templates.py", "tests/test_exactness.py::test_lookahead_off_is_plain_decoding",
               "tests/test_settings.py", "tests/test_static.py::test_static_eos_and_lookahead_off",
-              "tests/test_units.py::test_mask_matches_diagram"]
+              "tests/test_units.py::test_mask_matches_diagram", "tests/test_text_stream.py",
+              "tests/test_threads.py::test_the_count_stays_between_one_and_the_ceiling",
+              "tests/test_stream.py", "tests/test_structure.py"]
 
 
 def dry_nodes(repo: Path) -> dict[str, list[str]]:
