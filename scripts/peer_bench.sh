@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # ladechat and llama.cpp side by side in one run, on the same GGUF (the embedded model): starts
 # llama-server twice, plain and with its n-gram speculation, waits until both are healthy, runs
-#     ladechat bench --methods plain,lookahead --peer llama.cpp=URL --peer llama.cpp-ngram=URL "$@"
+#     ladechat bench --methods plain,lookahead --weights auto --peer llama.cpp=URL --peer llama.cpp-ngram=URL "$@"
 # and stops both servers on exit. A measuring tool, never a dependency: build llama.cpp first
 # (scripts/llama_cpp.sh). Idle between requests llama-server sleeps (~0% CPU, measured with top),
 # so the servers do not slow ladechat's methods.
@@ -70,5 +70,7 @@ start ngram "$NGRAM_PORT" "${NGRAM_ARGS[@]}"
 healthy plain "$PLAIN_PORT" "${PIDS[0]}"
 healthy ngram "$NGRAM_PORT" "${PIDS[1]}"
 echo "peer_bench.sh: llama-server on $GGUF (-t $THREADS): plain at :$PLAIN_PORT, ${NGRAM_ARGS[*]} at :$NGRAM_PORT" >&2
-"$PY" -m ladechat bench --methods "${METHODS:-plain,lookahead}" \
+# --weights auto: ladechat as a user runs it (the GGUF's 4-bit blocks on the int4 kernel); the
+# bench's own default is packed, the layout its HF comparisons were made on (a later flag wins)
+"$PY" -m ladechat bench --methods "${METHODS:-plain,lookahead}" --weights auto \
     --peer "llama.cpp=http://127.0.0.1:$PLAIN_PORT/v1" --peer "llama.cpp-ngram=http://127.0.0.1:$NGRAM_PORT/v1" "$@"
