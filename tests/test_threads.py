@@ -5,6 +5,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from tiny_models import tiny_model
 
@@ -34,7 +35,8 @@ class Machine:
 def governor(machine, ceiling=2):
     calls = []
     threads = CpuThreads(ceiling=ceiling, cpus=machine.cpus, interval_s=0.5, sample=machine.sample,
-                         get_threads=lambda: calls[-1] if calls else ceiling, set_threads=calls.append)
+                         get_threads=lambda: calls[-1] if calls else ceiling, set_threads=calls.append,
+                         clock=lambda: machine.now)
     return threads, calls
 
 
@@ -87,26 +89,66 @@ def test_a_real_busy_process_is_seen():
 
 
 def test_a_session_sets_the_count_before_every_forward_pass():
+    """The count the governor sets is torch's when each forward pass runs (a forward hook reads it)."""
     model = tiny_model("llama")
     machine = Machine()
-    seen = []
+    counts = []
+    hook = model.register_forward_pre_hook(lambda module, args: counts.append(torch.get_num_threads()))
 
-    class Recording(CpuThreads):
+    class Busy(CpuThreads):
         def adjust(self):
-            seen.append(torch.get_num_threads())
-            machine.run(1.0)
+            machine.run(1.0)  # each step, a second of a machine whose other core is taken
             return super().adjust()
 
-    threads = Recording(ceiling=2, cpus=2, interval_s=0.5, sample=machine.sample, get_threads=lambda: 2,
-                        set_threads=lambda n: None)
-    machine.others = 1.0
-    la = LookaheadConfig(window=2, ngram=3, candidates=1)
-    events = list(generate(Session(model, la, threads=threads), [1, 5, 9, 12, 7, 3], SamplingConfig(max_new_tokens=12),
-                           frozenset()))
-    done = events[-1]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        threads = Busy(ceiling=2, cpus=2, interval_s=0.5, sample=machine.sample, clock=lambda: machine.now)
+        machine.others = 1.0
+        la = LookaheadConfig(window=2, ngram=3, candidates=1)
+        done = list(generate(Session(model, la, threads=threads), [1, 5, 9, 12, 7, 3],
+                             SamplingConfig(max_new_tokens=12), frozenset()))[-1]
+    finally:
+        hook.remove()
+        torch.set_num_threads(before)
     assert isinstance(done, Done)
-    assert len(seen) == done.stats.steps + 1  # the prompt's prefill, then every step
-    assert threads.threads == 1
+    assert counts == [1] * (done.stats.steps + 1)  # the prompt's prefill, then every step, on one thread
+
+
+def test_packed_and_int4_steps_give_the_same_bits_on_any_thread_count():
+    """What lets the governor change the count mid-answer: a step's logits do not depend on it for
+    packed (oneDNN) weights; MKL's dense fp32 products may, so a dense model keeps torch's count."""
+    from ladechat.engine.model import packing
+    from ladechat.engine.runner import DynamicRunner
+    from ladechat.engine.step_cost import chain, prefill_random
+
+    model = tiny_model("llama")
+    if not packing.supported(torch.device("cpu"), torch.float32):
+        pytest.skip("oneDNN packing runs on x86-64 only; elsewhere models keep torch's count (next test)")
+    packing.pack(model)
+    before = torch.get_num_threads()
+    logits = {}
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            runner = DynamicRunner(model)
+            prefill_random(runner, 40)
+            logits[count] = []
+            for size in (1, 6):  # a plain step and a lookahead step's worth of rows
+                logits[count].append(runner.step(chain(size), 40).clone())
+                runner.truncate(40)
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(logits[1], logits[2]))
+
+
+def test_only_models_whose_steps_do_not_depend_on_the_count_get_a_governor():
+    from ladechat.engine.model.loading import LoadSpec, load
+
+    dense = load(LoadSpec(dtype="float32", device="cpu", weights="dense"))
+    assert dense.threads is None
+    default = load(LoadSpec(dtype="float32", device="cpu"))
+    assert isinstance(default.threads, CpuThreads) and "dense" not in default.weights
 
 
 def test_the_step_cost_curves_are_kept_for_the_full_thread_count(tmp_path, monkeypatch):
@@ -121,15 +163,17 @@ def test_the_step_cost_curves_are_kept_for_the_full_thread_count(tmp_path, monke
     monkeypatch.setattr(step_cost, "measure", lambda *a, **k: counts.append(torch.get_num_threads()) or {1: 1.0, 2: 1.5})
     before = torch.get_num_threads()
     try:
-        busy = LoadedModel(model, None, "tiny", torch.device("cpu"), torch.float32, frozenset(), 512)
         machine = Machine()
-        busy.__dict__["threads"] = CpuThreads(ceiling=2, cpus=2, interval_s=0.5, sample=machine.sample)
+        busy = LoadedModel(model, None, "tiny", torch.device("cpu"), torch.float32, frozenset(), 512,
+                           threads=CpuThreads(ceiling=2, cpus=2, sample=machine.sample, clock=lambda: machine.now))
         machine.others = 1.0
         machine.run(5.0)  # loading, while another process keeps a core busy
         first = busy.cost_model()
         assert counts == [1, 1]  # both cache lengths measured, at the count the load allows
-        quiet = LoadedModel(model, None, "tiny", torch.device("cpu"), torch.float32, frozenset(), 512)
-        quiet.__dict__["threads"] = CpuThreads(ceiling=2, cpus=2, interval_s=0.5, sample=Machine().sample)
+        quiet_machine = Machine()
+        quiet = LoadedModel(model, None, "tiny", torch.device("cpu"), torch.float32, frozenset(), 512,
+                            threads=CpuThreads(ceiling=2, cpus=2, sample=quiet_machine.sample,
+                                               clock=lambda: quiet_machine.now))
         again = quiet.cost_model()
     finally:
         torch.set_num_threads(before)

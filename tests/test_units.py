@@ -133,7 +133,7 @@ def test_commit_kv_gathers_accepted_rows(make):
 
 def test_a_growing_cache_writes_after_what_it_keeps_and_grows_past_its_room():
     """Steps of 1-9 rows, each keeping some: a GrowingCache holds what a DynamicCache holds, through
-    truncations, gathers and buffers doubling (the first hold 256 positions)."""
+    truncations, gathers and buffers growing (the first hold 256 positions)."""
     import random
 
     rng = random.Random(5)

@@ -39,7 +39,7 @@ class Bot:
         store = self._open_store() if la.store else None
         if compile:
             runner = StaticRunner(loaded.model, la, loaded.context_length, compiled=loaded.compiled_forward)
-            self.session = Session(loaded.model, la, runner=runner, store=store, threads=loaded.threads)
+            self.session = Session(loaded.model, la, runner=runner, store=store)  # compiled at one count
         else:
             self.session = Session(loaded.model, la, step_cost=step_cost or loaded.cost_model(), store=store,
                                    threads=loaded.threads)

@@ -35,7 +35,8 @@ class GrowingLayer(DynamicLayer):
     """A DynamicLayer whose keys and values are views of buffers with room to spare: a step writes
     its rows after the committed ones instead of concatenating (DynamicLayer copies the whole
     layer's cache every step: 60 copies a step for a 30-layer model, growing with the
-    conversation). The buffers double when full. `keys` and `values` are the filled part, as a
+    conversation). Full buffers grow by half (room for half as much again: amortized copies
+    without doubling a long prompt's cache). `keys` and `values` are the filled part, as a
     DynamicLayer's: cutting them shorter (truncate, commit_kv) is all dropping rows takes, and
     the next step writes after what they hold."""
 
@@ -60,7 +61,7 @@ class GrowingLayer(DynamicLayer):
     @staticmethod
     def _room_for(length: int, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
         batch, heads, _, dim = new.shape
-        buffer = new.new_empty((batch, heads, max(2 * length, GROWING_MIN), dim))
+        buffer = new.new_empty((batch, heads, max(length + length // 2, GROWING_MIN), dim))
         if old.dim() == 4:
             buffer[..., : old.shape[-2], :] = old
         return buffer

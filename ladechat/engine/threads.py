@@ -6,9 +6,9 @@ second model), one of our threads is often off its core: every barrier waits for
 thousands of times a step. Measured on the 2-core machine, with another process keeping one core
 busy, the embedded model's one-row step: 20 ms alone, 90 ms to 2.4 s on 2 threads, 26 ms on 1.
 So the thread count follows the cores other processes leave free: before a step, at most every
-`interval_s`, the CPU time the machine spent outside this process since the last look says how
-many cores are taken; the steps use the rest (at least one, at most what torch started with,
-which honours OMP_NUM_THREADS). A quiet machine keeps every thread.
+`interval_s`, the CPU time the CPUs this process may run on spent outside it since the last look
+says how many of them are taken; the steps use the rest (at least one, at most torch's count when
+the model was loaded, which honours OMP_NUM_THREADS). A quiet machine keeps every thread.
 """
 
 from __future__ import annotations
@@ -35,17 +35,29 @@ class CpuSample:
     own: float
 
 
-def sample_cpu() -> CpuSample:
+def our_cpus() -> list[int]:
+    """The CPUs this process may run on (its affinity, where the OS says; else all)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return list(range(os.cpu_count() or 1))
+
+
+def sample_cpu(cpus: list[int] | None = None) -> CpuSample:
+    """Idle time summed over `cpus` (default: ours): others' work on CPUs we cannot use is no
+    competition."""
     import psutil
 
-    times = psutil.cpu_times()
-    idle = times.idle + getattr(times, "iowait", 0.0)  # waiting for a disk is not using a core
+    per_cpu = psutil.cpu_times(percpu=True)
+    chosen = [per_cpu[i] for i in (cpus if cpus is not None else our_cpus()) if i < len(per_cpu)] or per_cpu
+    # waiting for a disk is not using a core
+    idle = sum(t.idle + getattr(t, "iowait", 0.0) for t in chosen)
     return CpuSample(time.monotonic(), idle, time.process_time())
 
 
 def cpu_count() -> int:
-    """The CPUs whose idle time psutil.cpu_times() sums: all of the machine's."""
-    return os.cpu_count() or 1
+    """The CPUs whose idle time sample_cpu sums: ours."""
+    return len(our_cpus())
 
 
 class CpuThreads:
@@ -54,7 +66,9 @@ class CpuThreads:
 
     def __init__(self, ceiling: int | None = None, cpus: int | None = None, interval_s: float = 0.5,
                  sample: Callable[[], CpuSample] = sample_cpu, get_threads: Callable[[], int] | None = None,
-                 set_threads: Callable[[int], None] | None = None) -> None:
+                 set_threads: Callable[[int], None] | None = None, clock: Callable[[], float] = time.monotonic
+                 ) -> None:
+        """clock: the clock of sample()'s `wall` (read first: most steps need no look)."""
         import torch
 
         self.get_threads = get_threads or torch.get_num_threads
@@ -63,6 +77,7 @@ class CpuThreads:
         self.cpus = cpus or cpu_count()
         self.interval_s = interval_s
         self.sample = sample
+        self.clock = clock
         self.threads = self.ceiling
         self.others = 0.0  # cores the rest of the machine used over the last interval
         self.last = sample()
@@ -70,8 +85,8 @@ class CpuThreads:
     def adjust(self) -> int:
         """Look at the machine if the last look is `interval_s` old, and set the thread count for
         the steps that follow; returns it."""
-        if self.ceiling == 1:
-            return 1
+        if self.ceiling == 1 or self.clock() - self.last.wall < self.interval_s:
+            return self.threads
         now = self.sample()
         span = now.wall - self.last.wall
         if span < self.interval_s:
@@ -80,7 +95,9 @@ class CpuThreads:
         self.others = max(0.0, (busy - (now.own - self.last.own)) / span)
         self.last = now
         self.threads = self.wanted(self.others)
-        if self.get_threads() != self.threads:  # asked, not remembered: torch's count is the process's
+        # asked, not remembered: something else may have set it since (the count is per OS thread
+        # under OpenMP; the steps run on the thread that asks)
+        if self.get_threads() != self.threads:
             self.set_threads(self.threads)
         return self.threads
 

@@ -351,8 +351,8 @@ def load_lean(folder: Path, gguf_path: Path, kwargs: dict):
                 if key not in int4_weights:
                     tensor = fh.get_tensor(key)
                     state[key] = tensor.to(dtype) if tensor.is_floating_point() else tensor
-    model.load_state_dict(state, strict=False, assign=True)
-    model.tie_weights()
+    loaded = model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights(missing_keys=set(loaded.missing_keys))  # as from_pretrained ties: only what the files lack
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         return None
     if (folder / "generation_config.json").is_file():

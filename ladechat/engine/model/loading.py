@@ -13,6 +13,7 @@ import torch
 
 from ladechat.engine.model import gguf, int4, packing
 from ladechat.engine.model.attention import use_grouped_sdpa
+from ladechat.engine.threads import CpuThreads
 from ladechat.engine.model.gguf import ModelNotFound
 from ladechat.errors import UserError
 from ladechat.paths import cache_root
@@ -61,6 +62,9 @@ class LoadedModel:
     context_length: int
     notices: tuple[str, ...] = ()
     weights: str = ""  # the Linear weights' layouts and kernels in words (int4.describe); "" all as loaded
+    # On a CPU whose steps give the same results on any thread count (every Linear packed or int4),
+    # their thread count, which follows the machine's other load (engine/threads.py); else None.
+    threads: object = None
 
     @functools.cached_property
     def compiled_forward(self):
@@ -69,14 +73,6 @@ class LoadedModel:
         from ladechat.engine.runner import CompiledForward
 
         return CompiledForward(self.model)
-
-    @functools.cached_property
-    def threads(self):
-        """On a CPU, the model's steps' thread count, following the machine's other load
-        (engine/threads.py); None elsewhere."""
-        from ladechat.engine.threads import CpuThreads
-
-        return CpuThreads() if self.device.type == "cpu" else None
 
     def step_cost(self) -> dict[int, float]:
         """This model's step-cost curve on this device (measured once, then read from the cache)."""
@@ -224,6 +220,8 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
     the attention function, a checked tree mask); progress(message) is shown during slow phases.
     LoadError (or ModelNotFound) with one line for whatever the user can fix."""
     device, dtype = _checked(spec)
+    # its first look at the machine now: the load's seconds are the first interval it measures
+    threads = CpuThreads() if device.type == "cpu" else None
     notices: list[str] = []
     attn = _attention(spec.attn, notices)
     source, name, gguf_file = _source(spec.model, progress)
@@ -254,9 +252,14 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
     # pack() itself leaves weights on devices and in dtypes it does not pack.
     if layouts and spec.weights != "dense":
         packing.pack(model)
+    # Packed (oneDNN) and int4 products, SDPA and the rest of a step give the same bits on 1 or 2
+    # threads; MKL's dense fp32 products do not (tests/test_threads.py), and a lookahead answer
+    # must equal plain decoding's whatever the load did meanwhile: those keep torch's count.
+    same_on_any_count = "dense" not in int4.weight_layout(model)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, device=model.device, dtype=model.dtype,
                        eos_ids=eos_ids(model, tokenizer), context_length=context_length(model.config),
-                       notices=tuple(notices), weights=int4.describe(model))
+                       notices=tuple(notices), weights=int4.describe(model),
+                       threads=threads if same_on_any_count else None)
 
 
 def _checked(spec: LoadSpec) -> tuple[torch.device, torch.dtype]:
@@ -361,7 +364,7 @@ def _lean(lean):
         return None
     try:
         return lean()
-    except (OSError, ValueError, KeyError, RuntimeError):
+    except Exception:  # noqa: BLE001 -- any failure (safetensors' own errors included) loads as usual
         return None
 
 
