@@ -32,8 +32,8 @@ def answer(loaded, prompt: str, la: LookaheadConfig, threads, max_new: int) -> f
     ids = templates.encode(loaded.tokenizer, [{"role": "user", "content": prompt}], None)
     session = Session(loaded.model, la, threads=threads)
     start = time.perf_counter()
-    done = [e for e in generate(session, ids, SamplingConfig(max_new_tokens=max_new), loaded.eos_ids)
-            if isinstance(e, Done)][0]
+    done = next(e for e in generate(session, ids, SamplingConfig(max_new_tokens=max_new), loaded.eos_ids)
+                if isinstance(e, Done))
     return len(done.text_tokens) / (time.perf_counter() - start)
 
 

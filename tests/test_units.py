@@ -143,7 +143,7 @@ def test_a_growing_cache_writes_after_what_it_keeps_and_grows_past_its_room():
         rows = rng.randint(1, 9)
         states = torch.randn(1, 2, rows, 4)
         for cache in (growing, dynamic):
-            keys, values = cache.update(states, states * 2, 0)
+            keys, _ = cache.update(states, states * 2, 0)
             assert keys.shape[-2] == committed + rows
         keep = sorted({0, *rng.sample(range(rows), rng.randint(0, rows - 1))})
         for cache in (growing, dynamic):

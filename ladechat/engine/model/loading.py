@@ -13,8 +13,8 @@ import torch
 
 from ladechat.engine.model import gguf, int4, packing
 from ladechat.engine.model.attention import use_grouped_sdpa
-from ladechat.engine.threads import CpuThreads
 from ladechat.engine.model.gguf import ModelNotFound
+from ladechat.engine.threads import CpuThreads
 from ladechat.errors import UserError
 from ladechat.paths import cache_root
 
