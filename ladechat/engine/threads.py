@@ -4,7 +4,8 @@ torch splits every op of a step across its threads (OpenMP), and each op ends at
 waits for all of them. On a small machine where something else is running (a build, a browser, a
 second model), one of our threads is often off its core: every barrier waits for the scheduler,
 thousands of times a step. Measured on the 2-core machine, with another process keeping one core
-busy, the embedded model's one-row step: 20 ms alone, 90 ms to 2.4 s on 2 threads, 26 ms on 1.
+busy, the embedded model's one-row step: 20 ms alone, 90 ms to 2.4 s on 2 threads, 26 ms on 1
+(answers: 11.3 against 32.5 tok/s, scripts/thread_load.py).
 So the thread count follows the cores other processes leave free: before a step, at most every
 `interval_s`, the CPU time the CPUs this process may run on spent outside it since the last look
 says how many of them are taken; the steps use the rest (at least one, at most torch's count when
