@@ -8,11 +8,11 @@ import json
 import os
 import socket
 import subprocess
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import stub_openai
 from conftest import ladechat_bin
+from stub_openai import StubHandler
 
 from ladechat.bench import peers as peer_bench
 from ladechat.bench import prompts
@@ -27,49 +27,27 @@ def answer_text(messages: list[dict]) -> str:
     return f"You said: {messages[-1]['content']}"
 
 
-class Peer(BaseHTTPRequestHandler):
+class Peer(StubHandler):
+    model, owned_by = "stub.gguf", "llamacpp"
     usage = True  # report usage (when the request asks for it)
     requests: list
 
-    def log_message(self, *args) -> None:
-        pass
-
-    def _json(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self) -> None:
-        if self.path == "/v1/models":
-            self._json(200, {"object": "list", "data": [{"id": "stub.gguf", "object": "model", "owned_by": "llamacpp"}]})
-        else:
-            self._json(404, {"error": {"message": "File Not Found"}})
-
     def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        body = self.read_request()
         self.requests.append(body)
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.end_headers()
         text = answer_text(body["messages"])
         events = [{"choices": [{"index": 0, "delta": {"content": text[i:i + 4]}, "finish_reason": None}]}
                   for i in range(0, len(text), 4)]
         events.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
         if self.usage and (body.get("stream_options") or {}).get("include_usage"):
             events.append({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": USAGE, "total_tokens": 16}})
-        for event in events:
-            self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
-        self.wfile.write(b"data: [DONE]\n\n")
+        self.send_events([*events, "[DONE]"])
 
 
 def serve(usage: bool):
     handler = type("Handler", (Peer,), {"usage": usage, "requests": []})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, handler.requests, f"http://127.0.0.1:{server.server_address[1]}/v1"
+    server, url = stub_openai.serve(handler)
+    return server, handler.requests, url
 
 
 @pytest.fixture()

@@ -8,12 +8,11 @@ The server is a stdlib HTTP server in this process that answers the way vLLM's
 import json
 import os
 import subprocess
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pexpect
 import pytest
 from conftest import ladechat_bin
+from stub_openai import StubHandler, serve
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 WORDS = ["The", " capital", " of", " France", " is", " Paris", "."]
@@ -28,47 +27,23 @@ def chunk(delta: dict | None, finish: str | None = None, usage: dict | None = No
     return body
 
 
-class Handler(BaseHTTPRequestHandler):
+class Handler(StubHandler):
+    model, owned_by = MODEL, "vllm"
     requests: list = []  # the JSON bodies of the chat requests, in order
 
-    def log_message(self, *args) -> None:
-        pass
-
-    def _json(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self) -> None:
-        if self.path == "/v1/models":
-            self._json(200, {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "vllm"}]})
-        else:
-            self._json(404, {"error": {"message": "not found"}})
-
     def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        Handler.requests.append(body)
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.end_headers()
+        Handler.requests.append(self.read_request())
         events = [chunk({"role": "assistant", "content": ""})]
         events += [chunk({"content": word}) for word in WORDS]
         events += [chunk({}, finish="stop"), chunk(None, usage={"prompt_tokens": 17, "completion_tokens": 7,
                                                                 "total_tokens": 24})]
-        for event in events:
-            self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
-            self.wfile.flush()
-        self.wfile.write(b"data: [DONE]\n\n")
+        self.send_events([*events, "[DONE]"])
 
 
 @pytest.fixture(scope="module")
 def foreign():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    server, url = serve(Handler)
+    yield url
     server.shutdown()
 
 

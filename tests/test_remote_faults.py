@@ -11,14 +11,13 @@ import io
 import json
 import os
 import re
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pexpect
 import pytest
 from conftest import ladechat_bin
 from rich.console import Console
 from serve_process import Server
+from stub_openai import StubHandler, serve
 
 from ladechat.backends.remote import Endpoint, RemoteBot
 from ladechat.ui.chat import ChatApp
@@ -27,64 +26,42 @@ MODEL = "scripted"
 WORDS = ["Once", " upon", " a", " time", ",", " a", " dragon", " baked", " bread", "."]
 
 
-def chunk(delta: dict | None, finish: str | None = None) -> str:
-    body = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
+def chunk(delta: dict | None, finish: str | None = None) -> dict:
+    return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
             "choices": [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]}
-    return f"data: {json.dumps(body)}\n\n"
 
 
-class Scripted(BaseHTTPRequestHandler):
+class Scripted(StubHandler):
     """Answers as `mode` says: ok (the whole answer), error (three words, then an error event and
     [DONE], as OpenAI's API and ladechat serve fail mid-answer), cut (three words, then the
     connection closes), busy (503 with Retry-After), bad (400)."""
 
+    model = MODEL
     mode = "ok"
 
-    def log_message(self, *args) -> None:
-        pass
-
-    def _json(self, status: int, body: dict, headers: dict | None = None) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        for name, value in {"Content-Type": "application/json", "Content-Length": str(len(data)),
-                            **(headers or {})}.items():
-            self.send_header(name, value)
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self) -> None:
-        self._json(200, {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "test"}]})
-
     def do_POST(self) -> None:
-        self.rfile.read(int(self.headers["Content-Length"]))
+        self.read_request()
         mode = Scripted.mode
         if mode == "busy":
-            self._json(503, {"error": {"message": "the server is busy"}}, {"Retry-After": "2"})
+            self.send_json(503, {"error": {"message": "the server is busy"}}, {"Retry-After": "2"})
             return
         if mode == "bad":
-            self._json(400, {"error": {"message": "temperature: must be a finite number"}})
+            self.send_json(400, {"error": {"message": "temperature: must be a finite number"}})
             return
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.end_headers()
         words = WORDS if mode == "ok" else WORDS[:3]
         events = [chunk({"role": "assistant", "content": ""})] + [chunk({"content": w}) for w in words]
         if mode == "ok":
-            events += [chunk({}, finish="stop"), "data: [DONE]\n\n"]
+            events += [chunk({}, finish="stop"), "[DONE]"]
         elif mode == "error":
-            events += [f"data: {json.dumps({'error': {'message': 'CUDA out of memory', 'type': 'server_error'}})}\n\n",
-                       "data: [DONE]\n\n"]
-        for event in events:
-            self.wfile.write(event.encode())
-            self.wfile.flush()
+            events += [{"error": {"message": "CUDA out of memory", "type": "server_error"}}, "[DONE]"]
+        self.send_events(events)
         # "cut": the handler returns and the (HTTP/1.0) connection closes, mid-answer
 
 
 @pytest.fixture(scope="module")
 def scripted():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Scripted)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    server, url = serve(Scripted)
+    yield url
     server.shutdown()
 
 
