@@ -207,7 +207,7 @@ def test_every_4bit_kind_of_a_gguf_runs_as_int4_and_the_rest_stays_dense(tiny_gg
 def test_a_lean_load_reads_only_the_tensors_that_stay_dense(tiny_gguf, tmp_path):
     """Once the 4-bit form is kept, the model is built empty and only its other tensors are read
     (the peak memory of a chat): the same model, bit for bit, as the full load then int4.apply."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from ladechat.engine.model.gguf import ensure_converted
 
@@ -215,10 +215,11 @@ def test_a_lean_load_reads_only_the_tensors_that_stay_dense(tiny_gguf, tmp_path)
     shutil.copyfile(tiny_gguf, copy)
     folder = ensure_converted(copy)
     kwargs = {"dtype": torch.float32, "attn_implementation": "sdpa"}
-    assert int4.load_lean(folder, copy, kwargs) is None  # no kept form yet: the first load reads the GGUF
+    config = AutoConfig.from_pretrained(folder)
+    assert int4.load_lean(folder, copy, kwargs, config) is None  # no kept form yet: the first load reads the GGUF
     full = AutoModelForCausalLM.from_pretrained(folder, **kwargs).eval()
     int4.apply(full, copy, folder)
-    lean, applied = int4.load_lean(folder, copy, kwargs)
+    lean, applied = int4.load_lean(folder, copy, kwargs, config)
     assert applied.replaced == 6 * LAYERS and int4.weight_layout(lean) == int4.weight_layout(full)
     assert not any(t.is_meta for t in (*lean.parameters(), *lean.buffers()))
     assert set(lean.state_dict()) == set(full.state_dict())
@@ -226,7 +227,7 @@ def test_a_lean_load_reads_only_the_tensors_that_stay_dense(tiny_gguf, tmp_path)
     with torch.no_grad():
         assert torch.equal(lean(ids).logits, full(ids).logits)
     # bf16: the dense tensors read in the model's dtype
-    lean16, _ = int4.load_lean(folder, copy, {**kwargs, "dtype": torch.bfloat16})
+    lean16, _ = int4.load_lean(folder, copy, {**kwargs, "dtype": torch.bfloat16}, config)
     assert lean16.model.embed_tokens.weight.dtype == torch.bfloat16
 
 
@@ -294,12 +295,13 @@ def test_the_embedded_model_loads_lean_and_equals_the_full_load(embedded_int4):
     """load() of a GGUF whose 4-bit form is kept (the fixture's load made it) builds the model empty
     and reads only the dense tensors: the same logits as from_pretrained then int4.apply, with the
     output layer still tied to the embedding."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from ladechat.engine.model.gguf import ensure_converted
 
     folder = ensure_converted(gguf_path())
-    lean, _ = int4.load_lean(folder, gguf_path(), {"dtype": torch.float32, "attn_implementation": "sdpa"})
+    lean, _ = int4.load_lean(folder, gguf_path(), {"dtype": torch.float32, "attn_implementation": "sdpa"},
+                             AutoConfig.from_pretrained(folder))
     full = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
     int4.apply(full, gguf_path(), folder)
     assert lean.lm_head.weight is lean.model.embed_tokens.weight

@@ -92,9 +92,14 @@ def cache_path(model, name: str, *what, threads: int | None = None) -> Path:
     return cache_root() / "step-cost" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
+def measured_sizes(model) -> tuple[int, ...]:
+    """The step sizes a curve is measured at on the model's device."""
+    return GPU_SIZES if model.device.type == "cuda" else SIZES
+
+
 def cached_curve(model, name: str, context: int = 192, threads: int | None = None) -> dict[int, float]:
     """The curve kept for `threads` (cache_path), else measured now, at torch's thread count now."""
-    sizes = GPU_SIZES if model.device.type == "cuda" else SIZES
+    sizes = measured_sizes(model)
     path = cache_path(model, name, list(sizes), context, threads=threads)
     try:
         return {int(k): float(v) for k, v in json.loads(path.read_text()).items()}
@@ -130,7 +135,7 @@ class CostModel:
 
 def curves_cached(model, name: str, threads: int | None = None) -> bool:
     """Whether cached_cost_model would read every curve rather than measure one."""
-    sizes = GPU_SIZES if model.device.type == "cuda" else SIZES
+    sizes = measured_sizes(model)
     return all(cache_path(model, name, list(sizes), context, threads=threads).is_file() for context in CONTEXTS)
 
 

@@ -89,9 +89,7 @@ class CpuThreads:
         if self.ceiling == 1 or self.clock() - self.last.wall < self.interval_s:
             return self.threads
         now = self.sample()
-        span = now.wall - self.last.wall
-        if span < self.interval_s:
-            return self.threads
+        span = now.wall - self.last.wall  # at least interval_s: sample()'s wall is clock()
         busy = self.cpus * span - (now.idle - self.last.idle)
         self.others = max(0.0, (busy - (now.own - self.last.own)) / span)
         self.last = now

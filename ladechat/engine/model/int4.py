@@ -319,9 +319,9 @@ def apply(model, gguf_path: Path, folder: Path,
         return _replace(model, fh.get_tensor, kinds, notices)
 
 
-def load_lean(folder: Path, gguf_path: Path, kwargs: dict):
-    """The model of `folder` (the converted copy of `gguf_path`) with its 4-bit Linear weights never
-    made dense: built empty (parameters on the meta device, buffers as usual), its int4 modules put
+def load_lean(folder: Path, gguf_path: Path, kwargs: dict, config):
+    """The model of `folder` (the converted copy of `gguf_path`; `config`: its config, as read)
+    with its 4-bit Linear weights never made dense: built empty (parameters on the meta device, buffers as usual), its int4 modules put
     in from the kept 4-bit form, only the other tensors read from the converted files, in
     kwargs["dtype"]. A load through from_pretrained reads every weight and casts it (a bf16 load
     of the embedded model: its 540 MB of fp32 pages touched, 270 MB of bf16 made, then dropped
@@ -330,13 +330,13 @@ def load_lean(folder: Path, gguf_path: Path, kwargs: dict):
     GGUF against the dense weights; no int4 module; a tensor left unread): then load as usual."""
     from accelerate import init_empty_weights
     from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     folder = Path(folder)
     if not cache_path(folder).is_file():
         return None
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), **kwargs)
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
     applied = apply(model, gguf_path, folder)
     if not applied.replaced:
         return None

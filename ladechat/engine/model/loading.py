@@ -235,7 +235,7 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
     # quantization_config) or a device map: accelerate's hooks sit on the modules they replace.
     layouts = spec.pack_weights and "device_map" not in kwargs and "quantization_config" not in kwargs
     to_int4 = layouts and spec.weights in ("auto", "int4") and gguf_file is not None and int4.supported(device)
-    lean = (lambda: int4.load_lean(Path(source), gguf_file, kwargs)) if to_int4 else None
+    lean = (lambda config: int4.load_lean(Path(source), gguf_file, kwargs, config)) if to_int4 else None
     tokenizer, model, lean_applied = _read(spec.model or source, source, name, device, kwargs, lean)
     layouts = layouts and getattr(model, "hf_quantizer", None) is None
     # 4-bit blocks first (here, or already by the lean load): the mask probe below runs on what
@@ -315,7 +315,7 @@ def _quantization(spec: LoadSpec, dtype: torch.dtype, notices: list[str]) -> dic
 def _read(asked: str, source: str, name: str, device: torch.device, kwargs: dict, lean=None):
     """(tokenizer, model in eval mode on its device, what `lean` applied) from `source` (a folder or
     hub id; `asked`: what the user gave, for messages), loaded with from_pretrained's `kwargs`, or
-    by `lean()` (int4.load_lean: (model, Applied), or None where it does not apply) first."""
+    by `lean(config)` (int4.load_lean: (model, Applied), or None where it does not apply) first."""
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -337,7 +337,7 @@ def _read(asked: str, source: str, name: str, device: torch.device, kwargs: dict
         raise LoadError(f"cannot load the tokenizer of {name}: {_one_line(exc)}" if local
                         else _not_found(asked, exc)) from None
     try:
-        built = _lean(lean)
+        built = _lean(lean, config)
         if built is not None:
             return tokenizer, *built
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
@@ -357,13 +357,13 @@ def _read(asked: str, source: str, name: str, device: torch.device, kwargs: dict
     return tokenizer, model.eval(), None
 
 
-def _lean(lean):
-    """lean()'s model, or None to load as usual: also when it fails on files that from_pretrained
+def _lean(lean, config):
+    """lean(config)'s model, or None to load as usual: also when it fails on files that from_pretrained
     then reports in its own words (a lean load is an optimization, never a new way to fail)."""
     if lean is None:
         return None
     try:
-        return lean()
+        return lean(config)
     except Exception:  # noqa: BLE001 -- any failure (safetensors' own errors included) loads as usual
         return None
 
