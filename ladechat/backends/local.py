@@ -66,10 +66,12 @@ class Bot:
         return self.loaded.name
 
     def describe(self) -> str:
-        """The model, its device and dtype, and which Linear weights and kernels run (when not all as
-        transformers loads them), e.g. '... on cpu (float32; 210 Linear int4 from Q4_1 blocks (...))'."""
+        """The model, its device and dtype, which Linear weights and kernels run (when not all as
+        transformers loads them) and what runs a step when not the model's own forward, e.g.
+        '... on cpu (float32; 210 Linear int4 from Q4_1 blocks (...); steps by engine/lean.py)'."""
         weights = f"; {self.loaded.weights}" if self.loaded.weights else ""
-        return f"{self.loaded.name} on {self.loaded.device} ({str(self.loaded.dtype).removeprefix('torch.')}{weights})"
+        steps = f"; steps by {self.session.runner.steps}" if self.session.runner.steps else ""
+        return f"{self.loaded.name} on {self.loaded.device} ({str(self.loaded.dtype).removeprefix('torch.')}{weights}{steps})"
 
     def configure(self, settings: Settings) -> None:
         from ladechat.templates import TemplateError, resolve

@@ -2,8 +2,10 @@
 
 Lookahead wins when a step of S tokens costs little more than a step of one. This measures that
 curve for a loaded model or a randomly initialised one of a known shape (no download needed,
-e.g. Llama-2-7B on a GPU), in three ways side by side:
-  dynamic   the default runner: a growing cache, each step exactly its size, eager
+e.g. Llama-2-7B on a GPU), in up to four ways side by side:
+  dynamic   a growing cache, each step exactly its size, the model's own forward, eager
+  lean      the same steps through engine/lean.py (the default runner on a CPU for the Llama
+            family, which it covers: bitwise the same logits without the forward's framework work)
   static    pre-allocated cache, fixed-shape step, eager
   compiled  the static step through torch.compile (CUDA graphs on a GPU)   [--compile]
 and HF `generate` per token as the baseline. A step of size 1 is plain decoding; larger steps are
@@ -17,11 +19,12 @@ import time
 
 import torch
 
+from ladechat.engine import lean
 from ladechat.engine.config import LookaheadConfig
 from ladechat.engine.layout import build_layout
 from ladechat.engine.model import packing
 from ladechat.engine.model.attention import use_grouped_sdpa
-from ladechat.engine.runner import CompiledForward, DynamicRunner, StaticRunner
+from ladechat.engine.runner import CompiledForward, DynamicRunner, LeanRunner, StaticRunner
 from ladechat.engine.step_cost import prefill_random, time_step
 from ladechat.errors import UserError
 
@@ -142,8 +145,10 @@ def run(model, name: str, sizes=SIZES, context: int = 512, reps: int = 10, compi
     device = model.device
     la = LookaheadConfig(window=max(sizes) // LEVELS or 1, ngram=LEVELS + 1, candidates=0, context_candidates=0)
     context_length = context + max(sizes) + 8
-    curves = {"dynamic": _time_steps(DynamicRunner(model), sizes, context, reps),
-              "static": _time_steps(StaticRunner(model, la, context_length), sizes, context, reps)}
+    curves = {"dynamic": _time_steps(DynamicRunner(model), sizes, context, reps)}
+    if lean.supported(model) is None:  # the default runner here: the model's layers without their forward
+        curves["lean"] = _time_steps(LeanRunner(model), sizes, context, reps)
+    curves["static"] = _time_steps(StaticRunner(model, la, context_length), sizes, context, reps)
     if compile:
         compiled = StaticRunner(model, la, context_length, compiled=CompiledForward(model))
         curves["compiled"] = _time_steps(compiled, sizes, context, reps)

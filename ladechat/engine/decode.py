@@ -35,7 +35,7 @@ from ladechat.engine.draft.tree import Acceptance, DraftTree, worth_feeding
 from ladechat.engine.draft.window import JacobiWindow
 from ladechat.engine.events import Done, OutOfMemory, Step, Tally
 from ladechat.engine.layout import StepLayout, tree_layout
-from ladechat.engine.runner import DynamicRunner, max_step_size, top_k
+from ladechat.engine.runner import default_runner, max_step_size, top_k
 from ladechat.engine.sampling import TokenPicker
 from ladechat.engine.step_cost import CostModel
 from ladechat.engine.stopping import StopRule
@@ -94,7 +94,7 @@ class Session:
         self.clock = clock
         self.threads = threads
         self.store = store
-        self.runner = runner or DynamicRunner(model)
+        self.runner = runner or default_runner(model)
         self.runner.configure(lookahead)
         # None: every lookahead step is a full one (a fixed-shape runner pads every step anyway)
         self.step_cost: CostEnvelope | CostModel | None = None if self.runner.fixed else step_cost

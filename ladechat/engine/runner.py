@@ -2,6 +2,8 @@
 
 DynamicRunner (default): the cache grows and shrinks and each step feeds exactly its rows. Right
 for a CPU, where every extra row costs and the planner sizes steps to the token.
+LeanRunner (the default on a CPU for the Llama family): DynamicRunner with each step computed by
+lean.py over the model's own modules, bitwise the same logits without the forward's framework work.
 StaticRunner (--compile): a pre-allocated cache and steps padded to one fixed size, so a step has
 the same shapes every time and torch.compile (CUDA graphs on a GPU) can capture it once. Plain
 one-token decoding gets the same treatment (its own one-row graph), so comparisons of lookahead
@@ -13,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ladechat.engine import kv
+from ladechat.engine import kv, lean
 from ladechat.engine.config import ConfigError, LookaheadConfig
 from ladechat.engine.draft.recycle import TOP_K
 from ladechat.engine.layout import StepLayout, build_layout, fixed_step_inputs, rows_device, step_inputs
@@ -49,6 +51,7 @@ def prefill_top_k(model, count: int, **inputs) -> np.ndarray:
 
 class DynamicRunner:
     fixed = False
+    steps = ""  # what computes a step, when not the model's own forward (the chat's /show says)
 
     def __init__(self, model) -> None:
         self.model = model
@@ -104,6 +107,27 @@ class DynamicRunner:
 
     def truncate(self, length: int) -> None:
         kv.truncate(self.cache, length)
+
+
+class LeanRunner(DynamicRunner):
+    """The default runner with its steps computed by the lean step (lean.py): prefill, commits and
+    truncation are DynamicRunner's, the model's own forward into the same GrowingCache."""
+
+    steps = "engine/lean.py"
+
+    def __init__(self, model) -> None:
+        super().__init__(model)
+        self.lean = lean.LeanStep(model)
+
+    def step(self, layout: StepLayout, past: int) -> torch.Tensor:
+        self.appended = layout.size
+        return self.lean.forward(layout, past, self.cache)
+
+
+def default_runner(model) -> DynamicRunner:
+    """The runner for exact-size steps: the lean step where it computes what the model's forward
+    does (a Llama-family model on a CPU), else the model's own forward."""
+    return LeanRunner(model) if lean.supported(model) is None else DynamicRunner(model)
 
 
 COMPILED_GRAPHS = 64  # step graphs one model may compile: (plain, full) x cache lengths x W/N/G settings

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
-from ladechat.engine import kv, layout
+from ladechat.engine import kv, layout, lean
 from ladechat.engine import runner as runners
 from ladechat.engine.layout import StepLayout, build_layout
 from ladechat.engine.model import attention, int4, packing
 from ladechat.engine.model.gguf import source_digest
-from ladechat.engine.runner import DynamicRunner, top_k
+from ladechat.engine.runner import default_runner, top_k
 from ladechat.paths import cache_root
 
 SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
@@ -67,7 +67,7 @@ def measure(model, sizes=SIZES, context: int = 192, reps: int = 5) -> dict[int, 
     repetitions back to back: a busy spell of the machine then inflates one repetition of every
     size instead of all repetitions of one, and the medians keep the curve's shape, which is all
     the planner looks at."""
-    runner = DynamicRunner(model)
+    runner = default_runner(model)
     prefill_random(runner, context)
     layouts = {size: chain(size) for size in sizes}
     times: dict[int, list[float]] = {size: [] for size in sizes}
@@ -85,8 +85,8 @@ def cache_path(model, name: str, *what, threads: int | None = None) -> Path:
     count the costs are kept for (None: torch's count now)."""
     # our code that a step runs is part of the key (the attention function, the mask, the cache,
     # this measurement), so a change to it measures afresh rather than trusting a curve of the old code
-    code = source_digest(attention.__file__, layout.__file__, kv.__file__, packing.__file__, int4.__file__,
-                         runners.__file__, __file__)
+    code = source_digest(attention.__file__, layout.__file__, kv.__file__, lean.__file__, packing.__file__,
+                         int4.__file__, runners.__file__, __file__)
     key = json.dumps([code, name, str(model.device), str(model.dtype), int4.weight_layout(model), torch.__version__,
                       threads or torch.get_num_threads(), *what])
     return cache_root() / "step-cost" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"

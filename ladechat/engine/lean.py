@@ -1,0 +1,145 @@
+"""A Llama-family decoding step on the CPU, written out over the model's own modules.
+
+transformers' forward is built for every model and every use: per layer it passes kwargs through
+decorators and wrappers, asks the attention interface for its function, and per step it builds a
+causal mask, position embeddings and an output object. On a CPU with a small model that costs as
+much as the weights' products (the embedded model at 4 bits, one row, 2 threads of an AVX-512
+Xeon: ~7,000 small ops, 22.7 ms of which ~8 are products). A step of the same family needs only:
+
+    tokens (S) --embed--> x (S, hidden)
+    per layer:  h = input_norm(x)                         the layer's own RMSNorm module
+                q, k, v = q_proj(h), k_proj(h), v_proj(h)  its own Linear modules (int4, packed, dense)
+                q, k = rope(q, k) at the rows' positions   a cos/sin table the model's rotary module made
+                K, V = cache.update(k, v)                  the runner's GrowingCache (kv.py)
+                x = x + o_proj(sdpa(q stacked per kv head, K, V, mask tiled per group))
+                x = x + mlp(post_norm(x))                  its own MLP module
+    logits = lm_head(norm(x))                              every row's (lookahead reads them all)
+
+The mask is the step's tree mask of layout.step_inputs (1, 1, S, past + S), tiled for the grouped
+query heads once a step (engine/model/attention.py draws that layout), not once a layer; a one-row
+step has none (it sees every key). The same ops run in the same order as the model's own forward
+with ladechat's grouped attention, so the logits are bitwise the same (tests/test_lean.py, for each
+family it accepts) and only the framework's work around them goes. The model is not changed: its
+modules are called, none replaced; a model it does not accept runs its own forward (runner.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ladechat.engine.layout import StepLayout, step_inputs
+from ladechat.engine.model import int4
+
+FAMILIES = frozenset({"llama", "mistral", "qwen2"})
+TABLE_MIN = 1024  # positions of the first cos/sin table; it grows by half when a step passes it
+
+
+def supported(model) -> str | None:
+    """None when the lean step computes what this model's forward does, else why not (one line)."""
+    if not isinstance(model, torch.nn.Module):  # a wrapper (the fault-injection tests'): its own forward
+        return "not a torch module"
+    config = model.config
+    if config.model_type not in FAMILIES:
+        return f"{config.model_type} is not a Llama-family model ({', '.join(sorted(FAMILIES))})"
+    if model.device.type != "cpu":
+        return "the lean step runs on the CPU (on a GPU a step's framework work overlaps the kernels)"
+    grouped = config.num_key_value_heads != config.num_attention_heads
+    # with key/value groups, ladechat's grouped attention (model/attention.py) is what it computes
+    if config._attn_implementation != ("ladechat_grouped_sdpa" if grouped else "sdpa"):
+        return f"attention {config._attn_implementation!r}, not {'grouped ' if grouped else ''}SDPA"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "sliding-window attention"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if rope.get("rope_type", "default") in ("dynamic", "longrope"):
+        return f"{rope['rope_type']} RoPE changes with the sequence length"
+    if getattr(config, "hidden_act", None) != "silu" or getattr(config, "mlp_bias", False):
+        return "its MLP is not a bias-free SiLU-gated one"
+    attn = model.model.layers[0].self_attn
+    if not all(hasattr(attn, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling")):
+        return "its attention is not made of q/k/v/o projections"
+    return None
+
+
+def _product(module: torch.nn.Module):
+    """x (rows, in) -> x W^T (+ b) of one Linear module: an int4 module's kernel called directly (its
+    forward's reshapes and copies do nothing to a step's rows), any other module's own forward."""
+    if type(module) is not int4.Int4Linear:
+        return module.forward
+    packed, scales, bias = module.packed_weight, module.scales_and_zeros, module.bias
+    mm = getattr(torch.ops.aten, int4.KERNEL)
+
+    def int4_product(x: torch.Tensor) -> torch.Tensor:
+        y = mm(x.to(torch.bfloat16), packed, int4.GROUP, scales).to(x.dtype)
+        return y if bias is None else y + bias
+
+    return int4_product
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # transformers' apply_rotary_pos_emb with its rotate_half, one tensor at a time
+    half = x.shape[-1] // 2
+    return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
+
+
+class LeanStep:
+    """The model's decoding steps (see the module's docstring) into a kv.GrowingCache."""
+
+    def __init__(self, model) -> None:
+        why = supported(model)
+        if why:
+            raise ValueError(f"the lean step cannot run this model: {why}")
+        self.model = model
+        config = model.config
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.groups = self.heads // self.kv_heads
+        # bound forward methods: a module's __call__ (hooks, tracing checks) costs more than some of their work
+        self.layers = [(layer.input_layernorm.forward, *map(_product, (
+                            layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                            layer.self_attn.o_proj)), layer.self_attn.scaling, layer.post_attention_layernorm.forward,
+                        *map(_product, (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)))
+                       for layer in model.model.layers]
+        self.cos = self.sin = torch.empty(0)
+
+    def _table(self, end: int) -> None:
+        """cos/sin for positions 0..end-1 at least, from the model's own rotary module: each
+        position's angles are one product, the same whatever else is computed with them."""
+        if end <= self.cos.shape[0]:
+            return
+        length = max(end + end // 2, TABLE_MIN)
+        with torch.inference_mode():
+            probe = torch.zeros(1, dtype=self.model.dtype)
+            cos, sin = self.model.model.rotary_emb(probe, position_ids=torch.arange(length).unsqueeze(0))
+        self.cos, self.sin = cos[0], sin[0]
+
+    def forward(self, layout: StepLayout, past: int, cache) -> torch.Tensor:
+        """Logits (S, vocab) of every row of the step, its keys and values appended to `cache`."""
+        model, size = self.model, layout.size
+        heads, kv_heads, dim, groups = self.heads, self.kv_heads, self.dim, self.groups
+        with torch.inference_mode():
+            if size == 1:
+                ids, positions, mask = torch.tensor(layout.tokens), torch.tensor([past]), None
+            else:
+                ids, positions, mask = step_inputs(layout, past, model.dtype, model.device)
+                ids, positions = ids[0], positions[0]
+                mask = mask.repeat(1, 1, groups, 1)  # one copy per query head of a group, stacked as rows
+            self._table(int(positions.max()) + 1)
+            cos, sin = self.cos[positions], self.sin[positions]  # (S, dim), broadcast over heads
+            x = model.model.embed_tokens(ids)  # (S, hidden)
+            silu, sdpa = torch.nn.functional.silu, torch.nn.functional.scaled_dot_product_attention
+            layers = cache.layers
+            for i, (norm1, q_proj, k_proj, v_proj, o_proj, scaling, norm2, gate, up, down) in enumerate(self.layers):
+                h = norm1(x)
+                q = _rotate(q_proj(h).view(size, heads, dim).transpose(0, 1), cos, sin)
+                k = _rotate(k_proj(h).view(size, kv_heads, dim).transpose(0, 1), cos, sin)
+                v = v_proj(h).view(size, kv_heads, dim).transpose(0, 1)
+                if i < len(layers):
+                    keys, values = layers[i].update(k[None], v[None])
+                else:  # an empty cache (a one-token prompt): the cache makes the layer
+                    keys, values = cache.update(k[None], v[None], i)
+                out = sdpa(q.reshape(1, kv_heads, groups * size, dim), keys, values, attn_mask=mask, scale=scaling)
+                x = x + o_proj(out.reshape(heads, size, dim).transpose(0, 1).reshape(size, heads * dim))
+                h = norm2(x)
+                x = x + down(silu(gate(h)) * up(h))
+            return model.lm_head(model.model.norm(x))
+

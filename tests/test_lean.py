@@ -1,0 +1,141 @@
+"""The lean step (engine/lean.py) computes what the model's own forward does, bit for bit: the same
+logits for steps of any size and shape, so the same tokens as the model's forward, plain and with
+lookahead, over several turns, for every family it accepts; families it does not accept run their
+own forward."""
+
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+from tiny_models import tiny_loaded, tiny_model
+
+from ladechat import templates
+from ladechat.engine import kv, lean
+from ladechat.engine.config import LookaheadConfig, SamplingConfig
+from ladechat.engine.decode import Session, generate
+from ladechat.engine.layout import build_layout
+from ladechat.engine.model import int4
+from ladechat.engine.model.attention import use_grouped_sdpa
+from ladechat.engine.model.loading import LoadSpec, load
+from ladechat.engine.runner import DynamicRunner, LeanRunner, default_runner
+from ladechat.engine.step_cost import CostModel
+
+CONFIGS = [(1, 2, 0), (3, 3, 3), (5, 4, 5)]
+# A fixed, nearly flat cost curve: lookahead plans steps of several rows, the same ones every run.
+FLAT = CostModel({192: {1: 1.0, 2: 1.01, 4: 1.02, 8: 1.04, 16: 1.08, 32: 1.2}})
+STEPS = [([[5]], []), ([[5, 6, 7], [8, 9, 10]], [((11, 12), "pool"), ((11, 13), "pool")]),
+         ([[7, 7, 7, 7]], [((1, 2, 3), "pool")])]
+
+
+def grouped(family: str):
+    model = tiny_model(family)
+    assert use_grouped_sdpa(model)  # as loading does
+    return model
+
+
+def ungrouped(family: str):
+    """A model without key/value groups (plain SDPA, as loading leaves it)."""
+    model = tiny_model(family)
+    model.config.num_key_value_heads = model.config.num_attention_heads
+    rebuilt = type(model)(model.config).eval()
+    rebuilt.config._attn_implementation = "sdpa"
+    return rebuilt
+
+
+def tokens(session, prompt, max_new, eos=frozenset()):
+    return list(list(generate(session, prompt, SamplingConfig(max_new_tokens=max_new), eos))[-1].text_tokens)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("attention", ["grouped", "ungrouped"])
+def test_lean_step_logits_are_the_forward_pass_logits(family, attention):
+    """Every row's logits of one-row, window and tree steps, after a prompt, equal the model's
+    forward's exactly (fp32), and the cache holds the same keys and values."""
+    model = grouped(family) if attention == "grouped" else ungrouped(family)
+    ours, ref = LeanRunner(model), DynamicRunner(model)
+    prompt = list(range(3, 40))
+    for runner in (ours, ref):
+        runner.prefill(prompt, 0)
+    for window, candidates in STEPS:
+        layout = build_layout(window, candidates)
+        got, want = ours.step(layout, len(prompt)), ref.step(layout, len(prompt))
+        assert got.shape == want.shape == (layout.size, model.config.vocab_size)
+        assert torch.equal(got, want), (family, attention, layout.size)
+        for a, b in zip(ours.cache.layers, ref.cache.layers, strict=True):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        ours.truncate(len(prompt))
+        ref.truncate(len(prompt))
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_lean_runner_answers_like_the_models_forward(family):
+    """Greedy answers, plain and with lookahead at several W/N/G, over two turns (the second
+    prefilled on top of the first's cache, past the rotary table's first length): token for token."""
+    model = grouped(family)
+    rng = random.Random(f"lean-{family}")
+    for w, n, g in CONFIGS:
+        la = LookaheadConfig(window=w, ngram=n, candidates=g)
+        prompt = [rng.randrange(model.config.vocab_size) for _ in range(25)] * 2
+        ours = Session(model, la, step_cost=FLAT, runner=LeanRunner(model))
+        ref = Session(model, la, step_cost=FLAT, runner=DynamicRunner(model))
+        first = tokens(ours, prompt, 40)
+        assert first == tokens(ref, prompt, 40), (family, w, n, g)
+        second = prompt + first + [3, 1, 4] + [rng.randrange(96) for _ in range(lean.TABLE_MIN)]
+        assert tokens(ours, second, 30) == tokens(ref, second, 30), (family, w, n, g)
+        assert kv.cache_length(ours.runner.cache) == len(ours.cached) == len(ref.cached)
+
+
+def test_the_default_runner_is_lean_where_it_computes_the_same():
+    assert type(default_runner(grouped("llama"))) is LeanRunner
+    assert type(Session(grouped("qwen2"), LookaheadConfig()).runner) is LeanRunner
+    for family in ("gemma", "qwen3"):  # other layers (norms on q/k, scaled embeddings): their own forward
+        model = grouped(family)
+        assert family in lean.supported(model)
+        assert type(default_runner(model)) is DynamicRunner
+    with pytest.raises(ValueError, match="cannot run this model: gemma"):
+        lean.LeanStep(tiny_model("gemma"))
+    sliding = grouped("mistral")
+    sliding.config.sliding_window = 16
+    assert lean.supported(sliding) == "sliding-window attention"
+    eager = ungrouped("llama")
+    eager.config._attn_implementation = "eager"
+    assert "not SDPA" in lean.supported(eager)
+    # with groups, transformers' own SDPA repeats keys (or asks SDPA to): other sums in the last bits
+    assert "not grouped SDPA" in lean.supported(tiny_model("llama"))
+
+
+@pytest.fixture(scope="module")
+def embedded_int4():
+    if not int4.supported(torch.device("cpu")):
+        pytest.skip("torch's int4 CPU kernel is measured and used on x86-64 only")
+    return load(LoadSpec(dtype="float32", device="cpu", weights="int4"))
+
+
+PROMPTS = ["Write a haiku about autumn leaves.", "How do I reverse a list in Python?"]
+
+
+def test_embedded_int4_answers_are_the_models_forwards(embedded_int4):
+    """The embedded model on int4 weights: the lean step's logits equal its forward's, and greedy
+    answers, plain and with lookahead, are token for token the same."""
+    lm = embedded_int4
+    assert type(default_runner(lm.model)) is LeanRunner
+    for la in (LookaheadConfig(enabled=False, store=False), LookaheadConfig(window=3, ngram=3, candidates=3, store=False)):
+        for text in PROMPTS:
+            ids = templates.encode(lm.tokenizer, [{"role": "user", "content": text}])
+            ours = tokens(Session(lm.model, la, step_cost=FLAT, runner=LeanRunner(lm.model)), ids, 40, lm.eos_ids)
+            ref = tokens(Session(lm.model, la, step_cost=FLAT, runner=DynamicRunner(lm.model)), ids, 40, lm.eos_ids)
+            assert len(ours) >= 20 and ours == ref
+
+
+def test_the_chat_says_what_computes_its_steps(embedded_int4):
+    """/show, --debug and the server's model card name the lean step where it runs."""
+    from ladechat.backends.local import Bot
+    from ladechat.settings import Settings
+
+    bot = Bot(embedded_int4, Settings(), step_cost=FLAT)
+    assert bot.describe().startswith("SmolLM2-135M-Instruct (embedded, Q4_1) on cpu (float32; 210 Linear int4 from Q4_1")
+    assert bot.describe().endswith("; steps by engine/lean.py)")
+    gemma = tiny_loaded()  # a model the lean step does not take: nothing said
+    gemma = replace(gemma, model=grouped("gemma"))
+    assert Bot(gemma, Settings(), step_cost=FLAT).describe() == "tiny on cpu (float32)"
