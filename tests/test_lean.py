@@ -128,6 +128,23 @@ def test_embedded_int4_answers_are_the_models_forwards(embedded_int4):
             assert len(ours) >= 20 and ours == ref
 
 
+def test_embedded_int4_bf16_step_logits_are_the_forwards():
+    """In a bf16 model the int4 kernel is called without casts: still the forward's logits, bit
+    for bit, for a one-row step and a tree step."""
+    if not int4.supported(torch.device("cpu")):
+        pytest.skip("torch's int4 CPU kernel is measured and used on x86-64 only")
+    model = load(LoadSpec(dtype="bfloat16", device="cpu", weights="int4")).model
+    ours, ref = LeanRunner(model), DynamicRunner(model)
+    prompt = list(range(100, 160))
+    for runner in (ours, ref):
+        runner.prefill(prompt, 0)
+    for window, candidates in STEPS:
+        layout = build_layout(window, candidates)
+        assert torch.equal(ours.step(layout, len(prompt)), ref.step(layout, len(prompt))), layout.size
+        ours.truncate(len(prompt))
+        ref.truncate(len(prompt))
+
+
 def test_the_chat_says_what_computes_its_steps(embedded_int4):
     """/show, --debug and the server's model card name the lean step where it runs."""
     from ladechat.backends.local import Bot

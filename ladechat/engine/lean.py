@@ -60,13 +60,16 @@ def supported(model) -> str | None:
     return None
 
 
-def _product(module: torch.nn.Module):
-    """x (rows, in) -> x W^T (+ b) of one Linear module: an int4 module's kernel called directly (its
-    forward's reshapes and copies do nothing to a step's rows), any other module's own forward."""
+def _product(module: torch.nn.Module, dtype: torch.dtype):
+    """x (rows, in) -> x W^T (+ b) of one Linear module in a model of `dtype`: an int4 module's
+    kernel called directly (its forward's reshapes, and in a bf16 model its casts, do nothing to a
+    step's rows, each contiguous), any other module's own forward."""
     if type(module) is not int4.Int4Linear:
         return module.forward
     packed, scales, bias = module.packed_weight, module.scales_and_zeros, module.bias
     mm = getattr(torch.ops.aten, int4.KERNEL)
+    if dtype == torch.bfloat16 and bias is None:  # the embedded model where bf16 is native: ~400 calls a step fewer
+        return lambda x: mm(x, packed, int4.GROUP, scales)
 
     def int4_product(x: torch.Tensor) -> torch.Tensor:
         y = mm(x.to(torch.bfloat16), packed, int4.GROUP, scales).to(x.dtype)
@@ -94,10 +97,14 @@ class LeanStep:
         self.dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.groups = self.heads // self.kv_heads
         # bound forward methods: a module's __call__ (hooks, tracing checks) costs more than some of their work
-        self.layers = [(layer.input_layernorm.forward, *map(_product, (
-                            layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                            layer.self_attn.o_proj)), layer.self_attn.scaling, layer.post_attention_layernorm.forward,
-                        *map(_product, (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)))
+        def products(*modules):
+            return [_product(module, model.dtype) for module in modules]
+
+        self.layers = [(layer.input_layernorm.forward,
+                        *products(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                                  layer.self_attn.o_proj), layer.self_attn.scaling,
+                        layer.post_attention_layernorm.forward,
+                        *products(layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj))
                        for layer in model.model.layers]
         self.cos = self.sin = torch.empty(0)
 
