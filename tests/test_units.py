@@ -510,3 +510,16 @@ def test_bench_tables_say_which_weights_each_method_ran_on():
     sampled = bench_tables({**results, "packed_weights": True, "temperature": 0.7})[0].caption
     assert greedy.startswith("hf and HF's prompt lookup run the weights as transformers loads them")
     assert greedy.endswith("compared with hf-packed's") and "compared" not in sampled
+
+
+def test_suffix_key_of_one_lookup_is_the_indexed_key():
+    """A lookup hashes its few tokens in Python integers, the index in numpy's uint64: the same
+    key, or no lookup would find what the index holds."""
+    import numpy as np
+
+    from ladechat.engine.draft import suffix
+
+    for tokens in ([0], [1], [5, 7], [3, 9, 4000, 2], [49151, 0, 12, 5], [2**31 - 1] * 4):
+        text = np.asarray(tokens, dtype=np.int32)
+        indexed = suffix._keys(text, len(tokens), np.array([len(tokens)]))[0]
+        assert suffix._key(tokens) == indexed and isinstance(suffix._key(tokens), np.uint64)

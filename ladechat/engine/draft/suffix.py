@@ -26,6 +26,7 @@ MAX_MATCH = 16  # a match is measured up to this many tokens back
 SCAN = 64  # most recent positions looked at per key
 REINDEX = 512  # unindexed tokens that trigger folding them into the sorted keys
 _MULT = np.uint64(0x9E3779B97F4A7C15)  # key hash: polynomial in this odd constant, mod 2^64
+_MULT_INT, _MASK = int(_MULT), (1 << 64) - 1
 
 
 def _keys(text: np.ndarray, m: int, ends: np.ndarray) -> np.ndarray:
@@ -42,7 +43,12 @@ def _keys(text: np.ndarray, m: int, ends: np.ndarray) -> np.ndarray:
 
 
 def _key(tokens: list[int]) -> np.uint64:
-    return _keys(np.asarray(tokens, dtype=np.int64), len(tokens), np.array([len(tokens)]))[0]
+    """_keys of one short key (no SEP in it), in Python integers: a lookup's few tokens do not pay
+    for numpy's calls."""
+    h = 0
+    for tok in tokens:
+        h = (h * _MULT_INT + tok) & _MASK
+    return np.uint64(h)
 
 
 class SuffixIndex:
@@ -137,7 +143,9 @@ class SuffixIndex:
             if len(found) >= limit or len(tail_arr) < m:
                 continue
             ends = self._ends_after(_key(tail_arr[-m:].tolist()), m)
-            ends = ends[(ends < self.n) & ~np.isin(ends, list(found))]
+            ends = ends[ends < self.n]
+            if found:  # places a longer key already found
+                ends = ends[~np.isin(ends, list(found))]
             if not len(ends):
                 continue
             lengths = self._match_lengths(ends, tail_arr)
