@@ -1,0 +1,76 @@
+"""Where lookahead's time goes on first turns: for each prompt, plain and lookahead tok/s (the
+steps' own time, prefill excluded), then per step size (tokens fed) the steps, tokens committed
+per step and ms per step, and per draft source the accepted nodes predicted against seen.
+
+    python scripts/steps_by_size.py -d mtbench -d gsm8k -d humaneval --limit 5 [--max-new-tokens 128]
+
+The defaults of the chat (weights auto, dtype auto, W/N/G, the measured step costs), no store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import math
+from dataclasses import replace
+
+from ladechat import templates
+from ladechat.bench.prompts import load_items
+from ladechat.engine.config import LookaheadConfig, SamplingConfig
+from ladechat.engine.decode import Session, generate
+from ladechat.engine.events import Step
+from ladechat.engine.model.loading import LoadSpec, load
+from ladechat.settings import Settings
+
+
+def answer(lm, cost, la, ids, max_new, sizes=None):
+    """(tokens, seconds of its steps, calibration) of one greedy answer; steps tallied into `sizes`."""
+    session = Session(lm.model, la, step_cost=cost, threads=lm.threads)
+    tokens, seconds = 0, 0.0
+    for event in generate(session, ids, SamplingConfig(max_new_tokens=max_new), lm.eos_ids):
+        if isinstance(event, Step):
+            tokens += len(event.tokens)
+            seconds += event.seconds
+            if sizes is not None:
+                tally = sizes[event.fed]
+                tally[0], tally[1], tally[2] = tally[0] + 1, tally[1] + len(event.tokens), tally[2] + event.seconds
+    return tokens, seconds, session.acceptance.since(({}, {}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("-d", "--dataset", action="append", required=True)
+    parser.add_argument("--limit", type=int, default=5)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    args = parser.parse_args()
+    lm = load(LoadSpec(weights="auto"))
+    cost = lm.cost_model()
+    lookahead = replace(Settings().lookahead_config(), store=False)
+    plain = LookaheadConfig(enabled=False, store=False)
+    sizes: dict[int, list] = collections.defaultdict(lambda: [0, 0, 0.0])
+    calibration: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+    ratios = []
+    for name in args.dataset:
+        for item in load_items(name, args.limit):
+            question = item["turns"][0]
+            ids = templates.encode(lm.tokenizer, [{"role": "user", "content": question}])
+            p_tokens, p_seconds, _ = answer(lm, cost, plain, ids, args.max_new_tokens)
+            l_tokens, l_seconds, calib = answer(lm, cost, lookahead, ids, args.max_new_tokens, sizes)
+            for source, (predicted, seen) in calib.items():
+                calibration[source][0] += predicted
+                calibration[source][1] += seen
+            ratios.append((l_tokens / l_seconds) / (p_tokens / p_seconds))
+            print(f"{question[:40]!r:44} plain {p_tokens / p_seconds:5.1f}  lookahead "
+                  f"{l_tokens / l_seconds:5.1f}  ratio {ratios[-1]:.2f}", flush=True)
+    print(f"per-item geomean {math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f}, "
+          f"{sum(r < 1 for r in ratios)} of {len(ratios)} slower")
+    print("| tokens fed | steps | tokens/step | ms/step |\n| --- | --- | --- | --- |")
+    for fed in sorted(sizes):
+        steps, tokens, seconds = sizes[fed]
+        print(f"| {fed} | {steps} | {tokens / steps:.2f} | {seconds / steps * 1000:.1f} |")
+    for source, (predicted, seen) in sorted(calibration.items()):
+        print(f"{source}: accepted nodes predicted {predicted:.1f}, seen {seen:.0f}")
+
+
+if __name__ == "__main__":
+    main()
