@@ -68,6 +68,55 @@ def test_lean_step_logits_are_the_forward_pass_logits(family, attention):
         ref.truncate(len(prompt))
 
 
+def variant(**changes):
+    """A tiny grouped-attention Llama with config changes, its weights random as tiny_model's."""
+    from tiny_models import COMMON
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**COMMON, **changes}, attn_implementation="sdpa")).eval()
+    assert use_grouped_sdpa(model)
+    return model
+
+
+VARIANTS = {
+    "head_dim": {"head_dim": 32},  # wider heads than hidden / heads
+    "attention_bias": {"attention_bias": True},
+    "mlp_bias": {"mlp_bias": True},
+    "yarn": {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
+                                 "rope_theta": 10000.0}},  # attention_scaling != 1
+    "llama3": {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 256,
+                                   "rope_theta": 500000.0}},
+}
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS) + ["bf16"])
+def test_lean_step_follows_the_configs_variants(name):
+    model = variant(**VARIANTS[name]) if name in VARIANTS else grouped("llama").to(torch.bfloat16)
+    assert lean.supported(model) is None
+    if name == "yarn":
+        assert model.model.rotary_emb.attention_scaling != 1.0
+    ours, ref = LeanRunner(model), DynamicRunner(model)
+    prompt = list(range(3, 40))
+    for runner in (ours, ref):
+        runner.prefill(prompt, 0)
+    for window, candidates in STEPS:
+        layout = build_layout(window, candidates)
+        assert torch.equal(ours.step(layout, len(prompt)), ref.step(layout, len(prompt))), (name, layout.size)
+        ours.truncate(len(prompt))
+        ref.truncate(len(prompt))
+
+
+def test_a_one_token_prompt_steps_into_an_empty_cache():
+    """Nothing to prefill: the first step makes the cache's layers itself."""
+    model = grouped("llama")
+    la = LookaheadConfig(window=3, ngram=3, candidates=3)
+    ours = Session(model, la, step_cost=FLAT, runner=LeanRunner(model))
+    ref = Session(model, la, step_cost=FLAT, runner=DynamicRunner(model))
+    assert tokens(ours, [7], 30) == tokens(ref, [7], 30)
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
 def test_lean_runner_answers_like_the_models_forward(family):
     """Greedy answers, plain and with lookahead at several W/N/G, over two turns (the second
@@ -98,6 +147,9 @@ def test_the_default_runner_is_lean_where_it_computes_the_same():
     sliding = grouped("mistral")
     sliding.config.sliding_window = 16
     assert lean.supported(sliding) == "sliding-window attention"
+    hooked = grouped("llama")  # as accelerate leaves a model placed by a device map
+    hooked.model.layers[1]._hf_hook = object()
+    assert "device map" in lean.supported(hooked) and type(default_runner(hooked)) is DynamicRunner
     eager = ungrouped("llama")
     eager.config._attn_implementation = "eager"
     assert "not SDPA" in lean.supported(eager)
@@ -120,7 +172,8 @@ def test_embedded_int4_answers_are_the_models_forwards(embedded_int4):
     answers, plain and with lookahead, are token for token the same."""
     lm = embedded_int4
     assert type(default_runner(lm.model)) is LeanRunner
-    for la in (LookaheadConfig(enabled=False, store=False), LookaheadConfig(window=3, ngram=3, candidates=3, store=False)):
+    for la in (LookaheadConfig(enabled=False, store=False),
+               LookaheadConfig(window=3, ngram=3, candidates=3, store=False)):
         for text in PROMPTS:
             ids = templates.encode(lm.tokenizer, [{"role": "user", "content": text}])
             ours = tokens(Session(lm.model, la, step_cost=FLAT, runner=LeanRunner(lm.model)), ids, 40, lm.eos_ids)
@@ -151,7 +204,8 @@ def test_the_chat_says_what_computes_its_steps(embedded_int4):
     from ladechat.settings import Settings
 
     bot = Bot(embedded_int4, Settings(), step_cost=FLAT)
-    assert bot.describe().startswith("SmolLM2-135M-Instruct (embedded, Q4_1) on cpu (float32; 210 Linear int4 from Q4_1")
+    assert bot.describe().startswith("SmolLM2-135M-Instruct (embedded, Q4_1) on cpu (float32; 210 Linear int4 "
+                                     "from Q4_1")
     assert bot.describe().endswith("; steps by engine/lean.py)")
     gemma = tiny_loaded()  # a model the lean step does not take: nothing said
     gemma = replace(gemma, model=grouped("gemma"))

@@ -71,7 +71,8 @@ class Bot:
         '... on cpu (float32; 210 Linear int4 from Q4_1 blocks (...); steps by engine/lean.py)'."""
         weights = f"; {self.loaded.weights}" if self.loaded.weights else ""
         steps = f"; steps by {self.session.runner.steps}" if self.session.runner.steps else ""
-        return f"{self.loaded.name} on {self.loaded.device} ({str(self.loaded.dtype).removeprefix('torch.')}{weights}{steps})"
+        dtype = str(self.loaded.dtype).removeprefix("torch.")
+        return f"{self.loaded.name} on {self.loaded.device} ({dtype}{weights}{steps})"
 
     def configure(self, settings: Settings) -> None:
         from ladechat.templates import TemplateError, resolve

@@ -43,6 +43,11 @@ def supported(model) -> str | None:
         return f"{config.model_type} is not a Llama-family model ({', '.join(sorted(FAMILIES))})"
     if model.device.type != "cpu":
         return "the lean step runs on the CPU (on a GPU a step's framework work overlaps the kernels)"
+    # accelerate's hooks (a device map, disk offload) bring a layer's weights in when the layer's
+    # forward runs, which the lean step never calls
+    if len(set((getattr(model, "hf_device_map", None) or {}).values())) > 1 \
+            or any(hasattr(module, "_hf_hook") for module in model.modules()):
+        return "its layers are placed by a device map (accelerate's hooks move their weights)"
     grouped = config.num_key_value_heads != config.num_attention_heads
     # with key/value groups, ladechat's grouped attention (model/attention.py) is what it computes
     if config._attn_implementation != ("ladechat_grouped_sdpa" if grouped else "sdpa"):
@@ -50,12 +55,13 @@ def supported(model) -> str | None:
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         return "sliding-window attention"
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if rope.get("rope_type", "default") in ("dynamic", "longrope"):
-        return f"{rope['rope_type']} RoPE changes with the sequence length"
-    if getattr(config, "hidden_act", None) != "silu" or getattr(config, "mlp_bias", False):
-        return "its MLP is not a bias-free SiLU-gated one"
+    kind = rope.get("rope_type", "default")
+    if "dynamic" in kind or kind == "longrope":  # transformers' own test for a dynamic update
+        return f"{kind} RoPE changes with the sequence length"
+    if getattr(config, "hidden_act", None) != "silu":
+        return "its MLP is not SiLU-gated"
     attn = model.model.layers[0].self_attn
-    if not all(hasattr(attn, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling")):
+    if not all(hasattr(attn, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling", "head_dim")):
         return "its attention is not made of q/k/v/o projections"
     return None
 
@@ -94,9 +100,10 @@ class LeanStep:
         self.model = model
         config = model.config
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.dim = model.model.layers[0].self_attn.head_dim  # what the attention modules use
         self.groups = self.heads // self.kv_heads
-        # bound forward methods: a module's __call__ (hooks, tracing checks) costs more than some of their work
+        # bound forward methods: a module's __call__ (its hook lists, tracing checks) costs more than
+        # some of their work; supported() refused models whose hooks do anything
         def products(*modules):
             return [_product(module, model.dtype) for module in modules]
 
@@ -108,7 +115,7 @@ class LeanStep:
                        for layer in model.model.layers]
         self.cos = self.sin = torch.empty(0)
 
-    def _table(self, end: int) -> None:
+    def table(self, end: int) -> None:
         """cos/sin for positions 0..end-1 at least, from the model's own rotary module: each
         position's angles are one product, the same whatever else is computed with them."""
         if end <= self.cos.shape[0]:
@@ -129,8 +136,9 @@ class LeanStep:
             else:
                 ids, positions, mask = step_inputs(layout, past, model.dtype, model.device)
                 ids, positions = ids[0], positions[0]
-                mask = mask.repeat(1, 1, groups, 1)  # one copy per query head of a group, stacked as rows
-            self._table(int(positions.max()) + 1)
+                if groups > 1:  # one copy per query head of a group, stacked as rows
+                    mask = mask.repeat(1, 1, groups, 1)
+            self.table(int(positions.max()) + 1)
             cos, sin = self.cos[positions], self.sin[positions]  # (S, dim), broadcast over heads
             x = model.model.embed_tokens(ids)  # (S, hidden)
             silu, sdpa = torch.nn.functional.silu, torch.nn.functional.scaled_dot_product_attention

@@ -1,9 +1,10 @@
 """How a step's rows reach the model and its KV cache: exact-size steps, or fixed-size ones.
 
-DynamicRunner (default): the cache grows and shrinks and each step feeds exactly its rows. Right
-for a CPU, where every extra row costs and the planner sizes steps to the token.
-LeanRunner (the default on a CPU for the Llama family): DynamicRunner with each step computed by
-lean.py over the model's own modules, bitwise the same logits without the forward's framework work.
+DynamicRunner: the cache grows and shrinks and each step feeds exactly its rows. Right for a
+CPU, where every extra row costs and the planner sizes steps to the token.
+LeanRunner: DynamicRunner with each step computed by lean.py over the model's own modules, bitwise
+the same logits without the forward's framework work. default_runner picks it where it runs (a
+Llama-family model on a CPU), DynamicRunner elsewhere.
 StaticRunner (--compile): a pre-allocated cache and steps padded to one fixed size, so a step has
 the same shapes every time and torch.compile (CUDA graphs on a GPU) can capture it once. Plain
 one-token decoding gets the same treatment (its own one-row graph), so comparisons of lookahead
@@ -110,8 +111,10 @@ class DynamicRunner:
 
 
 class LeanRunner(DynamicRunner):
-    """The default runner with its steps computed by the lean step (lean.py): prefill, commits and
-    truncation are DynamicRunner's, the model's own forward into the same GrowingCache."""
+    """DynamicRunner with its steps computed by the lean step (lean.py): prefill, commits and
+    truncation are DynamicRunner's, the model's own forward into the same GrowingCache. The lean
+    step holds the model's modules as they were when it was made: build the runner after any
+    change of them (packing.unpack, a LayoutSwitch, another attention), as Sessions are."""
 
     steps = "engine/lean.py"
 
@@ -122,6 +125,11 @@ class LeanRunner(DynamicRunner):
     def step(self, layout: StepLayout, past: int) -> torch.Tensor:
         self.appended = layout.size
         return self.lean.forward(layout, past, self.cache)
+
+    def reserve(self, tokens: int, committed: int) -> None:
+        # its cos/sin table grows before the turn, not inside a timed step (within the model's
+        # context: a step past it still grows the table itself)
+        self.lean.table(min(tokens, getattr(self.model.config, "max_position_embeddings", None) or tokens))
 
 
 def default_runner(model) -> DynamicRunner:

@@ -88,7 +88,7 @@ def cache_path(model, name: str, *what, threads: int | None = None) -> Path:
     code = source_digest(attention.__file__, layout.__file__, kv.__file__, lean.__file__, packing.__file__,
                          int4.__file__, runners.__file__, __file__)
     key = json.dumps([code, name, str(model.device), str(model.dtype), int4.weight_layout(model), torch.__version__,
-                      threads or torch.get_num_threads(), *what])
+                      threads or torch.get_num_threads(), lean.supported(model) is None, *what])
     return cache_root() / "step-cost" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
