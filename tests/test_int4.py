@@ -356,11 +356,18 @@ def answer(lm, text: str, la: LookaheadConfig, step_cost=None, max_new: int = 40
 NEAR_TIE = 0.5
 
 
-def test_lookahead_on_int4_parts_from_plain_decoding_only_at_near_ties(embedded_int4):
+@pytest.fixture(scope="module")
+def embedded_int4_bf16():
+    return load(LoadSpec(dtype="bfloat16", device="cpu", weights="int4"))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lookahead_on_int4_parts_from_plain_decoding_only_at_near_ties(dtype, request):
     """Greedy, the embedded model on int4 weights: lookahead's steps of many rows (full ones, and
     the CPU defaults planned with this layout's own step-cost curve) give plain decoding's tokens,
-    except after a near tie, where attention's row-count-dependent last bits may tip it."""
-    lm = embedded_int4
+    except after a near tie, where attention's row-count-dependent last bits may tip it. In bf16
+    (the default where the CPU has native bf16) the residual stream rounds to bf16 too."""
+    lm = request.getfixturevalue("embedded_int4" if dtype == "float32" else "embedded_int4_bf16")
     configs = {"full": (LookaheadConfig(window=5, ngram=4, candidates=5, store=False), None),
                "planned": (default_lookahead("cpu", None), lm.cost_model())}
     multi, identical = 0, 0
