@@ -7,19 +7,27 @@ import pytest
 import torch
 from tiny_models import FAMILIES, tiny_model
 
+from ladechat.engine import lean
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.draft.store import AnswerStore
 from ladechat.engine.events import Done, Step
+from ladechat.engine.model.attention import use_grouped_sdpa
+from ladechat.engine.runner import LeanRunner, default_runner
 from ladechat.engine.step_cost import CostModel
 
 MODELS = {}
 
 
-def model_for(family):
-    if family not in MODELS:
-        MODELS[family] = tiny_model(family)
-    return MODELS[family]
+def model_for(family, grouped: bool = False):
+    """The family's tiny model with transformers' SDPA, or (grouped) with ladechat's grouped
+    attention as load() sets it, under which Llama-family steps run engine/lean.py."""
+    if (family, grouped) not in MODELS:
+        model = tiny_model(family)
+        if grouped:
+            assert use_grouped_sdpa(model)
+        MODELS[family, grouped] = model
+    return MODELS[family, grouped]
 
 
 def run(model, prompt, la, max_new, eos=frozenset()):
@@ -52,9 +60,12 @@ GRID = [(f, w, n, g) for f in FAMILIES for (w, n, g) in
         [(1, 2, 0), (1, 2, 3), (3, 2, 2), (5, 4, 5), (4, 3, 0), (2, 5, 7), (7, 5, 7), (1, 4, 4)]]
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "grouped"])
 @pytest.mark.parametrize("family,w,n,g", GRID)
-def test_greedy_identical_to_generate(family, w, n, g):
-    model = model_for(family)
+def test_greedy_identical_to_generate(family, w, n, g, attention):
+    model = model_for(family, grouped=attention == "grouped")
+    # the lean step runs where the model is grouped and of its families; the forward elsewhere
+    assert (type(default_runner(model)) is LeanRunner) == (attention == "grouped" and family in lean.FAMILIES)
     rng = random.Random(zlib.crc32(f"{family}-{w}-{n}-{g}".encode()))
     for trial in range(2):
         prompt = repetitive_prompt(rng, model.config.vocab_size, rng.randint(5, 40))
