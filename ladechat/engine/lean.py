@@ -84,10 +84,11 @@ def _product(module: torch.nn.Module, dtype: torch.dtype):
     return int4_product
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # transformers' apply_rotary_pos_emb with its rotate_half, one tensor at a time
-    half = x.shape[-1] // 2
-    return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb, x * cos + rotate_half(x) * sin with rotate_half(x) =
+    cat(-x2, x1), as x * cos + cat(x2, x1) * cat(-sin1, sin2): (-a) * b and a * (-b) are the same
+    float, so the result is bitwise the same, in 4 ops instead of 7 (7.4 against 11.9 us a call)."""
+    return (x * cos) + (x.roll(x.shape[-1] // 2, -1) * signed_sin)
 
 
 class LeanStep:
@@ -113,7 +114,7 @@ class LeanStep:
                         layer.post_attention_layernorm.forward,
                         *products(layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj))
                        for layer in model.model.layers]
-        self.cos = self.sin = torch.empty(0)
+        self.cos = self.signed_sin = torch.empty(0)
 
     def table(self, end: int) -> None:
         """cos/sin for positions 0..end-1 at least, from the model's own rotary module: each
@@ -124,7 +125,8 @@ class LeanStep:
         with torch.inference_mode():
             probe = torch.zeros(1, dtype=self.model.dtype)
             cos, sin = self.model.model.rotary_emb(probe, position_ids=torch.arange(length).unsqueeze(0))
-        self.cos, self.sin = cos[0], sin[0]
+            half = sin.shape[-1] // 2
+        self.cos, self.signed_sin = cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
 
     def forward(self, layout: StepLayout, past: int, cache) -> torch.Tensor:
         """Logits (S, vocab) of every row of the step, its keys and values appended to `cache`."""
@@ -139,14 +141,14 @@ class LeanStep:
                 if groups > 1:  # one copy per query head of a group, stacked as rows
                     mask = mask.repeat(1, 1, groups, 1)
             self.table(int(positions.max()) + 1)
-            cos, sin = self.cos[positions], self.sin[positions]  # (S, dim), broadcast over heads
+            cos, signed_sin = self.cos[positions], self.signed_sin[positions]  # (S, dim), broadcast over heads
             x = model.model.embed_tokens(ids)  # (S, hidden)
             silu, sdpa = torch.nn.functional.silu, torch.nn.functional.scaled_dot_product_attention
             layers = cache.layers
             for i, (norm1, q_proj, k_proj, v_proj, o_proj, scaling, norm2, gate, up, down) in enumerate(self.layers):
                 h = norm1(x)
-                q = _rotate(q_proj(h).view(size, heads, dim).transpose(0, 1), cos, sin)
-                k = _rotate(k_proj(h).view(size, kv_heads, dim).transpose(0, 1), cos, sin)
+                q = _rotate(q_proj(h).view(size, heads, dim).transpose(0, 1), cos, signed_sin)
+                k = _rotate(k_proj(h).view(size, kv_heads, dim).transpose(0, 1), cos, signed_sin)
                 v = v_proj(h).view(size, kv_heads, dim).transpose(0, 1)
                 if i < len(layers):
                     keys, values = layers[i].update(k[None], v[None])
