@@ -596,7 +596,9 @@ def bench_step_cost(model: Model = None,
                     compile: Compile = False, dtype: Dtype = "auto", device: Device = "auto", attn: Attn = "sdpa",
                     as_json: BenchJson = False,
                     weights: Annotated[str, typer.Option("--weights", help="Linear weights, as for the chat (auto, dense, packed, int4); default packed.")] = "packed") -> None:
-    """What one decoding step costs as it feeds more tokens (dynamic, static and --compile'd runners), next to HF generate's time per token."""
+    """What one decoding step costs as it feeds more tokens (exact-size steps through the model's
+    forward and, for the Llama family on a CPU, engine/lean.py; fixed-shape and --compile'd ones),
+    next to HF generate's time per token."""
     from ladechat.bench import steps
     from ladechat.engine.model.loading import resolve_device, resolve_dtype
     from ladechat.ui.report import step_cost_table
