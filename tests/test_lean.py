@@ -47,25 +47,29 @@ def tokens(session, prompt, max_new, eos=frozenset()):
     return list(list(generate(session, prompt, SamplingConfig(max_new_tokens=max_new), eos))[-1].text_tokens)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
-@pytest.mark.parametrize("attention", ["grouped", "ungrouped"])
-def test_lean_step_logits_are_the_forward_pass_logits(family, attention):
-    """Every row's logits of one-row, window and tree steps, after a prompt, equal the model's
-    forward's exactly (fp32), and the cache holds the same keys and values."""
-    model = grouped(family) if attention == "grouped" else ungrouped(family)
+def assert_steps_match(model, prompt: list[int]) -> None:
+    """After `prompt`, every row's logits of one-row, window and tree steps through the lean step
+    equal the model's forward's exactly, and the cache holds the same keys and values."""
     ours, ref = LeanRunner(model), DynamicRunner(model)
-    prompt = list(range(3, 40))
     for runner in (ours, ref):
         runner.prefill(prompt, 0)
     for window, candidates in STEPS:
         layout = build_layout(window, candidates)
         got, want = ours.step(layout, len(prompt)), ref.step(layout, len(prompt))
         assert got.shape == want.shape == (layout.size, model.config.vocab_size)
-        assert torch.equal(got, want), (family, attention, layout.size)
+        assert torch.equal(got, want), layout.size
         for a, b in zip(ours.cache.layers, ref.cache.layers, strict=True):
             assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
         ours.truncate(len(prompt))
         ref.truncate(len(prompt))
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("attention", ["grouped", "ungrouped"])
+def test_lean_step_logits_are_the_forward_pass_logits(family, attention):
+    """Every row's logits of one-row, window and tree steps, after a prompt, equal the model's
+    forward's exactly (fp32), and the cache holds the same keys and values."""
+    assert_steps_match(grouped(family) if attention == "grouped" else ungrouped(family), list(range(3, 40)))
 
 
 def variant(**changes):
@@ -97,15 +101,7 @@ def test_lean_step_follows_the_configs_variants(name):
     assert lean.supported(model) is None
     if name == "yarn":
         assert model.model.rotary_emb.attention_scaling != 1.0
-    ours, ref = LeanRunner(model), DynamicRunner(model)
-    prompt = list(range(3, 40))
-    for runner in (ours, ref):
-        runner.prefill(prompt, 0)
-    for window, candidates in STEPS:
-        layout = build_layout(window, candidates)
-        assert torch.equal(ours.step(layout, len(prompt)), ref.step(layout, len(prompt))), (name, layout.size)
-        ours.truncate(len(prompt))
-        ref.truncate(len(prompt))
+    assert_steps_match(model, list(range(3, 40)))
 
 
 def test_a_one_token_prompt_steps_into_an_empty_cache():
@@ -186,16 +182,7 @@ def test_embedded_int4_bf16_step_logits_are_the_forwards():
     for bit, for a one-row step and a tree step."""
     if not int4.supported(torch.device("cpu")):
         pytest.skip("torch's int4 CPU kernel is measured and used on x86-64 only")
-    model = load(LoadSpec(dtype="bfloat16", device="cpu", weights="int4")).model
-    ours, ref = LeanRunner(model), DynamicRunner(model)
-    prompt = list(range(100, 160))
-    for runner in (ours, ref):
-        runner.prefill(prompt, 0)
-    for window, candidates in STEPS:
-        layout = build_layout(window, candidates)
-        assert torch.equal(ours.step(layout, len(prompt)), ref.step(layout, len(prompt))), layout.size
-        ours.truncate(len(prompt))
-        ref.truncate(len(prompt))
+    assert_steps_match(load(LoadSpec(dtype="bfloat16", device="cpu", weights="int4")).model, list(range(100, 160)))
 
 
 def test_the_chat_says_what_computes_its_steps(embedded_int4):
