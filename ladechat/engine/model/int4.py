@@ -321,11 +321,11 @@ def apply(model, gguf_path: Path, folder: Path,
 
 def load_lean(folder: Path, gguf_path: Path, kwargs: dict, config):
     """The model of `folder` (the converted copy of `gguf_path`; `config`: its config, as read)
-    with its 4-bit Linear weights never made dense: built empty (parameters on the meta device, buffers as usual), its int4 modules put
-    in from the kept 4-bit form, only the other tensors read from the converted files, in
-    kwargs["dtype"]. A load through from_pretrained reads every weight and casts it (a bf16 load
-    of the embedded model: its 540 MB of fp32 pages touched, 270 MB of bf16 made, then dropped
-    for the int4 modules), which set the chat's peak memory. Returns (model in eval mode,
+    with its 4-bit Linear weights never made dense: built empty (parameters on the meta device,
+    buffers as usual), its int4 modules put in from the kept 4-bit form, only the other tensors
+    read from the converted files, in kwargs["dtype"]. A load through from_pretrained reads every
+    weight and casts it (a bf16 load of the embedded model: its 540 MB of fp32 pages touched, 270
+    MB of bf16 made, then dropped for the int4 modules), which set the chat's peak memory. Returns (model in eval mode,
     Applied), or None where this does not apply (no kept 4-bit form yet: the first load reads the
     GGUF against the dense weights; no int4 module; a tensor left unread): then load as usual."""
     from accelerate import init_empty_weights
