@@ -353,6 +353,7 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
         store: Store = LOOKAHEAD.store, markdown: Markdown = True, debug: Debug = False, as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, token_ids, stats) instead of streaming.")] = False,
         api: Api = None, api_key: ApiKey = None, weights: Weights = "auto") -> None:
     """One-shot answer to PROMPT, streamed to stdout (greedy unless --temperature is given)."""
+    from ladechat.backends.base import interrupt
     from ladechat.conversation import Conversation
     from ladechat.engine.events import Done, Notice
     from ladechat.ui.stream import StreamPrinter, debug_panel, failure, footer
@@ -378,8 +379,9 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
     out = stdout_console()
     printer = StreamPrinter(out, err, debug=debug, markdown=markdown)
     done = None
+    events = bot.reply(conversation)
     try:
-        for event in bot.reply(conversation):
+        for event in events:
             if isinstance(event, Done):
                 done = event
             elif not as_json or isinstance(event, Notice):
@@ -391,9 +393,11 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
         if printer.text:
             out.print()
         raise Fail(message) from None
-    except KeyboardInterrupt:
-        err.print("\n[yellow]interrupted[/]")
-        raise typer.Exit(130) from None
+    except KeyboardInterrupt:  # while an event was printed: the stream ends as if it had landed there
+        done = interrupt(events) if done is None else done
+        if done is None:
+            err.print("\n[yellow]interrupted[/]")
+            raise typer.Exit(130) from None
     if done is None:
         raise Fail("generation ended without a result")
     stats = done.stats

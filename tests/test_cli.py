@@ -3,6 +3,8 @@
 import importlib.util
 import json
 import os
+import re
+import signal
 import subprocess
 
 import pytest
@@ -182,6 +184,20 @@ def test_stop_string_ends_the_answer():
     record = json.loads(r.stdout)
     assert record["stats"]["finish_reason"] == "stop"
     assert record["text"] == whole[:whole.index(stop) + len(stop)]  # up to and with the stop string, as asked
+
+
+def test_ctrl_c_ends_ask_with_the_partial_answer_and_its_statistics():
+    """Ctrl-C mid-answer: what was answered stays on stdout, the footer says "(interrupted)" wherever
+    the signal landed (in a step or while a word was printed), and the exit status is 130."""
+    proc = subprocess.Popen([ladechat_bin(), "ask", "--keep-alive", "0", "--dtype", "float32", "--max-new-tokens",
+                             "1000", "Write a very long story about a dragon who learns to bake bread."],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "NO_COLOR": ""})
+    first = proc.stdout.read(20)  # it is answering
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(60) == 130
+    out, err = first + proc.stdout.read(), proc.stderr.read().decode()
+    assert re.search(r"\d+ tokens, .* tokens/step, lookahead W=\d+ N=\d+ G=\d+ \(interrupted\)\n", err), err
+    assert "Traceback" not in err and len(out.decode().split()) >= 3
 
 
 def test_chat_rejects_bad_flags_before_loading():

@@ -1,10 +1,12 @@
 """Running out of memory or Ctrl-C mid-answer: the session stays consistent, the chat keeps going."""
 
 import io
+import re
 from dataclasses import replace
 
 import pytest
 import torch
+from consoles import InterruptedConsole
 from rich.console import Console
 from test_exactness import hf_greedy
 from tiny_models import tiny_model
@@ -138,25 +140,13 @@ def test_interrupt_leaves_the_session_consistent(lookahead, fail_on_call):
     assert partial + list(rest[-1].text_tokens) == hf_greedy(model, prompt, len(partial) + 20)
 
 
-class InterruptedConsole(io.StringIO):
-    """The chat's output, where Ctrl-C arrives while the `at`-th piece of an answer is printed."""
-
-    def __init__(self, at: int) -> None:
-        super().__init__()
-        self.at, self.writes = at, 0
-
-    def write(self, text: str) -> int:
-        self.writes += 1
-        if self.writes == self.at:
-            raise KeyboardInterrupt
-        return super().write(text)
-
-
 def test_chat_interrupted_while_printing_keeps_a_consistent_conversation(embedded_fp32):
     app, err = chat_app(embedded_fp32, out_file=InterruptedConsole(at=4))
     app.ask("What is the capital of France?")
     question, answer = app.conversation.messages
     assert answer["interrupted"] and answer["content"] and "the partial answer is kept" in err.getvalue()
+    # the answer's statistics all the same: Ctrl-C outside the engine ends it as one inside does
+    assert re.search(r"\d+ tokens, .* tokens/step, lookahead W=2 N=3 G=1 \(interrupted\)", err.getvalue())
     app.ask("And of Germany?")  # the session goes on from the interrupted state...
     fresh, _ = chat_app(embedded_fp32)
     fresh.conversation.messages = [dict(m) for m in app.conversation.messages[:3]]

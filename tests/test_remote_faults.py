@@ -15,6 +15,7 @@ import re
 import pexpect
 import pytest
 from conftest import ladechat_bin
+from consoles import InterruptedConsole
 from rich.console import Console
 from serve_process import Server
 from stub_openai import StubHandler, serve
@@ -100,6 +101,22 @@ def test_server_failing_mid_answer_keeps_question_and_partial_answer(scripted, t
     assert app.conversation.messages[2:] == [{"role": "user", "content": "Tell me a story."},
                                              {"role": "assistant", "content": "".join(WORDS), "interrupted": False}]
     assert len(errors(err)) == 1
+
+
+def test_ctrl_c_while_printing_ends_the_answer_with_its_statistics(scripted):
+    """Ctrl-C lands while a word is printed, outside the stream: the stream ends all the same as it
+    does for one that lands while it waits for the server, with what the client measured."""
+    app, _, err = chat(scripted)
+    app.out = Console(file=InterruptedConsole(at=3), width=200)
+    Scripted.mode = "ok"
+    app.ask("Tell me a story.")
+    answer = app.conversation.messages[-1]
+    assert answer["interrupted"] and WORDS[0] in answer["content"] and answer["content"] != "".join(WORDS)
+    assert re.search(rf"\d+ tokens, [\d.]+ tok/s, first token after [\d.]+ s, as {re.escape(app.bot.host)} "
+                     r"reported \(interrupted\)", err.getvalue())
+    assert "interrupted: the partial answer is kept" in err.getvalue()
+    app.ask("And another?")  # the next answer is whole
+    assert app.conversation.messages[-1] == {"role": "assistant", "content": "".join(WORDS), "interrupted": False}
 
 
 def test_server_busy_before_the_answer_keeps_the_question(scripted):

@@ -31,7 +31,20 @@ class Backend(Protocol):
     def warm_up(self) -> None: ...
     def clear_store(self) -> int: ...  # forget the model's past answers; how many
     def reply(self, conversation: Conversation) -> Iterator[Notice | Piece | Done]: ...  # may raise
-    # OutOfMemory or a RemoteError midway
+    # OutOfMemory or a RemoteError midway. Ctrl-C, wherever it lands, ends the stream with a Done
+    # whose finish_reason is "interrupted": see interrupt().
+
+
+def interrupt(events: Iterator[Notice | Piece | Done]) -> Done | None:
+    """Ctrl-C that a front end caught between a reply's events (printing one, say): thrown into the
+    stream, it ends the answer as one that lands inside the backend does, with the Done that holds
+    the answer's statistics. None when the stream cannot end so (it had not begun, or it had ended)."""
+    try:
+        event = events.throw(KeyboardInterrupt())
+    except (KeyboardInterrupt, StopIteration):
+        return None
+    events.close()
+    return event if isinstance(event, Done) else None
 
 
 class RemoteError(UserError):

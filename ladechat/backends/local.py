@@ -127,8 +127,15 @@ class Bot:
 
         tokenizer = self.loaded.tokenizer
         text = StepText(tokenizer)
-        for event in generate(self.session, ids, sampling, self.loaded.eos_ids, tokenizer.decode):
-            if isinstance(event, Done):
-                yield replace(event, text=tokenizer.decode(list(event.text_tokens), skip_special_tokens=True))
-            else:
-                yield from text.pieces(event)
+        run = generate(self.session, ids, sampling, self.loaded.eos_ids, tokenizer.decode)
+        try:
+            for event in run:
+                if isinstance(event, Done):
+                    yield replace(event, text=tokenizer.decode(list(event.text_tokens), skip_special_tokens=True))
+                else:
+                    yield from text.pieces(event)
+        except KeyboardInterrupt:
+            # Ctrl-C between steps (the front end threw it in here, or it landed while a step's text
+            # was decoded): generate ends the answer as if it had landed in a step
+            done = run.throw(KeyboardInterrupt())
+            yield replace(done, text=tokenizer.decode(list(done.text_tokens), skip_special_tokens=True))

@@ -11,7 +11,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from ladechat.backends.base import Backend
+from ladechat.backends.base import Backend, interrupt
 from ladechat.backends.pending import LoadFailed, PendingBot
 from ladechat.conversation import Conversation, ConversationError
 from ladechat.engine.events import Done, Stats
@@ -77,8 +77,10 @@ class ChatApp:
                     stats = event.stats
                 else:
                     printer.handle(event)
-        except KeyboardInterrupt:
-            events.close()  # the session is consistent between events
+        except KeyboardInterrupt:  # while an event was printed: the stream ends as if it had landed there
+            done = interrupt(events) if stats is None else None
+            stats = done.stats if done is not None else stats
+            events.close()
         except Exception as exc:
             # First the backend's own failures (out of memory, a server gone or failing: backends.base.RemoteError
             # is a UserError too), then the user's (e.g. the question alone does not fit the context).
