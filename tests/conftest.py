@@ -14,11 +14,12 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 def _test_cache_home() -> Path:
     """A cache folder for this test run, so the answers tests give go into stores that vanish with
     it rather than the user's; what is slow to rebuild and never changes an answer (the converted
-    embedded model, step-cost curves, mask-probe verdicts) is linked from the user's cache."""
+    embedded model, step-cost curves, mask-probe verdicts, compiled kernels) is linked from the
+    user's cache."""
     user = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ladechat"
     home = Path(tempfile.mkdtemp(prefix="ladechat-test-cache-"))
     (home / "ladechat").mkdir()
-    for shared in ("models", "step-cost", "mask-probe"):
+    for shared in ("models", "step-cost", "mask-probe", "kernels"):
         (user / shared).mkdir(parents=True, exist_ok=True)
         (home / "ladechat" / shared).symlink_to(user / shared)
     atexit.register(shutil.rmtree, home, ignore_errors=True)  # removes the links, not what they point to

@@ -382,10 +382,14 @@ def weight_layout(model) -> str:
     step-cost cache: each layout has its own cost curve)."""
     from ladechat.engine.model.packing import PackedLinear
 
-    counts = {"int4": 0, "packed": 0, "dense": 0}
+    from ladechat.engine.model.q8 import Q8Linear
+
+    counts = {"int4": 0, "q8_0": 0, "packed": 0, "dense": 0}
     for module in model.modules():
         if type(module) is Int4Linear:
             counts["int4"] += 1
+        elif type(module) is Q8Linear:
+            counts["q8_0"] += 1
         elif type(module) is PackedLinear:
             counts["packed"] += 1
         elif isinstance(module, torch.nn.Linear):
@@ -397,14 +401,19 @@ def describe(model) -> str:
     """The Linear weights and their kernels in words (for the banner, /show and --debug); empty for
     a model whose Linear modules are all as transformers loads them."""
     from ladechat.engine.model.packing import PackedLinear
+    from ladechat.engine.model.q8 import Q8Linear
 
     int4 = [m for m in model.modules() if type(m) is Int4Linear]
+    q8_0 = [m for m in model.modules() if type(m) is Q8Linear]
     packed = [m for m in model.modules() if type(m) is PackedLinear]
     dense = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     parts = []
     if int4:
         kinds = "/".join(sorted({m.kind for m in int4}))
         parts.append(f"{len(int4)} Linear int4 from {kinds} blocks (torch {KERNEL}, bf16 activations)")
+    if q8_0:
+        paths = "/".join(sorted({"AVX-512" if m.wide else "AVX2" for m in q8_0}))
+        parts.append(f"the output layer from Q8_0 blocks (ladechat's {paths} kernel)")
     if packed:
         dtype = str(packed[0].packed_weight.dtype).removeprefix("torch.")
         parts.append(f"{len(packed)} packed {dtype} (oneDNN)")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ladechat.engine.model import gguf, int4, packing
+from ladechat.engine.model import gguf, int4, packing, q8
 from ladechat.engine.model.attention import use_grouped_sdpa
 from ladechat.engine.model.gguf import ModelNotFound
 from ladechat.engine.threads import CpuThreads
@@ -246,6 +246,8 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
         if spec.weights == "int4" and not applied.replaced:
             notices.append(f"{name} has no 4-bit (Q4_0, Q4_1, Q4_K) Linear weights the int4 kernel takes; "
                            "running them as --weights packed")
+        # its Q8_0 output layer at 8 bits too (before packing: else a packed copy of it is made)
+        notices.extend(q8.apply(model, gguf_file, Path(source), cache_root() / "kernels", progress).notices)
     if attn == "sdpa":
         use_grouped_sdpa(model)  # lookahead's masked steps without a copy of the cache per query head
     _check_tree_mask(model, name, attn, source if Path(source).is_dir() else None, notices)

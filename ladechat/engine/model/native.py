@@ -1,0 +1,81 @@
+"""ladechat's own CPU kernels: C++ sources in this package, compiled once per machine into the
+user cache and loaded as torch operators.
+
+A wheel with compiled code would need a build per platform and torch version; the kernels are
+small, so the first load compiles them with the system's C++ compiler against the installed
+torch's headers (~10 s on 2 cores, shown as a status line) and later loads only open the library.
+The library's name holds a digest of the source, the torch version and the compiler, so a change
+to any of them compiles afresh. No compiler, or one that fails: the caller gets the reason (one
+line) and keeps its torch path; nothing is half-built (the library is renamed into place whole).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+
+import torch
+
+COMPILER = "c++"
+COMPILE_TIMEOUT_S = 300
+
+
+class BuildError(RuntimeError):
+    """A kernel library could not be compiled or loaded; the message is one line."""
+
+
+_loaded: dict[Path, Path] = {}  # source -> the library this process loaded for it (torch keeps it)
+
+
+def library_path(source: Path, folder: Path, compiler: str) -> Path:
+    digest = hashlib.sha256(Path(source).read_bytes() + compiler.encode()).hexdigest()[:12]
+    return folder / f"{Path(source).stem}-{digest}-torch{torch.__version__}.so"
+
+
+def compile_command(source: Path, output: Path, compiler: str) -> list[str]:
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)  # must match torch's, or its symbols do not link
+    return [compiler, "-O3", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            "-fopenmp",  # at::parallel_for's OpenMP regions; the process's libgomp is torch's own
+            *[f"-I{p}" for p in include_paths()], str(source), "-o", str(output),
+            *[f"-L{p}" for p in library_paths()], "-lc10", "-ltorch_cpu", "-w"]
+
+
+def load(source: Path, folder: Path, compiler: str = COMPILER,
+         progress: Callable[[str], AbstractContextManager] | None = None) -> Path:
+    """Compile `source` into `folder` unless done before, and load its operators into torch;
+    returns the library. BuildError says why not."""
+    source = Path(source)
+    if source in _loaded:
+        return _loaded[source]
+    path = library_path(source, Path(folder), compiler)
+    if not path.is_file():
+        found = shutil.which(compiler)
+        if found is None:
+            raise BuildError(f"no C++ compiler ({compiler}) to build {source.name}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        status = progress(f"Compiling ladechat's {source.stem} kernel (one time, ~10 s)") if progress else nullcontext()
+        with status, tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+            built = Path(scratch) / path.name
+            try:
+                done = subprocess.run(compile_command(source, built, found), capture_output=True, text=True,
+                                      timeout=COMPILE_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                raise BuildError(f"compiling {source.name} took over {COMPILE_TIMEOUT_S} s") from None
+            if done.returncode != 0:
+                errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()
+                detail = errors[0].strip() if errors else f"exit status {done.returncode}"
+                raise BuildError(f"{compiler} could not compile {source.name}: {detail}")
+            built.rename(path)
+    try:
+        torch.ops.load_library(str(path))
+    except (OSError, RuntimeError) as exc:
+        raise BuildError(f"cannot load {path.name}: {' '.join(str(exc).split())}") from None
+    _loaded[source] = path
+    return path

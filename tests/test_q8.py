@@ -1,0 +1,151 @@
+"""A GGUF's Q8_0 output layer at 8 bits (engine/model/q8.py, q8_0.cpp, native.py): the kernel's
+products against fp64 on the exact weights, the same bits for a row whatever the step's size, the
+thread count or the instruction set, the real blocks of the embedded model, and what happens
+without a compiler."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ladechat.engine.model import int4, native, q8
+from ladechat.engine.model.loading import LoadSpec, load
+from ladechat.paths import cache_root
+
+gguf = pytest.importorskip("gguf")
+
+pytestmark = pytest.mark.skipif(not int4.supported(torch.device("cpu")),
+                                reason="the Q8_0 kernel is built with x86-64 vector instructions")
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    native.load(q8.SOURCE, cache_root() / "kernels")
+    assert q8.usable()
+
+
+def paths() -> list[bool]:
+    """The kernel's paths this CPU runs: AVX2, and AVX-512 where it has it."""
+    return [False, True] if q8.wide_kernel() else [False]
+
+
+def random_layer(rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-127, 128, (rows, cols), dtype=torch.int8, generator=generator)
+    scales = (torch.rand(rows, cols // q8.GROUP, generator=generator) * 0.01).half().float()  # fp16, as GGUF's
+    return codes, scales
+
+
+def test_products_are_the_exact_weights_times_x(kernel):
+    codes, scales = random_layer(64, 96)
+    dense = codes.double() * scales.double().repeat_interleave(q8.GROUP, dim=1)
+    x = torch.randn(5, 96)
+    results = []
+    for wide in paths():
+        layer = q8.Q8Linear(*q8.kernel_layout(codes, scales), wide=wide)
+        assert torch.equal(layer.dense_weight().double(), dense)  # the weights, exactly
+        y = layer(x)
+        reference = x.double() @ dense.t()
+        # fp32 sums of 96 exact products: within a few fp32 roundings of sum |x| |w| per output
+        bound = (x.double().abs() @ dense.abs().t()) * 2**-20
+        assert y.dtype == torch.float32 and y.shape == (5, 64) and ((y.double() - reference).abs() <= bound).all()
+        results.append(y)
+        # bf16 activations (the dtype of CPUs with native bf16): the same sums, rounded once at the end
+        assert torch.equal(layer(x.bfloat16()), layer(x.bfloat16().float()).bfloat16())
+        # a step's extra dimensions are kept
+        assert torch.equal(layer(x[None]), y[None])
+    assert all(torch.equal(y, results[0]) for y in results)  # AVX-512 and AVX2 give the same bits
+
+
+def test_a_row_is_the_same_alone_among_many_and_on_any_thread_count(kernel):
+    """What lets a lookahead step's rows equal one-row steps' (plain decoding) bit for bit."""
+    codes, scales = random_layer(256, 576, seed=1)
+    layer = q8.Q8Linear(*q8.kernel_layout(codes, scales), wide=q8.wide_kernel())
+    x = torch.randn(16, 576)
+    together = layer(x)
+    assert all(torch.equal(layer(x[i:i + 1]), together[i:i + 1]) for i in range(16))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = layer(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, together)
+
+
+def test_decode_reads_q8_0_blocks_as_gguf_dequantizes_them():
+    rng = np.random.default_rng(0)
+    weights = (rng.standard_normal((32, 64)) * 0.05).astype(np.float32)
+    blocks = gguf.quants.quantize(weights, gguf.GGMLQuantizationType.Q8_0)
+    codes, scales = q8.decode(blocks, 32, 64)
+    dequantized = gguf.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0)
+    assert codes.dtype == np.int8 and np.array_equal(codes * np.repeat(scales, q8.GROUP, axis=1), dequantized)
+    with pytest.raises(q8.Q8Error, match="do not make 32x96 weights"):
+        q8.decode(blocks, 32, 96)
+    with pytest.raises(q8.Q8Error, match="does not fit the Q8_0 kernel"):
+        q8.kernel_layout(torch.from_numpy(codes[:24]), torch.from_numpy(scales[:24]))
+
+
+def test_the_embedded_models_output_layer_runs_its_q8_0_blocks(kernel):
+    """Its output layer is tied to the Q8_0 input embedding: at 8 bits, exactly those weights (the
+    dense fp32 copy the converted model holds), and the model's logits as the dense layer gives them."""
+    lm = load(LoadSpec(dtype="float32", device="cpu"))
+    head = lm.model.lm_head
+    assert type(head) is q8.Q8Linear and head.out_features == 49152 and head.in_features == 576
+    assert torch.equal(head.dense_weight(), lm.model.model.embed_tokens.weight)
+    assert int4.weight_layout(lm.model) == "int4:210,q8_0:1"  # no packed copy of the embedding any more
+    kernel_path = "AVX-512" if q8.wide_kernel() else "AVX2"
+    assert lm.weights.endswith(f", the output layer from Q8_0 blocks (ladechat's {kernel_path} kernel)")
+    hidden = torch.randn(3, 576)
+    dense = hidden.double() @ lm.model.model.embed_tokens.weight.double().t()
+    assert torch.allclose(head(hidden).double(), dense, atol=1e-5, rtol=0)
+    # with --weights dense or packed, the layer is as transformers loads it
+    assert type(load(LoadSpec(dtype="float32", device="cpu", weights="packed")).model.lm_head) is not q8.Q8Linear
+
+
+def test_a_kernel_that_cannot_be_built_is_one_line(tmp_path):
+    source = tmp_path / "q8_0.cpp"  # a copy: this process may have loaded q8.SOURCE's library already
+    source.write_bytes(q8.SOURCE.read_bytes())
+    with pytest.raises(native.BuildError, match=r"^no C\+\+ compiler \(no-such-c\+\+\) to build q8_0\.cpp$"):
+        native.load(source, tmp_path, compiler="no-such-c++")
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++\n")
+    with pytest.raises(native.BuildError, match=r"^c\+\+ could not compile broken\.cpp: .*error") as caught:
+        native.load(broken, tmp_path)
+    assert "\n" not in str(caught.value) and not list(tmp_path.glob("*.so"))  # nothing half-built
+
+
+def test_without_a_compiler_the_output_layer_stays_as_it_was(tmp_path):
+    """In a fresh process (this one has the kernel loaded): the model loads, with one notice."""
+    script = (
+        "from pathlib import Path\n"
+        "import torch\n"
+        "from ladechat.engine.model import q8\n"
+        "from ladechat.engine.model.gguf import embedded_gguf, ensure_converted\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "folder = ensure_converted(embedded_gguf())\n"
+        "model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)\n"
+        f"applied = q8.apply(model, embedded_gguf(), folder, Path({str(tmp_path)!r}), compiler='no-such-c++')\n"
+        "print(applied.replaced, type(model.lm_head).__name__)\n"
+        "print(*applied.notices, sep='\\n')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "False Linear"
+    assert lines[1:] == ["the output layer of SmolLM2-135M-Instruct.Q4_1.gguf runs dense: "
+                         "no C++ compiler (no-such-c++) to build q8_0.cpp"]
+
+
+def test_the_library_is_built_once_per_source_and_torch(kernel):
+    built = native.library_path(q8.SOURCE, cache_root() / "kernels", native.COMPILER)
+    assert built.is_file() and torch.__version__ in built.name
+    stamp = built.stat().st_mtime_ns
+    again = subprocess.run([sys.executable, "-c",
+                            "from ladechat.engine.model import native, q8\n"
+                            "from ladechat.paths import cache_root\n"
+                            "print(native.load(q8.SOURCE, cache_root() / 'kernels'))"],
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and Path(again.stdout.strip()) == built and built.stat().st_mtime_ns == stamp
