@@ -182,7 +182,7 @@ def test_bench_refuses_hf_packed_on_weights_that_are_not_packed(tiny_folder):
     from ladechat.settings import Settings
 
     loaded = load(LoadSpec(model=tiny_folder, dtype="float32", device="cpu", pack_weights=False))
-    with pytest.raises(BenchError, match="hf-packed needs packed weights"):
+    with pytest.raises(BenchError, match=r"hf-packed needs packed \(oneDNN\) weights"):
         bench_run(loaded, ["mtbench"], ["hf-packed", "plain"], Settings(), limit=1)
 
 

@@ -3,6 +3,7 @@ products against fp64 on the exact weights, the same bits for a row whatever the
 thread count or the instruction set, the real blocks of the embedded model, and what happens
 without a compiler."""
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,8 +22,16 @@ pytestmark = pytest.mark.skipif(not int4.supported(torch.device("cpu")),
                                 reason="the Q8_0 kernel is built with x86-64 vector instructions")
 
 
+# The kernel is compiled on first use; a machine without a C++ compiler runs the layer as before
+# (test_without_a_compiler_the_output_layer_stays_as_it_was, which runs everywhere).
+HAS_COMPILER = shutil.which(native.COMPILER) is not None
+needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason=f"no C++ compiler ({native.COMPILER}) here")
+
+
 @pytest.fixture(scope="module")
 def kernel():
+    if not HAS_COMPILER:
+        pytest.skip(f"no C++ compiler ({native.COMPILER}) to build the kernel here")
     native.load(q8.SOURCE, cache_root() / "kernels")
     assert q8.usable()
 
@@ -62,9 +71,10 @@ def test_products_are_the_exact_weights_times_x(kernel):
 
 def test_a_row_is_the_same_alone_among_many_and_on_any_thread_count(kernel):
     """What lets a lookahead step's rows equal one-row steps' (plain decoding) bit for bit."""
-    codes, scales = random_layer(256, 576, seed=1)
+    # 128 blocks of 16 outputs: at::parallel_for splits them between threads (it does not below 16)
+    codes, scales = random_layer(2048, 576, seed=1)
     layer = q8.Q8Linear(*q8.kernel_layout(codes, scales), wide=q8.wide_kernel())
-    x = torch.randn(16, 576)
+    x = torch.randn(16, 576, generator=torch.Generator().manual_seed(1))
     together = layer(x)
     assert all(torch.equal(layer(x[i:i + 1]), together[i:i + 1]) for i in range(16))
     threads = torch.get_num_threads()
@@ -99,13 +109,15 @@ def test_the_embedded_models_output_layer_runs_its_q8_0_blocks(kernel):
     assert int4.weight_layout(lm.model) == "int4:210,q8_0:1"  # no packed copy of the embedding any more
     kernel_path = "AVX-512" if q8.wide_kernel() else "AVX2"
     assert lm.weights.endswith(f", the output layer from Q8_0 blocks (ladechat's {kernel_path} kernel)")
-    hidden = torch.randn(3, 576)
-    dense = hidden.double() @ lm.model.model.embed_tokens.weight.double().t()
-    assert torch.allclose(head(hidden).double(), dense, atol=1e-5, rtol=0)
+    hidden = torch.randn(3, 576, generator=torch.Generator().manual_seed(0))
+    weight = lm.model.model.embed_tokens.weight.double()
+    bound = (hidden.double().abs() @ weight.abs().t()) * 2**-20  # a few fp32 roundings of sum |x| |w|
+    assert ((head(hidden).double() - hidden.double() @ weight.t()).abs() <= bound).all()
     # with --weights dense or packed, the layer is as transformers loads it
     assert type(load(LoadSpec(dtype="float32", device="cpu", weights="packed")).model.lm_head) is not q8.Q8Linear
 
 
+@needs_compiler
 def test_a_kernel_that_cannot_be_built_is_one_line(tmp_path):
     source = tmp_path / "q8_0.cpp"  # a copy: this process may have loaded q8.SOURCE's library already
     source.write_bytes(q8.SOURCE.read_bytes())
@@ -131,21 +143,20 @@ def test_without_a_compiler_the_output_layer_stays_as_it_was(tmp_path):
         f"applied = q8.apply(model, embedded_gguf(), folder, Path({str(tmp_path)!r}), compiler='no-such-c++')\n"
         "print(applied.replaced, type(model.lm_head).__name__)\n"
         "print(*applied.notices, sep='\\n')\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "False Linear"
-    assert lines[1:] == ["the output layer of SmolLM2-135M-Instruct.Q4_1.gguf runs dense: "
-                         "no C++ compiler (no-such-c++) to build q8_0.cpp"]
+    assert lines[1:] == [("the output layer of SmolLM2-135M-Instruct.Q4_1.gguf runs dense: "
+                          "no C++ compiler (no-such-c++) to build q8_0.cpp")]
 
 
 def test_the_library_is_built_once_per_source_and_torch(kernel):
-    built = native.library_path(q8.SOURCE, cache_root() / "kernels", native.COMPILER)
-    assert built.is_file() and torch.__version__ in built.name
+    built = native.load(q8.SOURCE, cache_root() / "kernels")
+    assert built.is_file() and built.parent == cache_root() / "kernels" and torch.__version__ in built.name
     stamp = built.stat().st_mtime_ns
-    again = subprocess.run([sys.executable, "-c",
-                            "from ladechat.engine.model import native, q8\n"
-                            "from ladechat.paths import cache_root\n"
-                            "print(native.load(q8.SOURCE, cache_root() / 'kernels'))"],
-                           capture_output=True, text=True, timeout=300)
+    script = ("from ladechat.engine.model import native, q8\n"
+              "from ladechat.paths import cache_root\n"
+              "print(native.load(q8.SOURCE, cache_root() / 'kernels'))")
+    again = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
     assert again.returncode == 0 and Path(again.stdout.strip()) == built and built.stat().st_mtime_ns == stamp

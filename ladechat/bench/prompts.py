@@ -234,8 +234,9 @@ def _order(methods: list[str], packed: bool, greedy: bool) -> tuple[list[str], l
     compared with it (greedy runs, or when asked)."""
     check_methods(methods)
     if "hf-packed" in methods and not packed:
-        raise BenchError("hf-packed needs packed weights, which ladechat uses only on an x86-64 CPU in fp32 or "
-                         "bf16 without --compile; here it would be hf again")
+        raise BenchError("hf-packed needs packed (oneDNN) weights, which ladechat uses only on an x86-64 CPU in "
+                         "fp32 or bf16 without --compile, for the Linear weights that do not run at 4 or 8 bits "
+                         "(--weights packed packs them all); here it would be hf again")
     others = [m for m in dict.fromkeys(methods) if m not in ("hf", "hf-packed")]
     ours = [m for m in others if m not in HF_METHODS]
     wants_packed = "hf-packed" in methods or (packed and ours and greedy)

@@ -14,8 +14,9 @@ and multiplied by `_weight_int4pack_mm_for_cpu`. The kernel's scales and zeros a
 scales round to 8 bits of mantissa) and its vectorized path takes bf16 activations (fp32 ones run
 a scalar loop, ~20x slower), so `Int4Linear` casts a step's activations to bf16 at the product
 and its result back. Everything else (norms, attention, the residual stream) stays in the model's
-dtype, and tensors of other types (the embedded model's Q8_0 embedding and the output layer tied
-to it; Q5/Q6/Q8/F16 tensors) keep the path they had: dense, packed for oneDNN where that applies.
+dtype, and tensors of other types (the embedded model's Q8_0 embedding; Q5/Q6/Q8/F16 tensors) keep
+the path they had: dense, packed for oneDNN where that applies; a Q8_0 output layer runs its blocks
+on ladechat's own kernel (q8.py).
 
 The kernel computes each row on its own, in the same order whatever the step's size, but SDPA's
 rows depend in fp32's last bits on how many rows and masked keys a step has, and the bf16 rounding
@@ -378,10 +379,9 @@ def _replace(model, get: Callable[[str], torch.Tensor], kinds: dict[str, str], n
 # -- what runs -----------------------------------------------------------------------------------
 
 def weight_layout(model) -> str:
-    """Which kernels the model's Linear weights run on, e.g. 'int4:210,packed:1' (a key of the
+    """Which kernels the model's Linear weights run on, e.g. 'int4:210,q8_0:1' (a key of the
     step-cost cache: each layout has its own cost curve)."""
     from ladechat.engine.model.packing import PackedLinear
-
     from ladechat.engine.model.q8 import Q8Linear
 
     counts = {"int4": 0, "q8_0": 0, "packed": 0, "dense": 0}

@@ -32,8 +32,11 @@ class BuildError(RuntimeError):
 _loaded: dict[Path, Path] = {}  # source -> the library this process loaded for it (torch keeps it)
 
 
-def library_path(source: Path, folder: Path, compiler: str) -> Path:
-    digest = hashlib.sha256(Path(source).read_bytes() + compiler.encode()).hexdigest()[:12]
+def library_path(source: Path, folder: Path, compiler_id: str) -> Path:
+    """Named for what went into it: the source, the compiler (compiler_id: its path and version),
+    the compile flags and the torch version."""
+    flags = " ".join(compile_command(Path("source"), Path("library"), compiler_id))
+    digest = hashlib.sha256(Path(source).read_bytes() + flags.encode()).hexdigest()[:12]
     return folder / f"{Path(source).stem}-{digest}-torch{torch.__version__}.so"
 
 
@@ -54,28 +57,42 @@ def load(source: Path, folder: Path, compiler: str = COMPILER,
     source = Path(source)
     if source in _loaded:
         return _loaded[source]
-    path = library_path(source, Path(folder), compiler)
-    if not path.is_file():
-        found = shutil.which(compiler)
-        if found is None:
-            raise BuildError(f"no C++ compiler ({compiler}) to build {source.name}")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        status = progress(f"Compiling ladechat's {source.stem} kernel (one time, ~10 s)") if progress else nullcontext()
-        with status, tempfile.TemporaryDirectory(dir=path.parent) as scratch:
-            built = Path(scratch) / path.name
-            try:
-                done = subprocess.run(compile_command(source, built, found), capture_output=True, text=True,
-                                      timeout=COMPILE_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                raise BuildError(f"compiling {source.name} took over {COMPILE_TIMEOUT_S} s") from None
-            if done.returncode != 0:
-                errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()
-                detail = errors[0].strip() if errors else f"exit status {done.returncode}"
-                raise BuildError(f"{compiler} could not compile {source.name}: {detail}")
-            built.rename(path)
+    found = shutil.which(compiler)
+    if found is None:
+        raise BuildError(f"no C++ compiler ({compiler}) to build {source.name}")
+    try:
+        path = library_path(source, Path(folder), _version(found))
+        if not path.is_file():
+            _build(source, path, found, compiler, progress)
+    except (OSError, subprocess.SubprocessError) as exc:  # a cache that cannot be written, a compiler that cannot run
+        raise BuildError(f"cannot build {source.name}: {' '.join(str(exc).split())}") from None
     try:
         torch.ops.load_library(str(path))
     except (OSError, RuntimeError) as exc:
         raise BuildError(f"cannot load {path.name}: {' '.join(str(exc).split())}") from None
     _loaded[source] = path
     return path
+
+
+def _version(compiler: str) -> str:
+    """The compiler and its version, as the library's name takes them (an upgrade builds afresh)."""
+    done = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60, check=False)
+    return f"{compiler} {done.stdout.splitlines()[0] if done.stdout else ''}"
+
+
+def _build(source: Path, path: Path, compiler: str, name: str,
+           progress: Callable[[str], AbstractContextManager] | None) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    status = progress(f"Compiling ladechat's {source.stem} kernel (one time, ~10 s)") if progress else nullcontext()
+    with status, tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+        built = Path(scratch) / path.name
+        try:
+            done = subprocess.run(compile_command(source, built, compiler), capture_output=True, text=True,
+                                  timeout=COMPILE_TIMEOUT_S, check=False)
+        except subprocess.TimeoutExpired:
+            raise BuildError(f"compiling {source.name} took over {COMPILE_TIMEOUT_S} s") from None
+        if done.returncode != 0:
+            errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()
+            detail = errors[0].strip() if errors else f"exit status {done.returncode}"
+            raise BuildError(f"{name} could not compile {source.name}: {detail}")
+        built.rename(path)  # whole, or not at all

@@ -21,6 +21,8 @@ layer as it was, with a one-line notice where that is a surprise.
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -89,8 +91,15 @@ class Q8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).contiguous()
+        if rows.dtype not in (torch.float32, torch.bfloat16):  # the kernel reads these two (fp16: exact in fp32)
+            rows = rows.float()
         y = torch.ops.ladechat_q8_0.mm(rows, self.codes, self.scales, self.wide)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """W (out, in) in fp32, exactly scale * code: a dense copy per read (as Int4Linear's)."""
+        return self.dense_weight()
 
     def dense_weight(self) -> torch.Tensor:
         """W (out, in) in fp32, exactly scale * code."""
@@ -157,9 +166,11 @@ def read_gguf(gguf_path: Path, model) -> tuple[torch.Tensor, torch.Tensor] | Non
 
 
 def cache_path(folder: Path) -> Path:
+    """The file of a converted GGUF's Q8_0 output layer in the kernel's layout, named for this
+    module's code (a change to how blocks are read is read afresh)."""
     from ladechat.engine.model.gguf import source_digest
 
-    return Path(folder) / f"{CACHE_PREFIX}{source_digest(__file__)}-{torch.__version__}.safetensors"
+    return Path(folder) / f"{CACHE_PREFIX}{source_digest(__file__)}.safetensors"
 
 
 @dataclass(frozen=True)
@@ -194,15 +205,20 @@ def apply(model, gguf_path: Path, folder: Path, kernels: Path,
             except (ValueError, KeyError, IndexError, OSError, EOFError) as exc:
                 detail = " ".join(str(exc).split()) or type(exc).__name__
                 return Applied(False, (f"cannot read the output layer of {name} ({detail}); running it dense",))
-        for stale in Path(folder).glob(f"{CACHE_PREFIX}*.safetensors"):
-            stale.unlink(missing_ok=True)
         arrays = {"codes": found[0], "scales": found[1]} if found else {"none": torch.zeros(1)}
-        partial = path.with_name(path.name + ".partial")
+        partial = None
         try:
+            for stale in Path(folder).glob(f"{CACHE_PREFIX}*.safetensors"):
+                stale.unlink(missing_ok=True)
+            # a name of its own: another process may be writing its copy beside this one
+            handle, partial_name = tempfile.mkstemp(dir=folder, prefix=path.name, suffix=".partial")
+            os.close(handle)
+            partial = Path(partial_name)
             save_file(arrays, str(partial), metadata={"q8_0": "yes" if found else "no", "notices": json.dumps(notices)})
             partial.rename(path)
         except (OSError, SafetensorError):  # a read-only cache: read again next time
-            partial.unlink(missing_ok=True)
+            if partial is not None:
+                partial.unlink(missing_ok=True)
     if found is None:
         return Applied(False, tuple(notices))
     try:
@@ -214,6 +230,6 @@ def apply(model, gguf_path: Path, folder: Path, kernels: Path,
     if not usable() or type(head) is not torch.nn.Linear \
             or (head.out_features, head.in_features) != (codes.shape[0] * OUT, codes.shape[1]):
         return Applied(False, tuple(notices))
-    name = next(name for name, module in model.named_modules() if module is head)
-    model.set_submodule(name, Q8Linear(*found, wide=wide_kernel()))
+    module_name = next(key for key, module in model.named_modules() if module is head)
+    model.set_submodule(module_name, Q8Linear(*found, wide=wide_kernel()))
     return Applied(True, tuple(notices))

@@ -96,9 +96,11 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc
   TORCH_CHECK(scales.dim() == 3 && scales.size(0) == NB && scales.size(1) == G && scales.size(2) == OUT
               && scales.scalar_type() == at::kFloat && scales.is_contiguous(),
               "q8_0 mm: scales must be (out / 16, in / 32, 16) fp32");
+  TORCH_CHECK(codes.device().is_cpu() && scales.device().is_cpu(), "q8_0 mm: codes and scales must be on the CPU");
   TORCH_CHECK(wide ? has_avx512() : has_avx2(), "q8_0 mm: this CPU lacks the instructions of the path asked for");
   const at::Tensor rows = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);  // bf16 -> fp32 is exact
   at::Tensor y = at::empty({M, NB * OUT}, x.options().dtype(at::kFloat));
+  if (M == 0) return y;
   const float* xp = rows.data_ptr<float>();
   const int8_t* cp = codes.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
