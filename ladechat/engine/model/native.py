@@ -4,9 +4,11 @@ user cache and loaded as torch operators.
 A wheel with compiled code would need a build per platform and torch version; the kernels are
 small, so the first load compiles them with the system's C++ compiler against the installed
 torch's headers (~10 s on 2 cores, shown as a status line) and later loads only open the library.
-The library's name holds a digest of the source, the torch version and the compiler, so a change
-to any of them compiles afresh. No compiler, or one that fails: the caller gets the reason (one
-line) and keeps its torch path; nothing is half-built (the library is renamed into place whole).
+The library's name holds digests of the source and of the compiler and flags, and the torch
+version, so a change to any of them compiles afresh (a library of the same source built before
+still serves if the compiler has gone since). No compiler, or one that fails: the caller gets the
+reason (one line) and keeps its torch path; nothing is half-built (the library is renamed into
+place whole).
 """
 
 from __future__ import annotations
@@ -33,11 +35,22 @@ _loaded: dict[Path, Path] = {}  # source -> the library this process loaded for 
 
 
 def library_path(source: Path, folder: Path, compiler_id: str) -> Path:
-    """Named for what went into it: the source, the compiler (compiler_id: its path and version),
-    the compile flags and the torch version."""
+    """Named for what went into it: the source, then the compiler (compiler_id: its path and
+    version) with the compile flags, then the torch version."""
     flags = " ".join(compile_command(Path("source"), Path("library"), compiler_id))
-    digest = hashlib.sha256(Path(source).read_bytes() + flags.encode()).hexdigest()[:12]
-    return folder / f"{Path(source).stem}-{digest}-torch{torch.__version__}.so"
+    build = hashlib.sha256(flags.encode()).hexdigest()[:8]
+    return folder / f"{_source_prefix(source)}{build}-torch{torch.__version__}.so"
+
+
+def _source_prefix(source: Path) -> str:
+    return f"{Path(source).stem}-{hashlib.sha256(Path(source).read_bytes()).hexdigest()[:12]}-"
+
+
+def built_before(source: Path, folder: Path) -> Path | None:
+    """A library of this very source for this torch, built by whatever compiler was there then."""
+    built = sorted(Path(folder).glob(f"{_source_prefix(source)}*-torch{torch.__version__}.so"),
+                   key=lambda path: path.stat().st_mtime_ns)
+    return built[-1] if built else None
 
 
 def compile_command(source: Path, output: Path, compiler: str) -> list[str]:
@@ -58,12 +71,15 @@ def load(source: Path, folder: Path, compiler: str = COMPILER,
     if source in _loaded:
         return _loaded[source]
     found = shutil.which(compiler)
-    if found is None:
-        raise BuildError(f"no C++ compiler ({compiler}) to build {source.name}")
     try:
-        path = library_path(source, Path(folder), _version(found))
-        if not path.is_file():
-            _build(source, path, found, compiler, progress)
+        if found is None:  # gone since it built the library, say: that library still serves
+            path = built_before(source, Path(folder))
+            if path is None:
+                raise BuildError(f"no C++ compiler ({compiler}) to build {source.name}")
+        else:
+            path = library_path(source, Path(folder), _version(found))
+            if not path.is_file():
+                _build(source, path, found, compiler, progress)
     except (OSError, subprocess.SubprocessError) as exc:  # a cache that cannot be written, a compiler that cannot run
         raise BuildError(f"cannot build {source.name}: {' '.join(str(exc).split())}") from None
     try:
