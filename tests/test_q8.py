@@ -163,3 +163,38 @@ def test_the_library_is_built_once_per_source_and_torch(kernel):
                                check=False)
         assert again.returncode == 0, again.stderr
         assert Path(again.stdout.strip()) == built and built.stat().st_mtime_ns == stamp
+
+
+def test_a_gguf_with_an_output_layer_of_its_own(kernel, tmp_path):
+    """Untied: the file's output.weight (Q8_0, 96 x 256) runs on the kernel, the same weights as the
+    dense layer transformers makes of it; a second load reads the kept blocks; a corrupt block
+    leaves the layer dense, with one notice."""
+    from test_int4 import dense_from_gguf, write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    dense = dense_from_gguf(path)
+    ids = torch.tensor([[1, 5, 9, 40, 77, 3]])
+    with torch.inference_mode():
+        expected = dense(ids).logits
+    for attempt in ("read from the GGUF", "read from the kept blocks"):
+        model = dense_from_gguf(path)
+        applied = q8.apply(model, path, tmp_path, cache_root() / "kernels")
+        assert applied == q8.Applied(True, ()), attempt
+        assert type(model.lm_head) is q8.Q8Linear and torch.equal(model.lm_head.weight, dense.lm_head.weight)
+        with torch.inference_mode():
+            logits = model(ids).logits
+        assert torch.allclose(logits, expected, atol=1e-5, rtol=1e-5), attempt
+        assert q8.cache_path(tmp_path).is_file()
+
+    corrupt = tmp_path / "corrupt" / "tiny.gguf"
+    corrupt.parent.mkdir()
+    corrupt.write_bytes(path.read_bytes())
+    output = next(t for t in gguf.GGUFReader(path).tensors if t.name == "output.weight")
+    with corrupt.open("r+b") as fh:  # the first block's fp16 scale: NaN
+        fh.seek(output.data_offset)
+        fh.write(np.array([np.nan], dtype=np.float16).tobytes())
+    model = dense_from_gguf(path)
+    applied = q8.apply(model, corrupt, corrupt.parent, cache_root() / "kernels")
+    assert not applied.replaced and type(model.lm_head) is torch.nn.Linear
+    assert applied.notices == ("the output layer of tiny.gguf runs dense: some of its scales are not finite "
+                               "numbers (a corrupt block)",)
