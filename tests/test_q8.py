@@ -196,5 +196,5 @@ def test_a_gguf_with_an_output_layer_of_its_own(kernel, tmp_path):
     model = dense_from_gguf(path)
     applied = q8.apply(model, corrupt, corrupt.parent, cache_root() / "kernels")
     assert not applied.replaced and type(model.lm_head) is torch.nn.Linear
-    assert applied.notices == ("the output layer of tiny.gguf runs dense: some of its scales are not finite "
-                               "numbers (a corrupt block)",)
+    assert applied.notices == (("the output layer of tiny.gguf runs dense: some of its scales are not finite "
+                                "numbers (a corrupt block)"),)
