@@ -179,3 +179,29 @@ def test_the_step_cost_curves_are_kept_for_the_full_thread_count(tmp_path, monke
         torch.set_num_threads(before)
     assert counts == [1, 1]  # read back under the full count's key: not measured again
     assert first.measured == again.measured
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: torch runs no OpenMP team to hand over")
+def test_a_server_frees_the_openmp_team_of_the_thread_that_loaded_the_model():
+    """serve's Worker (the model thread's owner) frees its constructing thread's OpenMP team: with
+    two teams alive on a 2-core machine libgomp sleeps at every barrier and the model thread's steps
+    take twice as long (engine/threads.py: release_openmp_team; BENCHMARKS.md). In a fresh process:
+    a parallel op gives the main thread its team; the Worker lets its threads go; the model thread
+    then runs parallel ops on a team of its own."""
+    script = (
+        "import os, torch\n"
+        "from ladechat.serve.worker import Worker\n"
+        "threads = lambda: len(os.listdir('/proc/self/task'))\n"
+        "torch.set_num_threads(2)\n"
+        "x = torch.randn(1 << 20)\n"
+        "for _ in range(20): (x * 2).sum()\n"
+        "loaded = threads()\n"
+        "worker = Worker(backend=None, max_queue=1)\n"
+        "released = threads()\n"
+        "on_model_thread = worker.executor.submit(lambda: [float((x * 2).sum()) for _ in range(20)]).result()\n"
+        "print(loaded, released, threads(), len(on_model_thread))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    loaded, released, serving, ran = map(int, done.stdout.split())
+    # the main thread's team (one thread besides it) is gone; the model thread brings its own and itself
+    assert released == loaded - 1 and serving == released + 2 and ran == 20

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from ladechat.conversation import Conversation
 from ladechat.engine.events import Piece
+from ladechat.engine.threads import release_openmp_team
 from ladechat.serve.wire import ApiError
 from ladechat.settings import Settings
 
@@ -58,6 +59,9 @@ class Worker:
         self.backend = backend
         self.log = log or (lambda line: None)
         self.max_queue = max_queue
+        # From here on the model thread runs the model: the OpenMP team this thread used to load it
+        # would halve the model thread's speed (engine/threads.py: release_openmp_team).
+        release_openmp_team()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ladechat-model")
         self.lock = threading.Lock()
         self.unfinished = 0
