@@ -74,6 +74,33 @@ def source_digest(*files: str) -> str:
     return digest.hexdigest()[:16]
 
 
+def keep_beside(path: Path, arrays: dict, metadata: dict[str, str], earlier: str) -> bool:
+    """Write `arrays` (safetensors, with `metadata`) to `path` beside a converted model, after
+    removing the files of earlier code that match the glob `earlier`; whole or not at all (written
+    under a name of its own first: another process may be writing its copy). False where the
+    folder cannot be written: the caller reads its source again next time."""
+    import os
+    import tempfile
+
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    partial = None
+    try:
+        for stale in path.parent.glob(earlier):
+            stale.unlink(missing_ok=True)
+        handle, name = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".partial")
+        os.close(handle)
+        partial = Path(name)
+        save_file(arrays, str(partial), metadata=metadata)
+        partial.rename(path)
+        return True
+    except (OSError, SafetensorError):
+        if partial is not None:
+            partial.unlink(missing_ok=True)
+        return False
+
+
 def converted_dir(gguf: Path) -> Path:
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{int(stat.st_mtime)}".encode()).hexdigest()[:12]

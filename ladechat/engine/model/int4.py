@@ -290,8 +290,9 @@ def apply(model, gguf_path: Path, folder: Path,
     `gguf_path`) whose GGUF weight is Q4_0, Q4_1 or Q4_K by an Int4Linear of the same blocks.
     The first time reads the GGUF (seconds) and keeps the 4-bit form in `folder`. A file that
     cannot be read leaves the model as it is, with a one-line notice."""
-    from safetensors import SafetensorError, safe_open
-    from safetensors.torch import save_file
+    from safetensors import safe_open
+
+    from ladechat.engine.model.gguf import keep_beside
 
     path = cache_path(folder)
     if not path.is_file():
@@ -305,14 +306,8 @@ def apply(model, gguf_path: Path, folder: Path,
                 notice = f"cannot read the 4-bit blocks of {Path(gguf_path).name} ({detail}); running its dense weights"
                 return Applied(0, (), (notice,))
             meta = {"notices": json.dumps(notices), "kinds": json.dumps(kinds)}
-            for stale in Path(folder).glob(f"{CACHE_PREFIX}*.safetensors"):
-                stale.unlink(missing_ok=True)
-            partial = path.with_name(path.name + ".partial")
-            try:
-                save_file(arrays, str(partial), metadata=meta)
-                partial.rename(path)
-            except (OSError, SafetensorError):  # a read-only cache: the same weights, read again next time
-                partial.unlink(missing_ok=True)
+            if not keep_beside(path, arrays, meta, f"{CACHE_PREFIX}*.safetensors"):
+                # a read-only cache: the same weights, read again next time
                 return _replace(model, arrays.__getitem__, kinds, notices)
     with safe_open(str(path), framework="pt") as fh:
         meta = fh.metadata() or {}

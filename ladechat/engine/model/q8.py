@@ -21,8 +21,6 @@ layer as it was, with a one-line notice where that is a surprise.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -153,13 +151,13 @@ def read_gguf(gguf_path: Path, model) -> tuple[torch.Tensor, torch.Tensor] | Non
         raise Q8Error("the output layer is not a plain Linear module")
     rows, cols = head.out_features, head.in_features
     check_shape(rows, cols)
-    data = np.asarray(tensor.data)
-    codes, scales = decode(data.reshape(rows, -1) if data.ndim != 2 else data, rows, cols)
-    if not (np.isfinite(scales).all()):
+    blocks = np.asarray(tensor.data).reshape(rows, -1)  # a row's blocks (gguf reads them so already)
+    codes, scales = decode(blocks, rows, cols)
+    if not np.isfinite(scales).all():
         raise Q8Error("some of its scales are not finite numbers (a corrupt block)")
     dense = head.weight.detach()
     for row in sorted({0, rows // 2, rows - 1}):  # the converted weights must be these blocks
-        expected = torch.from_numpy(dequantize(data.reshape(rows, -1)[row][None], tensor.tensor_type))
+        expected = torch.from_numpy(dequantize(blocks[row][None], tensor.tensor_type))
         if not torch.equal(dense[row].float(), expected[0].to(dense.dtype).float()):
             raise Q8Error(f"its blocks do not match the converted weights (row {row})")
     return kernel_layout(torch.from_numpy(codes), torch.from_numpy(scales))
@@ -184,8 +182,9 @@ def apply(model, gguf_path: Path, folder: Path, kernels: Path,
     """Replace the output layer of `model` (loaded from `folder`, the converted copy of
     `gguf_path`) by a Q8Linear of its Q8_0 blocks, the kernel compiled into `kernels` if not yet.
     The first time reads the GGUF and keeps the blocks in `folder`."""
-    from safetensors import SafetensorError, safe_open
-    from safetensors.torch import save_file
+    from safetensors import safe_open
+
+    from ladechat.engine.model.gguf import keep_beside
 
     name = Path(gguf_path).name
     path = cache_path(folder)
@@ -206,19 +205,8 @@ def apply(model, gguf_path: Path, folder: Path, kernels: Path,
                 detail = " ".join(str(exc).split()) or type(exc).__name__
                 return Applied(False, (f"cannot read the output layer of {name} ({detail}); running it dense",))
         arrays = {"codes": found[0], "scales": found[1]} if found else {"none": torch.zeros(1)}
-        partial = None
-        try:
-            for stale in Path(folder).glob(f"{CACHE_PREFIX}*.safetensors"):
-                stale.unlink(missing_ok=True)
-            # a name of its own: another process may be writing its copy beside this one
-            handle, partial_name = tempfile.mkstemp(dir=folder, prefix=path.name, suffix=".partial")
-            os.close(handle)
-            partial = Path(partial_name)
-            save_file(arrays, str(partial), metadata={"q8_0": "yes" if found else "no", "notices": json.dumps(notices)})
-            partial.rename(path)
-        except (OSError, SafetensorError):  # a read-only cache: read again next time
-            if partial is not None:
-                partial.unlink(missing_ok=True)
+        keep_beside(path, arrays, {"q8_0": "yes" if found else "no", "notices": json.dumps(notices)},
+                    f"{CACHE_PREFIX}*.safetensors")  # a read-only cache: read again next time
     if found is None:
         return Applied(False, tuple(notices))
     try:
