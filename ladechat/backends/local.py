@@ -127,15 +127,18 @@ class Bot:
 
         tokenizer = self.loaded.tokenizer
         text = StepText(tokenizer)
+
+        def with_text(done: Done) -> Done:
+            return replace(done, text=tokenizer.decode(list(done.text_tokens), skip_special_tokens=True))
+
         run = generate(self.session, ids, sampling, self.loaded.eos_ids, tokenizer.decode)
         try:
             for event in run:
                 if isinstance(event, Done):
-                    yield replace(event, text=tokenizer.decode(list(event.text_tokens), skip_special_tokens=True))
+                    yield with_text(event)
                 else:
                     yield from text.pieces(event)
         except KeyboardInterrupt:
             # Ctrl-C between steps (the front end threw it in here, or it landed while a step's text
             # was decoded): generate ends the answer as if it had landed in a step
-            done = run.throw(KeyboardInterrupt())
-            yield replace(done, text=tokenizer.decode(list(done.text_tokens), skip_special_tokens=True))
+            yield with_text(run.throw(KeyboardInterrupt()))

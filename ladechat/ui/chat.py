@@ -78,8 +78,8 @@ class ChatApp:
                 else:
                     printer.handle(event)
         except KeyboardInterrupt:  # while an event was printed: the stream ends as if it had landed there
-            done = interrupt(events) if stats is None else None
-            stats = done.stats if done is not None else stats
+            if stats is None and (done := interrupt(events)) is not None:
+                stats = done.stats
             events.close()
         except Exception as exc:
             # First the backend's own failures (out of memory, a server gone or failing: backends.base.RemoteError
