@@ -36,9 +36,9 @@ _loaded: dict[Path, Path] = {}  # source -> the library this process loaded for 
 
 def library_path(source: Path, folder: Path, compiler_id: str) -> Path:
     """Named for what went into it: the source, then the compiler (compiler_id: its path and
-    version) with the compile flags, then the torch version."""
-    flags = " ".join(compile_command(Path("source"), Path("library"), compiler_id))
-    build = hashlib.sha256(flags.encode()).hexdigest()[:8]
+    version) with the compile flags, then the torch version. Not where torch is installed: every
+    environment with this torch shares the library."""
+    build = hashlib.sha256(" ".join([compiler_id, *_flags()]).encode()).hexdigest()[:8]
     return folder / f"{_source_prefix(source)}{build}-torch{torch.__version__}.so"
 
 
@@ -53,14 +53,18 @@ def built_before(source: Path, folder: Path) -> Path | None:
     return built[-1] if built else None
 
 
+def _flags() -> list[str]:
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)  # must match torch's, or its symbols do not link
+    return ["-O3", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            "-fopenmp",  # at::parallel_for's OpenMP regions; the process's libgomp is torch's own
+            "-w"]
+
+
 def compile_command(source: Path, output: Path, compiler: str) -> list[str]:
     from torch.utils.cpp_extension import include_paths, library_paths
 
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)  # must match torch's, or its symbols do not link
-    return [compiler, "-O3", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-            "-fopenmp",  # at::parallel_for's OpenMP regions; the process's libgomp is torch's own
-            *[f"-I{p}" for p in include_paths()], str(source), "-o", str(output),
-            *[f"-L{p}" for p in library_paths()], "-lc10", "-ltorch_cpu", "-w"]
+    return [compiler, *_flags(), *[f"-I{p}" for p in include_paths()], str(source), "-o", str(output),
+            *[f"-L{p}" for p in library_paths()], "-lc10", "-ltorch_cpu"]
 
 
 def load(source: Path, folder: Path, compiler: str = COMPILER,
