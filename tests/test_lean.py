@@ -15,11 +15,12 @@ from ladechat.engine import kv, lean
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.layout import build_layout
-from ladechat.engine.model import int4
+from ladechat.engine.model import int4, native, step_ops
 from ladechat.engine.model.attention import use_grouped_sdpa
 from ladechat.engine.model.loading import LoadSpec, load
 from ladechat.engine.runner import DynamicRunner, LeanRunner, default_runner
 from ladechat.engine.step_cost import CostModel
+from ladechat.paths import cache_root
 
 CONFIGS = [(1, 2, 0), (3, 3, 3), (5, 4, 5)]
 # A fixed, nearly flat cost curve: lookahead plans steps of several rows, the same ones every run.
@@ -47,10 +48,10 @@ def tokens(session, prompt, max_new, eos=frozenset()):
     return list(list(generate(session, prompt, SamplingConfig(max_new_tokens=max_new), eos))[-1].text_tokens)
 
 
-def assert_steps_match(model, prompt: list[int]) -> None:
+def assert_steps_match(model, prompt: list[int], rope_kernel: bool | None = None) -> None:
     """After `prompt`, every row's logits of one-row, window and tree steps through the lean step
     equal the model's forward's exactly, and the cache holds the same keys and values."""
-    ours, ref = LeanRunner(model), DynamicRunner(model)
+    ours, ref = LeanRunner(model, rope_kernel), DynamicRunner(model)
     for runner in (ours, ref):
         runner.prefill(prompt, 0)
     for window, candidates in STEPS:
@@ -64,12 +65,23 @@ def assert_steps_match(model, prompt: list[int]) -> None:
         ref.truncate(len(prompt))
 
 
+@pytest.fixture(scope="module")
+def rope_kernel():
+    if step_ops.load(cache_root() / "kernels"):
+        pytest.skip(f"no C++ compiler ({native.COMPILER}) to build ladechat's step kernels here")
+    return True
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
 @pytest.mark.parametrize("attention", ["grouped", "ungrouped"])
-def test_lean_step_logits_are_the_forward_pass_logits(family, attention):
+@pytest.mark.parametrize("rotation", ["kernel", "torch"])
+def test_lean_step_logits_are_the_forward_pass_logits(family, attention, rotation, request):
     """Every row's logits of one-row, window and tree steps, after a prompt, equal the model's
-    forward's exactly (fp32), and the cache holds the same keys and values."""
-    assert_steps_match(grouped(family) if attention == "grouped" else ungrouped(family), list(range(3, 40)))
+    forward's exactly (fp32), and the cache holds the same keys and values: with q and k rotated
+    by ladechat's kernel, and by torch's ops."""
+    use_kernel = rotation == "kernel" and request.getfixturevalue("rope_kernel")
+    assert_steps_match(grouped(family) if attention == "grouped" else ungrouped(family), list(range(3, 40)),
+                       rope_kernel=use_kernel)
 
 
 def variant(**changes):
@@ -96,12 +108,14 @@ VARIANTS = {
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS) + ["bf16"])
-def test_lean_step_follows_the_configs_variants(name):
+@pytest.mark.parametrize("rotation", ["kernel", "torch"])
+def test_lean_step_follows_the_configs_variants(name, rotation, request):
     model = variant(**VARIANTS[name]) if name in VARIANTS else grouped("llama").to(torch.bfloat16)
     assert lean.supported(model) is None
     if name == "yarn":
         assert model.model.rotary_emb.attention_scaling != 1.0
-    assert_steps_match(model, list(range(3, 40)))
+    use_kernel = rotation == "kernel" and request.getfixturevalue("rope_kernel")
+    assert_steps_match(model, list(range(3, 40)), rope_kernel=use_kernel)
 
 
 def test_a_one_token_prompt_steps_into_an_empty_cache():

@@ -17,11 +17,14 @@ of the same family needs only:
                 x = x + down(silu(gate(h)) * up(h))        its MLP's Linear modules
     logits = lm_head(norm(x))                              every row's (lookahead reads them all)
 
+Each residual add and the norm after it are one call (norms.add_norm): where the norms are
+ladechat's kernel (engine/model/norms.py, on 4-bit weights) that is one operator instead of ~9.
+
 The mask is the step's tree mask of layout.step_inputs (1, 1, S, past + S), tiled for the grouped
 query heads once a step (engine/model/attention.py draws that layout), not once a layer; a one-row
 step has none (it sees every key). The same ops run in the same order as the model's own forward
 with ladechat's grouped attention, so the logits are bitwise the same (tests/test_lean.py, for each
-family it accepts) and only the framework's work around them goes. The model is not changed: its
+family it accepts) and only the framework's work around them goes. The model is not changed here: its
 modules are called, none replaced; a model it does not accept runs its own forward (runner.py).
 """
 
@@ -30,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from ladechat.engine.layout import StepLayout, step_inputs
-from ladechat.engine.model import int4
+from ladechat.engine.model import int4, norms, step_ops
 
 FAMILIES = frozenset({"llama", "mistral", "qwen2"})
 TABLE_MIN = 1024  # positions of the first cos/sin table; it grows by half when a step passes it
@@ -93,10 +96,21 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return (x * cos) + (x.roll(x.shape[-1] // 2, -1) * signed_sin)
 
 
+def _torch_rope(q: torch.Tensor, k: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor,
+                signed_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (S, heads * dim), k (S, kv_heads * dim) -> both rotated, heads first: (heads, S, dim) and
+    (kv_heads, S, dim). ladechat's kernel (model/step_ops.cpp) computes the same bits in one call."""
+    size, dim = cos.shape
+    return (_rotate(q.view(size, heads, dim).transpose(0, 1), cos, signed_sin),
+            _rotate(k.view(size, kv_heads, dim).transpose(0, 1), cos, signed_sin))
+
+
 class LeanStep:
     """The model's decoding steps (see the module's docstring) into a kv.GrowingCache."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, rope_kernel: bool | None = None) -> None:
+        """rope_kernel: rotate with ladechat's kernel (its library loaded) or torch's ops, the same
+        bits; None: the kernel where model loading loaded it."""
         why = supported(model)
         if why:
             raise ValueError(f"the lean step cannot run this model: {why}")
@@ -110,13 +124,22 @@ class LeanStep:
         def products(*modules):
             return [_product(module, model.dtype) for module in modules]
 
-        self.layers = [(layer.input_layernorm.forward,
-                        *products(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+        # Each residual add is fused with the norm after it (norms.add_norm: one call for
+        # ladechat's norm kernel): a layer ends with the next layer's input norm, the last with the
+        # model's final norm, so the first layer's input norm is the one called alone.
+        layers = model.model.layers
+        after = [layer.input_layernorm for layer in layers[1:]] + [model.model.norm]
+        self.first_norm = layers[0].input_layernorm.forward
+        self.layers = [(*products(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
                                   layer.self_attn.o_proj), layer.self_attn.scaling,
-                        layer.post_attention_layernorm.forward,
-                        *products(layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj))
-                       for layer in model.model.layers]
+                        norms.add_norm(layer.post_attention_layernorm),
+                        *products(layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj),
+                        norms.add_norm(next_norm))
+                       for layer, next_norm in zip(layers, after, strict=True)]
         self.cos = self.signed_sin = torch.empty(0)
+        if rope_kernel is None:
+            rope_kernel = step_ops.loaded()
+        self.rope = torch.ops.ladechat_step.rope.default if rope_kernel else _torch_rope
 
     def table(self, end: int) -> None:
         """cos/sin for positions 0..end-1 at least, from the model's own rotary module: each
@@ -145,20 +168,19 @@ class LeanStep:
             self.table(int(positions.max()) + 1)
             cos, signed_sin = self.cos[positions], self.signed_sin[positions]  # (S, dim), broadcast over heads
             x = model.model.embed_tokens(ids)  # (S, hidden)
-            silu, sdpa = torch.nn.functional.silu, torch.nn.functional.scaled_dot_product_attention
+            silu, sdpa, rope = torch.nn.functional.silu, torch.nn.functional.scaled_dot_product_attention, self.rope
             layers = cache.layers
-            for i, (norm1, q_proj, k_proj, v_proj, o_proj, scaling, norm2, gate, up, down) in enumerate(self.layers):
-                h = norm1(x)
-                q = _rotate(q_proj(h).view(size, heads, dim).transpose(0, 1), cos, signed_sin)
-                k = _rotate(k_proj(h).view(size, kv_heads, dim).transpose(0, 1), cos, signed_sin)
+            h = self.first_norm(x)
+            for i, (q_proj, k_proj, v_proj, o_proj, scaling, add_norm2, gate, up, down, add_next_norm) \
+                    in enumerate(self.layers):
+                q, k = rope(q_proj(h), k_proj(h), heads, kv_heads, cos, signed_sin)
                 v = v_proj(h).view(size, kv_heads, dim).transpose(0, 1)
                 if i < len(layers):
                     keys, values = layers[i].update(k[None], v[None])
                 else:  # an empty cache (a one-token prompt): the cache makes the layer
                     keys, values = cache.update(k[None], v[None], i)
                 out = sdpa(q.reshape(1, kv_heads, groups * size, dim), keys, values, attn_mask=mask, scale=scaling)
-                x = x + o_proj(out.reshape(heads, size, dim).transpose(0, 1).reshape(size, heads * dim))
-                h = norm2(x)
-                x = x + down(silu(gate(h)) * up(h))
-            return model.lm_head(model.model.norm(x))
+                x, h = add_norm2(x, o_proj(out.reshape(heads, size, dim).transpose(0, 1).reshape(size, heads * dim)))
+                x, h = add_next_norm(x, down(silu(gate(h)) * up(h)))
+            return model.lm_head(h)
 

@@ -374,14 +374,17 @@ def _replace(model, get: Callable[[str], torch.Tensor], kinds: dict[str, str], n
 # -- what runs -----------------------------------------------------------------------------------
 
 def weight_layout(model) -> str:
-    """Which kernels the model's Linear weights run on, e.g. 'int4:210,q8_0:1' (a key of the
-    step-cost cache: each layout has its own cost curve)."""
+    """Which kernels the model's Linear weights (and norms) run on, e.g. 'int4:210,q8_0:1,norm:61'
+    (a key of the step-cost cache: each layout has its own cost curve)."""
+    from ladechat.engine.model.norms import NativeRMSNorm
     from ladechat.engine.model.packing import PackedLinear
     from ladechat.engine.model.q8 import Q8Linear
 
-    counts = {"int4": 0, "q8_0": 0, "packed": 0, "dense": 0}
+    counts = {"int4": 0, "q8_0": 0, "packed": 0, "dense": 0, "norm": 0}
     for module in model.modules():
-        if type(module) is Int4Linear:
+        if type(module) is NativeRMSNorm:
+            counts["norm"] += 1
+        elif type(module) is Int4Linear:
             counts["int4"] += 1
         elif type(module) is Q8Linear:
             counts["q8_0"] += 1
@@ -395,6 +398,7 @@ def weight_layout(model) -> str:
 def describe(model) -> str:
     """The Linear weights and their kernels in words (for the banner, /show and --debug); empty for
     a model whose Linear modules are all as transformers loads them."""
+    from ladechat.engine.model.norms import NativeRMSNorm
     from ladechat.engine.model.packing import PackedLinear
     from ladechat.engine.model.q8 import Q8Linear
 
@@ -414,4 +418,7 @@ def describe(model) -> str:
         parts.append(f"{len(packed)} packed {dtype} (oneDNN)")
     if parts and dense:
         parts.append(f"{dense} dense")
+    norms = sum(type(m) is NativeRMSNorm for m in model.modules())
+    if norms:
+        parts.append(f"{norms} RMSNorm by ladechat's kernel")
     return ", ".join(parts)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ladechat.engine.model import gguf, int4, packing, q8
+from ladechat.engine.model import gguf, int4, norms, packing, q8, step_ops
 from ladechat.engine.model.attention import use_grouped_sdpa
 from ladechat.engine.model.gguf import ModelNotFound
 from ladechat.engine.threads import CpuThreads
@@ -254,6 +254,14 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
     # pack() itself leaves weights on devices and in dtypes it does not pack.
     if layouts and spec.weights != "dense":
         packing.pack(model)
+    if model.device.type == "cpu":  # a step's small ops by ladechat's kernels (step_ops.py)
+        unbuilt = step_ops.load(cache_root() / "kernels", progress)
+        # the norms too where the weights are a GGUF's blocks, not the checkpoint's floats (norms.py)
+        if layouts and to_int4 and applied.replaced:
+            if unbuilt:
+                notices.append(f"the RMSNorm layers run as transformers' modules: {unbuilt}")
+            else:
+                norms.apply(model)
     # Packed (oneDNN) and int4 products, SDPA and the rest of a step give the same bits on 1 or 2
     # threads; MKL's dense fp32 products do not (tests/test_threads.py), and a lookahead answer
     # must equal plain decoding's whatever the load did meanwhile: those keep torch's count.

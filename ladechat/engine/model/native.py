@@ -57,6 +57,7 @@ def _flags() -> list[str]:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)  # must match torch's, or its symbols do not link
     return ["-O3", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             "-fopenmp",  # at::parallel_for's OpenMP regions; the process's libgomp is torch's own
+            "-ffp-contract=off",  # a * b + c as written, two roundings: as torch's separate ops compute it
             "-w"]
 
 
@@ -92,6 +93,11 @@ def load(source: Path, folder: Path, compiler: str = COMPILER,
         raise BuildError(f"cannot load {path.name}: {' '.join(str(exc).split())}") from None
     _loaded[source] = path
     return path
+
+
+def loaded(source: Path) -> bool:
+    """Whether this process has loaded the library of `source` (its operators are there)."""
+    return Path(source) in _loaded
 
 
 def _version(compiler: str) -> str:

@@ -1,0 +1,36 @@
+"""ladechat's kernels for a decoding step's small operations (step_ops.cpp): RMSNorm (norms.py),
+the rotation of q and k (engine/lean.py) and the rows' top-k (runner.top_k), each one call
+instead of several torch ops. On the CPU with a small model these ops' dispatch is about a
+quarter of a step.
+
+Model loading loads the library for any model on the CPU (compiled once per machine,
+native.py). The rotation and the top-k compute what torch's ops do (top-k orders equal logits by
+index, as argmax does), so every path uses them, the dense one included; the norms differ from
+transformers' in the last bits and replace them only on 4-bit weights (norms.py). Where the
+library cannot be built, the torch ops serve: the same results, a little slower.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
+
+from ladechat.engine.model import native
+
+SOURCE = Path(__file__).with_name("step_ops.cpp")
+
+
+def load(kernels: Path, progress: Callable[[str], AbstractContextManager] | None = None,
+         compiler: str = native.COMPILER) -> str | None:
+    """Load the kernels (compiled into `kernels` if not yet): None, or why they cannot run (one line)."""
+    try:
+        native.load(SOURCE, kernels, compiler, progress)
+    except native.BuildError as exc:
+        return str(exc)
+    return None
+
+
+def loaded() -> bool:
+    """Whether this process has the kernels (model loading loaded them)."""
+    return native.loaded(SOURCE)
