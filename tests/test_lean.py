@@ -107,6 +107,17 @@ VARIANTS = {
 }
 
 
+def test_a_dtype_the_rope_kernel_does_not_take_rotates_with_torch(rope_kernel):
+    """fp16 on the CPU: with the kernels loaded, the default lean step rotates with torch's ops (the
+    kernel takes fp32 and bf16) and still computes the forward's logits; asking for the kernel is
+    an error that says why."""
+    model = grouped("llama").to(torch.float16)
+    assert LeanRunner(model).lean.rope is lean._torch_rope
+    assert_steps_match(model, list(range(3, 40)))
+    with pytest.raises(ValueError, match=r"cannot rotate this model's steps \(torch.float16, loaded\)"):
+        LeanRunner(model, rope_kernel=True)
+
+
 @pytest.mark.parametrize("name", sorted(VARIANTS) + ["bf16"])
 @pytest.mark.parametrize("rotation", ["kernel", "torch"])
 def test_lean_step_follows_the_configs_variants(name, rotation, request):

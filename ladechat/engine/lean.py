@@ -109,8 +109,8 @@ class LeanStep:
     """The model's decoding steps (see the module's docstring) into a kv.GrowingCache."""
 
     def __init__(self, model, rope_kernel: bool | None = None) -> None:
-        """rope_kernel: rotate with ladechat's kernel (its library loaded) or torch's ops, the same
-        bits; None: the kernel where model loading loaded it."""
+        """rope_kernel: rotate with ladechat's kernel (its library loaded, fp32 or bf16) or torch's
+        ops, the same bits; None: the kernel where model loading loaded it and it takes the dtype."""
         why = supported(model)
         if why:
             raise ValueError(f"the lean step cannot run this model: {why}")
@@ -137,8 +137,12 @@ class LeanStep:
                         norms.add_norm(next_norm))
                        for layer, next_norm in zip(layers, after, strict=True)]
         self.cos = self.signed_sin = torch.empty(0)
+        takes = model.dtype in (torch.float32, torch.bfloat16)  # the kernel's dtypes (fp16: torch's ops)
         if rope_kernel is None:
-            rope_kernel = step_ops.loaded()
+            rope_kernel = takes and step_ops.loaded()
+        elif rope_kernel and not (takes and step_ops.loaded()):
+            raise ValueError(f"ladechat's rope kernel cannot rotate this model's steps ({model.dtype}, "
+                             f"{'loaded' if step_ops.loaded() else 'not loaded'})")
         self.rope = torch.ops.ladechat_step.rope.default if rope_kernel else _torch_rope
 
     def table(self, end: int) -> None:

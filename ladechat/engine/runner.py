@@ -39,8 +39,10 @@ def max_step_size(la: LookaheadConfig) -> int:
 def top_k(logits: torch.Tensor) -> np.ndarray:
     """Each row's TOP_K likeliest next tokens, best first, on the host (one transfer): what a step
     keeps of its rows besides verification (the window's new guesses, the successor table). On
-    the CPU by ladechat's kernel where it is loaded (step_ops.py; ~20 us a row against torch's
-    ~125), which puts equal logits in index order, as argmax does."""
+    the CPU by ladechat's kernel where it is loaded (step_ops.py; one pass a row, against
+    torch.topk's ~125 us), which puts equal logits in index order, as argmax does; torch.topk
+    orders them as it happens to (so at an exact tie of bf16 logits, greedy's pick can depend on
+    whether the kernel could be built; plain and lookahead decoding always rank alike)."""
     k = min(TOP_K, logits.shape[-1])
     if logits.device.type == "cpu" and logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16) \
             and step_ops.loaded():

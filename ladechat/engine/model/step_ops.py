@@ -4,10 +4,11 @@ instead of several torch ops. On the CPU with a small model these ops' dispatch 
 quarter of a step.
 
 Model loading loads the library for any model on the CPU (compiled once per machine,
-native.py). The rotation and the top-k compute what torch's ops do (top-k orders equal logits by
-index, as argmax does), so every path uses them, the dense one included; the norms differ from
-transformers' in the last bits and replace them only on 4-bit weights (norms.py). Where the
-library cannot be built, the torch ops serve: the same results, a little slower.
+native.py). The rotation computes torch's very floats and the top-k torch's ranking (with equal
+logits in index order, as argmax picks), so every path uses them, the dense one included; the
+norms differ from transformers' in the last bits and replace them only on 4-bit weights
+(norms.py). Where the library cannot be built, the torch ops serve, a little slower (the top-k
+then orders exactly equal logits as torch.topk does).
 """
 
 from __future__ import annotations
