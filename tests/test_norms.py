@@ -173,3 +173,18 @@ def test_top_k_ranks_as_torch_and_breaks_ties_by_index(kernel):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(alone[0], torch.ops.ladechat_step.top_k(logits, TOP_K)[5])
+
+
+def test_finding_the_norms_reads_no_other_modules_weight(kernel):
+    """An int4 or Q8_0 layer's `weight` is a dense copy computed at each read (seconds for the
+    embedded model's 210 int4 layers): finding the norms must not read it."""
+    from test_lean import grouped
+
+    class ComputedWeight(torch.nn.Module):
+        @property
+        def weight(self):
+            raise AssertionError("a computed weight was read")
+
+    model = grouped("llama")
+    model.model.layers[0].set_submodule("mlp", ComputedWeight())
+    assert norms.apply(model) == 2 * model.config.num_hidden_layers + 1

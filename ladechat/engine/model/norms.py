@@ -51,9 +51,11 @@ class NativeRMSNorm(torch.nn.Module):
 
 
 def replaceable(module: torch.nn.Module, dtype: torch.dtype) -> bool:
+    if type(module).__name__ not in REPLACEABLE:  # first: other modules' `weight` may be computed
+        return False  # at each read (an int4 layer's dense copy takes seconds)
     weight = getattr(module, "weight", None)
-    return (type(module).__name__ in REPLACEABLE and isinstance(weight, torch.Tensor) and weight.dim() == 1
-            and weight.dtype == dtype and weight.device.type == "cpu" and hasattr(module, "variance_epsilon"))
+    return (isinstance(weight, torch.Tensor) and weight.dim() == 1 and weight.dtype == dtype
+            and weight.device.type == "cpu" and hasattr(module, "variance_epsilon"))
 
 
 def apply(model) -> int:
