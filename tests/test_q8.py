@@ -198,3 +198,21 @@ def test_a_gguf_with_an_output_layer_of_its_own(kernel, tmp_path):
     assert not applied.replaced and type(model.lm_head) is torch.nn.Linear
     assert applied.notices == (("the output layer of tiny.gguf runs dense: some of its scales are not finite "
                                 "numbers (a corrupt block)"),)
+
+
+@needs_compiler
+def test_a_load_waits_for_the_prebuild_instead_of_compiling_again(tmp_path):
+    """prebuild() compiles on a background thread while the model converts; a load() meanwhile
+    waits for that build: one compile in all (counted by a compiler wrapper), one library."""
+    source = tmp_path / "q8_0.cpp"  # a copy: a source this process has not loaded
+    source.write_bytes(q8.SOURCE.read_bytes())
+    log = tmp_path / "compiles.log"
+    wrapper = tmp_path / "counting-c++"
+    wrapper.write_text(f'#!/bin/sh\ncase " $* " in *" -shared "*) echo built >> {log} ;; esac\nexec c++ "$@"\n')
+    wrapper.chmod(0o755)
+    built = tmp_path / "built"
+    thread = native.prebuild([source], built, compiler=str(wrapper))
+    path = native.load(source, built, compiler=str(wrapper))
+    thread.join(timeout=300)
+    assert log.read_text().splitlines() == ["built"]
+    assert list(built.glob("*.so")) == [path]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ladechat.engine.model import gguf, int4, norms, packing, q8, step_ops
+from ladechat.engine.model import gguf, int4, native, norms, packing, q8, step_ops
 from ladechat.engine.model.attention import use_grouped_sdpa
 from ladechat.engine.model.gguf import ModelNotFound
 from ladechat.engine.threads import CpuThreads
@@ -224,6 +224,9 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
     threads = CpuThreads() if device.type == "cpu" else None
     notices: list[str] = []
     attn = _attention(spec.attn, notices)
+    kernels = cache_root() / "kernels"
+    if device.type == "cpu":  # compiled (a first run) while the model converts and loads
+        native.prebuild([step_ops.SOURCE], kernels)
     source, name, gguf_file = _source(spec.model, progress)
     if spec.weights == "int4" and gguf_file is None:
         raise LoadError(f"--weights int4 runs a .gguf file's 4-bit (Q4_0, Q4_1, Q4_K) blocks; {name} is not a GGUF file")
@@ -236,6 +239,8 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
     layouts = spec.pack_weights and "device_map" not in kwargs and "quantization_config" not in kwargs
     to_int4 = layouts and spec.weights in ("auto", "int4") and gguf_file is not None and int4.supported(device)
     lean = (lambda config: int4.load_lean(Path(source), gguf_file, kwargs, config)) if to_int4 else None
+    if to_int4:
+        native.prebuild([q8.SOURCE], kernels)
     tokenizer, model, lean_applied = _read(spec.model or source, source, name, device, kwargs, lean)
     layouts = layouts and getattr(model, "hf_quantizer", None) is None
     # 4-bit blocks first (here, or already by the lean load): the mask probe below runs on what
@@ -247,7 +252,7 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
             notices.append(f"{name} has no 4-bit (Q4_0, Q4_1, Q4_K) Linear weights the int4 kernel takes; "
                            "running them as --weights packed")
         # its Q8_0 output layer at 8 bits too (before packing: else a packed copy of it is made)
-        notices.extend(q8.apply(model, gguf_file, Path(source), cache_root() / "kernels", progress).notices)
+        notices.extend(q8.apply(model, gguf_file, Path(source), kernels, progress).notices)
     if attn == "sdpa":
         use_grouped_sdpa(model)  # lookahead's masked steps without a copy of the cache per query head
     _check_tree_mask(model, name, attn, source if Path(source).is_dir() else None, notices)
@@ -255,7 +260,7 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
     if layouts and spec.weights != "dense":
         packing.pack(model)
     if model.device.type == "cpu":  # a step's small ops by ladechat's kernels (step_ops.py)
-        unbuilt = step_ops.load(cache_root() / "kernels", progress)
+        unbuilt = step_ops.load(kernels, progress)
         # the norms too where the weights are a GGUF's blocks, not the checkpoint's floats (norms.py)
         if layouts and to_int4 and applied.replaced:
             if unbuilt:

@@ -3,7 +3,8 @@ user cache and loaded as torch operators.
 
 A wheel with compiled code would need a build per platform and torch version; the kernels are
 small, so the first load compiles them with the system's C++ compiler against the installed
-torch's headers (~10 s on 2 cores, shown as a status line) and later loads only open the library.
+torch's headers (~6 s on 2 cores, shown as a status line; model loading starts it on a background
+thread, prebuild(), so that it overlaps the model's conversion) and later loads only open the library.
 The library's name holds digests of the source and of the compiler and flags, and the torch
 version, so a change to any of them compiles afresh (a library of the same source built before
 still serves if the compiler has gone since). No compiler, or one that fails: the caller gets the
@@ -17,6 +18,7 @@ import hashlib
 import shutil
 import subprocess
 import tempfile
+import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -73,16 +75,47 @@ def load(source: Path, folder: Path, compiler: str = COMPILER,
     """Compile `source` into `folder` unless done before, and load its operators into torch;
     returns the library. BuildError says why not."""
     source = Path(source)
+    with _lock(source):  # one build at a time per source: a load() waits for prebuild()'s
+        return _load_once(source, Path(folder), compiler, progress)
+
+
+def prebuild(sources: list[Path], folder: Path, compiler: str = COMPILER) -> threading.Thread:
+    """Build and load `sources` on a background thread, so that a first run's compiles overlap
+    the model's conversion (~6 s each on 2 cores, one core used): a load() of one of them then waits
+    for it instead of compiling again. What fails is left for that load() to report."""
+    def build_all() -> None:
+        for source in sources:
+            try:
+                load(source, folder, compiler)
+            except BuildError:
+                pass
+
+    thread = threading.Thread(target=build_all, name="ladechat-kernels", daemon=True)
+    thread.start()
+    return thread
+
+
+_locks: dict[Path, threading.Lock] = {}
+_locks_lock = threading.Lock()
+
+
+def _lock(source: Path) -> threading.Lock:
+    with _locks_lock:
+        return _locks.setdefault(source, threading.Lock())
+
+
+def _load_once(source: Path, folder: Path, compiler: str,
+               progress: Callable[[str], AbstractContextManager] | None) -> Path:
     if source in _loaded:
         return _loaded[source]
     found = shutil.which(compiler)
     try:
         if found is None:  # gone since it built the library, say: that library still serves
-            path = built_before(source, Path(folder))
+            path = built_before(source, folder)
             if path is None:
                 raise BuildError(f"no C++ compiler ({compiler}) to build {source.name}")
         else:
-            path = library_path(source, Path(folder), _version(found))
+            path = library_path(source, folder, _version(found))
             if not path.is_file():
                 _build(source, path, found, compiler, progress)
     except (OSError, subprocess.SubprocessError) as exc:  # a cache that cannot be written, a compiler that cannot run
