@@ -204,8 +204,12 @@ def test_a_gguf_with_an_output_layer_of_its_own(kernel, tmp_path):
 def test_a_load_waits_for_the_prebuild_instead_of_compiling_again(tmp_path):
     """prebuild() compiles on a background thread while the model converts; a load() meanwhile
     waits for that build: one compile in all (counted by a compiler wrapper), one library."""
-    source = tmp_path / "q8_0.cpp"  # a copy: a source this process has not loaded
-    source.write_bytes(q8.SOURCE.read_bytes())
+    # a library of its own: a second library with a loaded one's operator namespace aborts the process
+    namespace = f"ladechat_prebuild_{abs(hash(str(tmp_path)))}"
+    source = tmp_path / "prebuild.cpp"
+    source.write_text("#include <torch/library.h>\n"
+                      "int64_t twice(int64_t x) { return 2 * x; }\n"
+                      f"TORCH_LIBRARY({namespace}, m) {{ m.def(\"twice(int x) -> int\", &twice); }}\n")
     log = tmp_path / "compiles.log"
     wrapper = tmp_path / "counting-c++"
     wrapper.write_text(f'#!/bin/sh\ncase " $* " in *" -shared "*) echo built >> {log} ;; esac\nexec c++ "$@"\n')
@@ -216,3 +220,4 @@ def test_a_load_waits_for_the_prebuild_instead_of_compiling_again(tmp_path):
     thread.join(timeout=300)
     assert log.read_text().splitlines() == ["built"]
     assert list(built.glob("*.so")) == [path]
+    assert getattr(torch.ops, namespace).twice(21) == 42
