@@ -142,7 +142,7 @@ def _version(compiler: str) -> str:
 def _build(source: Path, path: Path, compiler: str, name: str,
            progress: Callable[[str], AbstractContextManager] | None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    status = progress(f"Compiling ladechat's {source.stem} kernel (one time, ~10 s)") if progress else nullcontext()
+    status = progress(f"Compiling ladechat's {source.stem} kernel (one time, ~6 s)") if progress else nullcontext()
     with status, tempfile.TemporaryDirectory(dir=path.parent) as scratch:
         built = Path(scratch) / path.name
         try:
