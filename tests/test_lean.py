@@ -15,7 +15,7 @@ from ladechat.engine import kv, lean
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.layout import build_layout
-from ladechat.engine.model import int4, native, step_ops
+from ladechat.engine.model import int4, native, q4, step_ops
 from ladechat.engine.model.attention import use_grouped_sdpa
 from ladechat.engine.model.loading import LoadSpec, load
 from ladechat.engine.runner import DynamicRunner, LeanRunner, default_runner
@@ -203,11 +203,27 @@ def test_embedded_int4_answers_are_the_models_forwards(embedded_int4):
 
 
 def test_embedded_int4_bf16_step_logits_are_the_forwards():
-    """In a bf16 model the int4 kernel is called without casts: still the forward's logits, bit
+    """In a bf16 model the 4-bit kernel is called without casts: still the forward's logits, bit
     for bit, for a one-row step and a tree step."""
     if not int4.supported(torch.device("cpu")):
         pytest.skip("torch's int4 CPU kernel is measured and used on x86-64 only")
     assert_steps_match(load(LoadSpec(dtype="bfloat16", device="cpu", weights="int4")).model, list(range(100, 160)))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_on_torchs_int4_kernel_the_step_logits_are_the_forwards(dtype):
+    """Where no compiler builds ladechat's 4-bit kernel the same blocks run on torch's int4 kernel
+    (int4.Int4Linear), which the lean step calls directly too: the forward's logits, bit for bit."""
+    if not int4.supported(torch.device("cpu")):
+        pytest.skip("torch's int4 CPU kernel is measured and used on x86-64 only")
+    model = load(LoadSpec(dtype=dtype, device="cpu", weights="int4")).model
+    for name, module in list(model.named_modules()):
+        if type(module) is q4.Q4Linear:  # the same blocks on torch's kernel
+            codes = torch.from_numpy(int4.pack_codes(q4.codes_of(module.tiles).numpy()))
+            model.set_submodule(name, int4.Int4Linear.from_codes(codes, q4.per_row(module.scales),
+                                                                 q4.per_row(module.lows), module.bias, module.kind))
+    assert int4.weight_layout(model).startswith("int4:210,")
+    assert_steps_match(model, list(range(100, 160)))
 
 
 def test_the_chat_says_what_computes_its_steps(embedded_int4):
@@ -216,8 +232,8 @@ def test_the_chat_says_what_computes_its_steps(embedded_int4):
     from ladechat.settings import Settings
 
     bot = Bot(embedded_int4, Settings(), step_cost=FLAT)
-    assert bot.describe().startswith("SmolLM2-135M-Instruct (embedded, Q4_1) on cpu (float32; 210 Linear int4 "
-                                     "from Q4_1")
+    assert bot.describe().startswith("SmolLM2-135M-Instruct (embedded, Q4_1) on cpu (float32; 210 Linear ")
+    assert "from Q4_1 blocks" in bot.describe()
     assert bot.describe().endswith("; steps by engine/lean.py)")
     gemma = tiny_loaded()  # a model the lean step does not take: nothing said
     gemma = replace(gemma, model=grouped("gemma"))

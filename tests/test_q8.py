@@ -106,7 +106,7 @@ def test_the_embedded_models_output_layer_runs_its_q8_0_blocks(kernel):
     head = lm.model.lm_head
     assert type(head) is q8.Q8Linear and head.out_features == 49152 and head.in_features == 576
     assert torch.equal(head.dense_weight(), lm.model.model.embed_tokens.weight)
-    assert int4.weight_layout(lm.model).startswith("int4:210,q8_0:1,")  # no packed copy of the embedding any more
+    assert int4.weight_layout(lm.model).startswith("q4:210,q8_0:1,")  # no packed copy of the embedding any more
     kernel_path = "AVX-512" if q8.wide_kernel() else "AVX2"
     assert f", the output layer from Q8_0 blocks (ladechat's {kernel_path} kernel), " in lm.weights
     hidden = torch.randn(3, 576, generator=torch.Generator().manual_seed(0))

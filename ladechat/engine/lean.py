@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from ladechat.engine.layout import StepLayout, step_inputs
-from ladechat.engine.model import int4, norms, step_ops
+from ladechat.engine.model import int4, norms, q4, step_ops
 
 FAMILIES = frozenset({"llama", "mistral", "qwen2"})
 TABLE_MIN = 1024  # positions of the first cos/sin table; it grows by half when a step passes it
@@ -72,14 +72,16 @@ def supported(model) -> str | None:
 
 
 def _product(module: torch.nn.Module, dtype: torch.dtype):
-    """x (rows, in) -> x W^T (+ b) of one Linear module in a model of `dtype`: an int4 module's
+    """x (rows, in) -> x W^T (+ b) of one Linear module in a model of `dtype`: a 4-bit module's
     kernel called directly (its forward's reshapes, and in a bf16 model its casts, do nothing to a
     step's rows, each contiguous), any other module's own forward."""
+    if type(module) is q4.Q4Linear and dtype in (torch.float32, torch.bfloat16):
+        return module.product()
     if type(module) is not int4.Int4Linear:
         return module.forward
     packed, scales, bias = module.packed_weight, module.scales_and_zeros, module.bias
     mm = getattr(torch.ops.aten, int4.KERNEL)
-    if dtype == torch.bfloat16 and bias is None:  # the embedded model where bf16 is native: ~400 calls a step fewer
+    if dtype == torch.bfloat16 and bias is None:  # ~400 calls a step fewer
         return lambda x: mm(x, packed, int4.GROUP, scales)
 
     def int4_product(x: torch.Tensor) -> torch.Tensor:

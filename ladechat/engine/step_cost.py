@@ -22,7 +22,7 @@ import torch
 from ladechat.engine import kv, layout, lean
 from ladechat.engine import runner as runners
 from ladechat.engine.layout import StepLayout, build_layout
-from ladechat.engine.model import attention, int4, norms, packing, step_ops
+from ladechat.engine.model import attention, int4, norms, packing, q4, step_ops
 from ladechat.engine.model.gguf import source_digest
 from ladechat.engine.runner import default_runner, top_k
 from ladechat.paths import cache_root
@@ -86,7 +86,7 @@ def cache_path(model, name: str, *what, threads: int | None = None) -> Path:
     # our code that a step runs is part of the key (the attention function, the mask, the cache,
     # this measurement), so a change to it measures afresh rather than trusting a curve of the old code
     code = source_digest(attention.__file__, layout.__file__, kv.__file__, lean.__file__, packing.__file__,
-                         int4.__file__, runners.__file__, __file__, step_ops.SOURCE, norms.__file__)
+                         int4.__file__, q4.__file__, q4.SOURCE, runners.__file__, __file__, step_ops.SOURCE, norms.__file__)
     key = json.dumps([code, name, str(model.device), str(model.dtype), int4.weight_layout(model), torch.__version__,
                       threads or torch.get_num_threads(), lean.supported(model) is None, step_ops.loaded(), *what])
     return cache_root() / "step-cost" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"

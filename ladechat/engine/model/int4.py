@@ -1,35 +1,36 @@
-"""A GGUF file's 4-bit weights kept at 4 bits and multiplied by torch's int4 kernel on the CPU.
+"""A GGUF file's 4-bit weights kept at 4 bits: read once, multiplied by ladechat's kernel (q4.py)
+or, where no compiler builds it, by torch's int4 kernel on the CPU.
 
 GGUF's Q4_0, Q4_1 and Q4_K blocks store, for every 32 weights along a row, 4-bit codes q (0..15)
-and one scale and offset. That is exactly the layout of torch's int4 packed format with groups of
-32 ("tinygemm": w = (q - 8) * scale + zero):
+and one scale and offset, which this module reads as w = scale * q + low:
 
-    Q4_0  w = d * (q - 8)             scale d,       zero 0
-    Q4_1  w = d * q + m               scale d,       zero m + 8 d
-    Q4_K  w = d sc_j * q - dmin m_j   scale d sc_j,  zero 8 d sc_j - dmin m_j   (per 32-weight sub-block j)
+    Q4_0  w = d * (q - 8)             scale d,       low -8 d
+    Q4_1  w = d * q + m               scale d,       low m
+    Q4_K  w = d sc_j * q - dmin m_j   scale d sc_j,  low -dmin m_j   (per 32-weight sub-block j)
 
-So each such tensor is read from the file as it is (the `gguf` package's reader, no dequantized
-fp32 copy), its codes packed once into the kernel's layout (`_convert_weight_to_int4pack_for_cpu`)
-and multiplied by `_weight_int4pack_mm_for_cpu`. The kernel's scales and zeros are bf16 (the fp16
-scales round to 8 bits of mantissa) and its vectorized path takes bf16 activations (fp32 ones run
-a scalar loop, ~20x slower), so `Int4Linear` casts a step's activations to bf16 at the product
-and its result back. Everything else (norms, attention, the residual stream) stays in the model's
-dtype, and tensors of other types (the embedded model's Q8_0 embedding; Q5/Q6/Q8/F16 tensors) keep
-the path they had: dense, packed for oneDNN where that applies; a Q8_0 output layer runs its blocks
-on ladechat's own kernel (q8.py).
+Each such tensor is read from the file as it is (the `gguf` package's reader, no dequantized fp32
+copy) and kept in q4.py's layout, with fp32 scales and lows (exact: fp16 times a 6-bit integer at
+most). ladechat's kernel multiplies them with int8 activations (q4.py says why). Without it, the
+same blocks are torch's int4 packed format with groups of 32 ("tinygemm": w = (q - 8) * scale +
+zero, zero = low + 8 scale), packed once at load (`_convert_weight_to_int4pack_for_cpu`) and
+multiplied by `_weight_int4pack_mm_for_cpu`, whose scales and zeros are bf16 and whose vectorized
+path takes bf16 activations, so `Int4Linear` casts a step's activations to bf16 at the product.
+Everything else (norms, attention, the residual stream) stays in the model's dtype, and tensors of
+other types (the embedded model's Q8_0 embedding; Q5/Q6/Q8/F16 tensors) keep the path they had:
+dense, packed for oneDNN where that applies; a Q8_0 output layer runs its blocks on ladechat's
+own kernel (q8.py).
 
-The kernel computes each row on its own, in the same order whatever the step's size, but SDPA's
-rows depend in fp32's last bits on how many rows and masked keys a step has, and the bf16 rounding
-of the next product's input turns such a difference into a visible one now and then (~0.05 in the
-embedded model's logits): a lookahead answer on these weights can part from plain decoding's on
-them after a near tie (tests/test_int4.py checks it parts only there).
+Both kernels compute each row on its own, in the same order whatever the step's size, but SDPA's
+rows depend in fp32's last bits on how many rows and masked keys a step has, and the rounding of
+the next product's input (int8 codes, or bf16) turns such a difference into a visible one now and
+then (~0.05 in the embedded model's logits): a lookahead answer on these weights can part from
+plain decoding's on them after a near tie (tests/test_int4.py checks it parts only there).
 
-Reading a GGUF's metadata takes seconds on a small CPU, so the first load writes the kernel's
-buffers (the codes packed in the model's own row order: llama.cpp permutes the rows of q and k,
-and transformers' GGUF tensor processor says how; bf16 scales and zeros) into one safetensors file
-next to the converted model, named for the torch version and the CPU's vector width that the
-packed layout depends on; later loads only read it. The model's code is untouched: Linear modules
-are replaced, as transformers' quantizers do.
+Reading a GGUF's metadata takes seconds on a small CPU, so the first load writes the blocks in the
+kernel's layout (in the model's own row order: llama.cpp permutes the rows of q and k, and
+transformers' GGUF tensor processor says how) into one safetensors file next to the converted
+model, named for this module's code; later loads only read it. The model's code is untouched:
+Linear modules are replaced, as transformers' quantizers do.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-GROUP = 32  # weights per scale and zero
+from ladechat.engine.model import native, q4
+
+GROUP = 32  # weights per scale and low
 KINDS = ("Q4_0", "Q4_1", "Q4_K")  # GGUF block types with an exact int4 form
 CACHE_PREFIX = "int4-"
 KERNEL = "_weight_int4pack_mm_for_cpu"
@@ -76,10 +79,11 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 
 
 def decode(kind: str, data: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The int4 form of a GGUF tensor's blocks: codes q (rows, cols) uint8 in 0..15, and per group
-    of 32 weights along a row the scale and zero (rows, cols / 32) float32, such that
-    w = (q - 8) * scale + zero is the weight `gguf.dequantize` gives (exactly, before the kernel
-    rounds scale and zero to bf16). `data` is the tensor's bytes, (rows, bytes per row)."""
+    """The 4-bit form of a GGUF tensor's blocks: codes q (rows, cols) uint8 in 0..15, and per group
+    of 32 weights along a row the scale and low (rows, cols / 32) float32, such that
+    w = scale * q + low is the weight `gguf.dequantize` gives (the scales and lows exactly: fp16
+    values, or for Q4_K an fp16 times a 6-bit integer). `data` is the tensor's bytes, (rows, bytes
+    per row)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import Q4_K
 
@@ -90,25 +94,25 @@ def decode(kind: str, data: np.ndarray, rows: int, cols: int) -> tuple[np.ndarra
     blocks = np.asarray(data, dtype=np.uint8).reshape(rows, cols // block, size)
     if kind == "Q4_0":
         scale = _f16(blocks, 0)
-        zero = np.zeros_like(scale)
+        low = -8 * scale
         q = _nibbles(blocks[..., 2:])
     elif kind == "Q4_1":
         scale = _f16(blocks, 0)
-        zero = _f16(blocks, 2) + 8 * scale
+        low = _f16(blocks, 2)
         q = _nibbles(blocks[..., 4:])
     elif kind == "Q4_K":
         n = rows * (cols // block)
         d, dmin = _f16(blocks, 0).reshape(n, 1), _f16(blocks, 2).reshape(n, 1)
         sc, m = Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(n, 12))
         scale = d * sc  # (n, 8): one per 32-weight sub-block
-        zero = 8 * scale - dmin * m
+        low = -dmin * m
         # 4 chunks of 32 bytes: the low nibbles are sub-block 2j, the high ones 2j + 1
         qs = blocks[..., 16:].reshape(n, 4, 1, 32)
         q = np.concatenate([qs & 0x0F, qs >> 4], axis=2)
     else:
         raise Int4Error(f"{kind} has no exact int4 form (only {', '.join(KINDS)})")
     return (q.reshape(rows, cols), scale.reshape(rows, cols // GROUP).astype(np.float32),
-            zero.reshape(rows, cols // GROUP).astype(np.float32))
+            low.reshape(rows, cols // GROUP).astype(np.float32))
 
 
 def pack_codes(q: np.ndarray) -> np.ndarray:
@@ -131,7 +135,8 @@ def check_shape(rows: int, cols: int) -> None:
 # -- the module --------------------------------------------------------------------------------
 
 class Int4Linear(torch.nn.Module):
-    """y = x W^T + b with W as 4-bit codes and a bf16 scale and zero per 32 weights, multiplied by
+    """y = x W^T + b with W as 4-bit codes and a bf16 scale and zero per 32 weights (w = (q - 8) *
+    scale + zero), multiplied by
     torch's int4 CPU kernel with bf16 activations (the result is cast back to x's dtype). Inference
     only, fixed to the CPU: `.weight` (and a state dict) give W dense in fp32, computed from the
     codes at each read; moving or casting the model is refused (load with --weights dense to do that)."""
@@ -153,17 +158,19 @@ class Int4Linear(torch.nn.Module):
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
 
     @classmethod
-    def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+    def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor,
                    bias: torch.Tensor | None = None, kind: str = "Q4") -> Int4Linear:
-        """codes: (out, in / 2) uint8 as pack_codes makes them; scales, zeros: (out, in / 32)."""
+        """codes: (out, in / 2) uint8 as pack_codes makes them; scales, lows: (out, in / 32), with
+        w = scale * q + low."""
         rows, cols = codes.shape[0], codes.shape[1] * 2
         check_shape(rows, cols)
-        if scales.shape != (rows, cols // GROUP) or zeros.shape != scales.shape:
-            raise Int4Error(f"scales {tuple(scales.shape)} and zeros {tuple(zeros.shape)} do not fit "
+        if scales.shape != (rows, cols // GROUP) or lows.shape != scales.shape:
+            raise Int4Error(f"scales {tuple(scales.shape)} and lows {tuple(lows.shape)} do not fit "
                             f"a {rows}x{cols} weight")
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_codes(codes.cpu()), 1)
+        zeros = lows.double() + 8 * scales.double()  # exact in fp64, then one rounding to bf16
         # (in / 32, out, 2): the kernel's order
-        groups = torch.stack([scales.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous()
+        groups = torch.stack([scales.t().double(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous()
         return cls(packed, groups, bias, kind)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -197,13 +204,11 @@ class Int4Linear(torch.nn.Module):
 # -- reading a GGUF file once ------------------------------------------------------------------
 
 def cache_path(folder: Path) -> Path:
-    """The file of a converted GGUF's 4-bit weights in the kernel's layout, which depends on the
-    torch version and the CPU's vector width (AVX2, AVX-512), and named for this module's code too
-    (a change to how blocks are read is read afresh)."""
+    """The file of a converted GGUF's 4-bit weights in q4.py's layout, named for the code that
+    reads and lays them out (a change to either is read afresh)."""
     from ladechat.engine.model.gguf import source_digest
 
-    capability = torch.backends.cpu.get_cpu_capability().lower()
-    return Path(folder) / f"{CACHE_PREFIX}{source_digest(__file__)}-{torch.__version__}-{capability}.safetensors"
+    return Path(folder) / f"{CACHE_PREFIX}{source_digest(__file__, q4.__file__)}.safetensors"
 
 
 def row_order(processor, name: str, rows: int, cols: int) -> np.ndarray | None:
@@ -223,9 +228,9 @@ def row_order(processor, name: str, rows: int, cols: int) -> np.ndarray | None:
 
 
 def read_gguf(gguf_path: Path, model) -> tuple[dict[str, torch.Tensor], list[str], dict[str, str]]:
-    """The int4 form of every 4-bit tensor of `gguf_path` that is a plain Linear weight of `model`
-    (a model loaded from its converted copy): ({module.packed|scales_and_zeros: the kernel's
-    buffers}, notices, {module: block type}). A tensor that cannot run as int4 keeps its dense weight, with a notice
+    """The 4-bit form of every 4-bit tensor of `gguf_path` that is a plain Linear weight of `model`
+    (a model loaded from its converted copy): ({module.tiles|scales|lows: q4.layout's buffers},
+    notices, {module: block type}). A tensor that cannot run as int4 keeps its dense weight, with a notice
     when that is a surprise (a corrupt block, a mismatch with the converted weights), none for
     the types that have no int4 form."""
     from gguf import GGUFReader, dequantize
@@ -253,13 +258,13 @@ def read_gguf(gguf_path: Path, model) -> tuple[dict[str, torch.Tensor], list[str
         rows, cols = linear.out_features, linear.in_features
         try:
             check_shape(rows, cols)
-            q, scale, zero = decode(kind, np.asarray(tensor.data), rows, cols)
-            if not (np.isfinite(scale).all() and np.isfinite(zero).all()):
+            q, scale, low = decode(kind, np.asarray(tensor.data), rows, cols)
+            if not (np.isfinite(scale).all() and np.isfinite(low).all()):
                 raise Int4Error("some of its scales are not finite numbers (a corrupt block)")
             order = row_order(processor, tensor.name, rows, cols)
             if order is None:
                 raise Int4Error("its rows are transformed on loading, not only reordered")
-            q, scale, zero = q[order], scale[order], zero[order]
+            q, scale, low = q[order], scale[order], low[order]
             # the converted model's weight must be these blocks: a few of its rows, compared exactly
             dense = linear.weight.detach()
             for row in sorted({0, rows // 2, rows - 1}):
@@ -269,10 +274,8 @@ def read_gguf(gguf_path: Path, model) -> tuple[dict[str, torch.Tensor], list[str
         except Int4Error as exc:
             notices.append(f"{tensor.name} ({kind}) runs dense: {exc}")
             continue
-        module = Int4Linear.from_codes(torch.from_numpy(pack_codes(q)), torch.from_numpy(scale),
-                                       torch.from_numpy(zero))
-        arrays[f"{module_name}.packed"] = module.packed_weight
-        arrays[f"{module_name}.scales_and_zeros"] = module.scales_and_zeros
+        tiles, scales, lows = q4.layout(torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(low))
+        arrays.update({f"{module_name}.tiles": tiles, f"{module_name}.scales": scales, f"{module_name}.lows": lows})
         kinds[module_name] = kind
     return arrays, notices, kinds
 
@@ -284,16 +287,19 @@ class Applied:
     notices: tuple[str, ...]
 
 
-def apply(model, gguf_path: Path, folder: Path,
-          progress: Callable[[str], AbstractContextManager] | None = None) -> Applied:
+def apply(model, gguf_path: Path, folder: Path, kernels: Path | None,
+          progress: Callable[[str], AbstractContextManager] | None = None, compiler: str = native.COMPILER) -> Applied:
     """Replace every plain Linear of `model` (loaded from `folder`, the converted copy of
-    `gguf_path`) whose GGUF weight is Q4_0, Q4_1 or Q4_K by an Int4Linear of the same blocks.
-    The first time reads the GGUF (seconds) and keeps the 4-bit form in `folder`. A file that
-    cannot be read leaves the model as it is, with a one-line notice."""
+    `gguf_path`) whose GGUF weight is Q4_0, Q4_1 or Q4_K by a module of the same blocks: a
+    q4.Q4Linear, its kernel compiled into `kernels` if not yet, or an Int4Linear (torch's kernel)
+    where it cannot be built (a one-line notice) or `kernels` is None. The first time reads the
+    GGUF (seconds) and keeps the 4-bit form in `folder`. A file that cannot be read leaves the
+    model as it is, with a one-line notice."""
     from safetensors import safe_open
 
     from ladechat.engine.model.gguf import keep_beside
 
+    kernel_notices, path_here = _kernel(gguf_path, kernels, progress, compiler)
     path = cache_path(folder)
     if not path.is_file():
         status = progress(f"Reading the 4-bit weights of {Path(gguf_path).name} (one time, ~10 s)") if progress \
@@ -308,14 +314,24 @@ def apply(model, gguf_path: Path, folder: Path,
             meta = {"notices": json.dumps(notices), "kinds": json.dumps(kinds)}
             if not keep_beside(path, arrays, meta, f"{CACHE_PREFIX}*.safetensors"):
                 # a read-only cache: the same weights, read again next time
-                return _replace(model, arrays.__getitem__, kinds, notices)
+                return _replace(model, arrays.__getitem__, kinds, notices, path_here, kernel_notices)
     with safe_open(str(path), framework="pt") as fh:
         meta = fh.metadata() or {}
         kinds, notices = json.loads(meta.get("kinds", "{}")), json.loads(meta.get("notices", "[]"))
-        return _replace(model, fh.get_tensor, kinds, notices)
+        return _replace(model, fh.get_tensor, kinds, notices, path_here, kernel_notices)
 
 
-def load_lean(folder: Path, gguf_path: Path, kwargs: dict, config):
+def _kernel(gguf_path: Path, kernels: Path | None, progress, compiler: str) -> tuple[list[str], int | None]:
+    """(notices, the path of ladechat's kernel that runs here, or None for torch's kernel)."""
+    if kernels is None:
+        return [], None
+    unbuilt = q4.load(kernels, progress, compiler)
+    if unbuilt:
+        return [f"the 4-bit weights of {Path(gguf_path).name} run on torch's int4 kernel: {unbuilt}"], None
+    return [], q4.best_path()
+
+
+def load_lean(folder: Path, gguf_path: Path, kwargs: dict, config, kernels: Path | None = None):
     """The model of `folder` (the converted copy of `gguf_path`; `config`: its config, as read)
     with its 4-bit Linear weights never made dense: built empty (parameters on the meta device,
     buffers as usual), its int4 modules put in from the kept 4-bit form, only the other tensors
@@ -323,7 +339,8 @@ def load_lean(folder: Path, gguf_path: Path, kwargs: dict, config):
     weight and casts it (a bf16 load of the embedded model: its 540 MB of fp32 pages touched, 270
     MB of bf16 made, then dropped for the int4 modules), which set the chat's peak memory. Returns (model in eval mode,
     Applied), or None where this does not apply (no kept 4-bit form yet: the first load reads the
-    GGUF against the dense weights; no int4 module; a tensor left unread): then load as usual."""
+    GGUF against the dense weights; no int4 module; a tensor left unread): then load as usual.
+    kernels: as for apply()."""
     from accelerate import init_empty_weights
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -333,10 +350,10 @@ def load_lean(folder: Path, gguf_path: Path, kwargs: dict, config):
         return None
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, **kwargs)
-    applied = apply(model, gguf_path, folder)
+    applied = apply(model, gguf_path, folder, kernels)
     if not applied.replaced:
         return None
-    int4_weights = {f"{name}.weight" for name, module in model.named_modules() if type(module) is Int4Linear}
+    int4_weights = {f"{name}.weight" for name, module in model.named_modules() if type(module) in (Int4Linear, q4.Q4Linear)}
     dtype = kwargs["dtype"]
     state = {}
     for file in sorted(folder.glob("*.safetensors")):
@@ -356,34 +373,45 @@ def load_lean(folder: Path, gguf_path: Path, kwargs: dict, config):
     return model.eval(), applied
 
 
-def _replace(model, get: Callable[[str], torch.Tensor], kinds: dict[str, str], notices: list[str]) -> Applied:
+def _replace(model, get: Callable[[str], torch.Tensor], kinds: dict[str, str], notices: list[str],
+             path: int | None, kernel_notices: list[str]) -> Applied:
+    """Put in the kept blocks: Q4Linear on ladechat's kernel's `path`, or (None) Int4Linear (then
+    `kernel_notices` say why, where any module was replaced)."""
     count = 0
     with torch.no_grad():
         for name, kind in kinds.items():
             linear = model.get_submodule(name)
             if type(linear) is not torch.nn.Linear:
                 continue
-            module = Int4Linear(get(f"{name}.packed"), get(f"{name}.scales_and_zeros"), linear.bias, kind)
+            tiles, scales, lows = get(f"{name}.tiles"), get(f"{name}.scales"), get(f"{name}.lows")
+            if path is not None:
+                module = q4.Q4Linear(tiles, scales, lows, linear.bias, kind, path)
+            else:
+                codes = torch.from_numpy(pack_codes(q4.codes_of(tiles).numpy()))
+                module = Int4Linear.from_codes(codes, q4.per_row(scales), q4.per_row(lows), linear.bias, kind)
             if (module.out_features, module.in_features) != (linear.out_features, linear.in_features):
                 continue
             model.set_submodule(name, module)
             count += 1
-    return Applied(count, tuple(sorted(set(kinds.values()))), tuple(notices))
+    return Applied(count, tuple(sorted(set(kinds.values()))), tuple(notices + (kernel_notices if count else [])))
 
 
 # -- what runs -----------------------------------------------------------------------------------
 
 def weight_layout(model) -> str:
-    """Which kernels the model's Linear weights (and norms) run on, e.g. 'int4:210,q8_0:1,norm:61'
-    (a key of the step-cost cache: each layout has its own cost curve)."""
+    """Which kernels the model's Linear weights (and norms) run on, e.g. 'q4:210,q8_0:1,norm:61'
+    (q4: ladechat's 4-bit kernel, int4: torch's; a key of the step-cost cache: each layout has its
+    own cost curve)."""
     from ladechat.engine.model.norms import NativeRMSNorm
     from ladechat.engine.model.packing import PackedLinear
     from ladechat.engine.model.q8 import Q8Linear
 
-    counts = {"int4": 0, "q8_0": 0, "packed": 0, "dense": 0, "norm": 0}
+    counts = {"q4": 0, "int4": 0, "q8_0": 0, "packed": 0, "dense": 0, "norm": 0}
     for module in model.modules():
         if type(module) is NativeRMSNorm:
             counts["norm"] += 1
+        elif type(module) is q4.Q4Linear:
+            counts["q4"] += 1
         elif type(module) is Int4Linear:
             counts["int4"] += 1
         elif type(module) is Q8Linear:
@@ -402,11 +430,16 @@ def describe(model) -> str:
     from ladechat.engine.model.packing import PackedLinear
     from ladechat.engine.model.q8 import Q8Linear
 
+    ours = [m for m in model.modules() if type(m) is q4.Q4Linear]
     int4 = [m for m in model.modules() if type(m) is Int4Linear]
     q8_0 = [m for m in model.modules() if type(m) is Q8Linear]
     packed = [m for m in model.modules() if type(m) is PackedLinear]
     dense = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     parts = []
+    if ours:
+        kinds = "/".join(sorted({m.kind for m in ours}))
+        paths = "/".join(sorted({q4.PATHS[m.path] for m in ours}))
+        parts.append(f"{len(ours)} Linear from {kinds} blocks (ladechat's {paths} kernel, int8 activations)")
     if int4:
         kinds = "/".join(sorted({m.kind for m in int4}))
         parts.append(f"{len(int4)} Linear int4 from {kinds} blocks (torch {KERNEL}, bf16 activations)")

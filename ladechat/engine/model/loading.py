@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ladechat.engine.model import gguf, int4, native, norms, packing, q8, step_ops
+from ladechat.engine.model import gguf, int4, native, norms, packing, q4, q8, step_ops
 from ladechat.engine.model.attention import use_grouped_sdpa
 from ladechat.engine.model.gguf import ModelNotFound
 from ladechat.engine.threads import CpuThreads
@@ -21,8 +21,8 @@ from ladechat.paths import cache_root
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 ATTENTION = ("sdpa", "eager", "flash")
-# --weights: auto (the fastest this machine has: a GGUF's 4-bit blocks as int4, the other Linear
-# weights packed for oneDNN), dense (as transformers loads them), packed (all packed for oneDNN,
+# --weights: auto (the fastest this machine has: a GGUF's 4-bit blocks at 4 bits on ladechat's kernel,
+# else torch's int4 one; the other Linear weights packed for oneDNN), dense (as transformers loads them), packed (all packed for oneDNN,
 # as before int4), int4 (a GGUF's 4-bit blocks as int4, the rest packed).
 WEIGHTS = ("auto", "dense", "packed", "int4")
 # A local model folder needs one of these for AutoTokenizer (without it transformers' error reads
@@ -238,15 +238,15 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
     # quantization_config) or a device map: accelerate's hooks sit on the modules they replace.
     layouts = spec.pack_weights and "device_map" not in kwargs and "quantization_config" not in kwargs
     to_int4 = layouts and spec.weights in ("auto", "int4") and gguf_file is not None and int4.supported(device)
-    lean = (lambda config: int4.load_lean(Path(source), gguf_file, kwargs, config)) if to_int4 else None
+    lean = (lambda config: int4.load_lean(Path(source), gguf_file, kwargs, config, kernels)) if to_int4 else None
     if to_int4:
-        native.prebuild([q8.SOURCE], kernels)
+        native.prebuild([q4.SOURCE, q8.SOURCE], kernels)
     tokenizer, model, lean_applied = _read(spec.model or source, source, name, device, kwargs, lean)
     layouts = layouts and getattr(model, "hf_quantizer", None) is None
     # 4-bit blocks first (here, or already by the lean load): the mask probe below runs on what
     # will answer.
     if layouts and to_int4:
-        applied = lean_applied or int4.apply(model, gguf_file, Path(source), progress)
+        applied = lean_applied or int4.apply(model, gguf_file, Path(source), kernels, progress)
         notices.extend(applied.notices)
         if spec.weights == "int4" and not applied.replaced:
             notices.append(f"{name} has no 4-bit (Q4_0, Q4_1, Q4_K) Linear weights the int4 kernel takes; "
@@ -503,8 +503,9 @@ def mask_probe(model) -> bool:
         tree = model(input_ids=ids, position_ids=positions, attention_mask=mask).logits[0, 2].float()
         plain = model(input_ids=torch.tensor([[a, c]], device=device)).logits[0, 1].float()
         leak = model(input_ids=torch.tensor([[a, b, c]], device=device)).logits[0, 2].float()
-    # int4 Linear modules take bf16 activations: their rows are as close as bf16's
-    bf16_products = any(type(m) is int4.Int4Linear for m in model.modules())
-    tol = 1e-3 if dtype == torch.float32 and not bf16_products else 5e-2
+    # 4-bit Linear modules round their activations (to int8 codes, or bf16 on torch's kernel): their
+    # rows are as close as bf16's
+    rounded_products = any(type(m) in (int4.Int4Linear, q4.Q4Linear) for m in model.modules())
+    tol = 1e-3 if dtype == torch.float32 and not rounded_products else 5e-2
     close = torch.allclose(tree, plain, atol=tol * max(1.0, float(plain.abs().max())), rtol=0)
     return close and not torch.allclose(tree, leak, atol=1e-6, rtol=0)

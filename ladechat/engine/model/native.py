@@ -79,6 +79,16 @@ def load(source: Path, folder: Path, compiler: str = COMPILER,
         return _load_once(source, Path(folder), compiler, progress)
 
 
+def why_not_loaded(source: Path, folder: Path, compiler: str = COMPILER,
+                   progress: Callable[[str], AbstractContextManager] | None = None) -> str | None:
+    """load(), for a caller with a torch path to fall back on: None once loaded, else why not (one line)."""
+    try:
+        load(source, folder, compiler, progress)
+    except BuildError as exc:
+        return str(exc)
+    return None
+
+
 def prebuild(sources: list[Path], folder: Path, compiler: str = COMPILER) -> threading.Thread:
     """Build and load `sources` on a background thread, so that a first run's compiles overlap
     the model's conversion (~6 s each on 2 cores, one core used): a load() of one of them then waits

@@ -25,11 +25,7 @@ SOURCE = Path(__file__).with_name("step_ops.cpp")
 def load(kernels: Path, progress: Callable[[str], AbstractContextManager] | None = None,
          compiler: str = native.COMPILER) -> str | None:
     """Load the kernels (compiled into `kernels` if not yet): None, or why they cannot run (one line)."""
-    try:
-        native.load(SOURCE, kernels, compiler, progress)
-    except native.BuildError as exc:
-        return str(exc)
-    return None
+    return native.why_not_loaded(SOURCE, kernels, compiler, progress)
 
 
 def loaded() -> bool:

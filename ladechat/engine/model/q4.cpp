@@ -1,0 +1,323 @@
+// y = x W^T for W as a GGUF's 4-bit blocks (w = scale * q + low: a code q in 0..15 per weight, an
+// fp32 scale and low per 32 weights along a row), the activations quantized to int8 as llama.cpp
+// does for these blocks: ladechat's kernel for a GGUF's 4-bit Linear weights (engine/model/q4.py
+// builds and calls it).
+//
+// Why: torch's int4 kernel widens every code to floats for every 4 rows and multiplies in fp32
+// (its vectorized path takes bf16 activations), so a step's extra rows cost nearly a one-row
+// step's products each. Here each row is quantized once per product (per 32 inputs: a = da * qa,
+// qa int8 in -127..127, da = max|a| / 127), and the codes meet it in integer dot products, four
+// multiply-adds per 32-bit lane in one instruction (AVX-512 VNNI's VPDPBUSD; AVX2's VPMADDUBSW +
+// VPMADDWD). Per output and group of 32 inputs:
+//
+//   sum_k w_k a_k = da * (scale * sum_k q_k qa_k + low * sum_k qa_k)
+//
+// The integer sums are exact whatever the order, and the float steps around them are the same
+// fixed sequence on every path: t = scale * isum; t = fma(low, asum, t); y = fma(t, da, y),
+// group after group. So a row gives the same bits alone or among a step's rows, on one thread or
+// two, and on the VNNI, AVX2 and portable paths alike (tests/test_q4.py).
+//
+// Layout (q4.py's `layout` makes it), one 256-byte tile per 16 outputs x 32 inputs:
+//
+//   codes  (N / 16, K / 32, 256) uint8           scales, lows  (N / 16, K / 32, 16) fp32
+//
+//   tile byte 64 p + 4 j + i    (p 0..3, output j 0..15, i 0..3)
+//        low nibble:  q[j][4 p + i]            inputs 0..15 of the group
+//        high nibble: q[j][4 (p + 4) + i]      inputs 16..31
+//
+//   one 64-byte load, masked or shifted, holds for 4 consecutive inputs the 4 codes of each of the
+//   16 outputs in that output's 32-bit lane:
+//
+//        lane j:  [ q[j][k] q[j][k+1] q[j][k+2] q[j][k+3] ]   x   [ qa[k] .. qa[k+3] ] (broadcast)
+//
+// Inputs must be finite (an inf or NaN activation gives unspecified codes for its group).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int OUT = 16;                      // outputs per tile
+constexpr int GROUP = 32;                    // inputs per scale and low
+constexpr int TILE_BYTES = OUT * GROUP / 2;  // 256
+constexpr int64_t QUANTIZE_GRAIN = 16;       // rows quantized per thread: a step's few rows on one
+
+enum Path : int64_t { PORTABLE = 0, AVX2 = 1, VNNI = 2 };
+
+bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+bool has_vnni() {
+  return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+         && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni");
+}
+int64_t best_path() { return has_vnni() ? VNNI : has_avx2() ? AVX2 : PORTABLE; }
+
+// Activations of one row, per group of 32: codes qa, scale da and the codes' sum (as a float, exact).
+struct Quantized {
+  int8_t* codes;
+  float* scale;
+  float* sum;
+};
+
+inline float as_float(float v) { return v; }
+inline float as_float(c10::BFloat16 v) { return static_cast<float>(v); }
+
+// The same steps on every path: amax = max |x|; da = amax / 127; qa = clamp(round-to-even(x * (1 / da))).
+template <typename T>
+void quantize_portable(const T* x, int64_t K, Quantized out) {
+  for (int64_t g = 0; g < K / GROUP; ++g) {
+    float v[GROUP];
+    float amax = 0.f;
+    for (int i = 0; i < GROUP; ++i) {
+      v[i] = as_float(x[g * GROUP + i]);
+      amax = std::fmax(amax, std::fabs(v[i]));
+    }
+    const float d = amax / 127.f;
+    const float id = d != 0.f ? 1.f / d : 0.f;
+    int sum = 0;
+    for (int i = 0; i < GROUP; ++i) {
+      const float r = std::fmin(127.f, std::fmax(-127.f, std::nearbyint(v[i] * id)));
+      out.codes[g * GROUP + i] = static_cast<int8_t>(r);
+      sum += static_cast<int>(r);
+    }
+    out.scale[g] = d;
+    out.sum[g] = static_cast<float>(sum);
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512dq")))
+void quantize_avx512(const float* x, int64_t K, Quantized out) {
+  const __m512 sign = _mm512_set1_ps(-0.f), hi = _mm512_set1_ps(127.f), lo = _mm512_set1_ps(-127.f);
+  for (int64_t g = 0; g < K / GROUP; ++g) {
+    const __m512 v0 = _mm512_loadu_ps(x + g * GROUP), v1 = _mm512_loadu_ps(x + g * GROUP + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
+    const float d = amax / 127.f;
+    const __m512 id = _mm512_set1_ps(d != 0.f ? 1.f / d : 0.f);
+    constexpr int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_mul_ps(v0, id), nearest))));
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_mul_ps(v1, id), nearest))));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out.codes + g * GROUP), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out.codes + g * GROUP + 16), _mm512_cvtepi32_epi8(q1));
+    out.scale[g] = d;
+    out.sum[g] = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+  }
+}
+
+__attribute__((target("avx2,fma")))
+void quantize_avx2(const float* x, int64_t K, Quantized out) {
+  const __m256 sign = _mm256_set1_ps(-0.f), hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
+  for (int64_t g = 0; g < K / GROUP; ++g) {
+    __m256 v[4];
+    __m256 top = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(x + g * GROUP + 8 * i);
+      top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 t4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    t4 = _mm_max_ps(t4, _mm_movehl_ps(t4, t4));
+    t4 = _mm_max_ss(t4, _mm_movehdup_ps(t4));
+    const float d = _mm_cvtss_f32(t4) / 127.f;
+    const __m256 id = _mm256_set1_ps(d != 0.f ? 1.f / d : 0.f);
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i)
+      q[i] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_round_ps(_mm256_mul_ps(v[i], id),
+                                                                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))));
+    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.codes + g * GROUP), _mm256_permutevar8x32_epi32(bytes, order));
+    out.scale[g] = d;
+    out.sum[g] = static_cast<float>(_mm_cvtsi128_si32(s4));
+  }
+}
+
+// One tile of 16 outputs over all K inputs for M rows: acc (M, 16) fp32.
+struct Tile {
+  const uint8_t* codes;  // (K / 32, 256)
+  const float* scales;   // (K / 32, 16)
+  const float* lows;     // (K / 32, 16)
+};
+
+struct Rows {
+  const int8_t* codes;  // (M, K)
+  const float* scale;   // (M, K / 32)
+  const float* sum;     // (M, K / 32)
+  int64_t M, K;
+};
+
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni")))
+void tile_vnni(const Rows& x, const Tile& w, float* acc) {
+  const int64_t G = x.K / GROUP;
+  for (int64_t m = 0; m < x.M; ++m) _mm512_storeu_ps(acc + m * OUT, _mm512_setzero_ps());
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* c = w.codes + g * TILE_BYTES;
+    __m512i q[8];  // q[c]: inputs 4c..4c+3 of the group, 4 bytes per output lane
+    for (int p = 0; p < 4; ++p) {
+      const __m512i v = _mm512_loadu_si512(c + 64 * p);
+      q[p] = _mm512_and_si512(v, nibble);
+      q[p + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+    }
+    const __m512 scale = _mm512_loadu_ps(w.scales + g * OUT), low = _mm512_loadu_ps(w.lows + g * OUT);
+    for (int64_t m = 0; m < x.M; ++m) {
+      const int32_t* a = reinterpret_cast<const int32_t*>(x.codes + m * x.K + g * GROUP);
+      __m512i s0 = _mm512_setzero_si512(), s1 = s0;  // two chains: the sum is exact in any order
+      for (int k = 0; k < 8; k += 2) {
+        s0 = _mm512_dpbusd_epi32(s0, q[k], _mm512_set1_epi32(a[k]));
+        s1 = _mm512_dpbusd_epi32(s1, q[k + 1], _mm512_set1_epi32(a[k + 1]));
+      }
+      const __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+      const __m512 t = _mm512_fmadd_ps(low, _mm512_set1_ps(x.sum[m * G + g]), _mm512_mul_ps(scale, isum));
+      float* o = acc + m * OUT;
+      _mm512_storeu_ps(o, _mm512_fmadd_ps(t, _mm512_set1_ps(x.scale[m * G + g]), _mm512_loadu_ps(o)));
+    }
+  }
+}
+
+// The same arithmetic in two halves of 8 outputs.
+__attribute__((target("avx2,fma")))
+void tile_avx2(const Rows& x, const Tile& w, float* acc) {
+  const int64_t G = x.K / GROUP;
+  for (int64_t i = 0; i < x.M * OUT; i += 8) _mm256_storeu_ps(acc + i, _mm256_setzero_ps());
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* c = w.codes + g * TILE_BYTES;
+    for (int h = 0; h < 2; ++h) {
+      __m256i q[8];
+      for (int p = 0; p < 4; ++p) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * p + 32 * h));
+        q[p] = _mm256_and_si256(v, nibble);
+        q[p + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+      }
+      const __m256 scale = _mm256_loadu_ps(w.scales + g * OUT + 8 * h), low = _mm256_loadu_ps(w.lows + g * OUT + 8 * h);
+      for (int64_t m = 0; m < x.M; ++m) {
+        const int32_t* a = reinterpret_cast<const int32_t*>(x.codes + m * x.K + g * GROUP);
+        // a 16-bit pair sum is 2 products of at most 15 * 127, and two such added: within 16 bits
+        __m256i p[4];
+        for (int k = 0; k < 4; ++k)
+          p[k] = _mm256_add_epi16(_mm256_maddubs_epi16(q[2 * k], _mm256_set1_epi32(a[2 * k])),
+                                  _mm256_maddubs_epi16(q[2 * k + 1], _mm256_set1_epi32(a[2 * k + 1])));
+        const __m256i s = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(p[0], ones), _mm256_madd_epi16(p[1], ones)),
+                                           _mm256_add_epi32(_mm256_madd_epi16(p[2], ones), _mm256_madd_epi16(p[3], ones)));
+        const __m256 t = _mm256_fmadd_ps(low, _mm256_set1_ps(x.sum[m * G + g]),
+                                         _mm256_mul_ps(scale, _mm256_cvtepi32_ps(s)));
+        float* o = acc + m * OUT + 8 * h;
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(t, _mm256_set1_ps(x.scale[m * G + g]), _mm256_loadu_ps(o)));
+      }
+    }
+  }
+}
+
+void tile_portable(const Rows& x, const Tile& w, float* acc) {
+  const int64_t G = x.K / GROUP;
+  std::fill(acc, acc + x.M * OUT, 0.f);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* c = w.codes + g * TILE_BYTES;
+    for (int64_t m = 0; m < x.M; ++m) {
+      const int8_t* a = x.codes + m * x.K + g * GROUP;
+      for (int j = 0; j < OUT; ++j) {
+        int32_t isum = 0;
+        for (int k = 0; k < GROUP; ++k) {
+          const uint8_t byte = c[64 * (k / 4 % 4) + 4 * j + k % 4];
+          isum += (k < 16 ? byte & 0x0F : byte >> 4) * a[k];
+        }
+        const float t = std::fma(w.lows[g * OUT + j], x.sum[m * G + g], w.scales[g * OUT + j] * static_cast<float>(isum));
+        acc[m * OUT + j] = std::fma(t, x.scale[m * G + g], acc[m * OUT + j]);
+      }
+    }
+  }
+}
+
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, int64_t path, int8_t* codes, float* scale, float* sum) {
+  const int64_t G = K / GROUP;
+  at::parallel_for(0, M, QUANTIZE_GRAIN, [&](int64_t r0, int64_t r1) {
+    std::vector<float> row;
+    for (int64_t m = r0; m < r1; ++m) {
+      const Quantized out{codes + m * K, scale + m * G, sum + m * G};
+      if constexpr (std::is_same_v<T, float>) {
+        if (path == VNNI) quantize_avx512(x + m * K, K, out);
+        else if (path == AVX2) quantize_avx2(x + m * K, K, out);
+        else quantize_portable(x + m * K, K, out);
+      } else {  // bf16 -> fp32 is exact: the same codes as the fp32 row
+        row.resize(K);
+        for (int64_t k = 0; k < K; ++k) row[k] = static_cast<float>(x[m * K + k]);
+        if (path == VNNI) quantize_avx512(row.data(), K, out);
+        else if (path == AVX2) quantize_avx2(row.data(), K, out);
+        else quantize_portable(row.data(), K, out);
+      }
+    }
+  });
+}
+
+// x (M, K) fp32 or bf16 -> y (M, N) in x's dtype. path: 2 VNNI, 1 AVX2, 0 portable (the same results).
+at::Tensor mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& lows,
+              int64_t path) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu()
+              && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "q4 mm: x must be (rows, in) fp32 or bf16, contiguous, on the CPU");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % GROUP == 0, "q4 mm: the inputs must be a multiple of 32");
+  const int64_t G = K / GROUP;
+  TORCH_CHECK(codes.dim() == 3 && codes.size(1) == G && codes.size(2) == TILE_BYTES
+              && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.device().is_cpu(),
+              "q4 mm: codes must be (out / 16, in / 32, 256) uint8, contiguous, on the CPU");
+  const int64_t NB = codes.size(0), N = NB * OUT;
+  for (const at::Tensor* t : {&scales, &lows})
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == NB && t->size(1) == G && t->size(2) == OUT
+                && t->scalar_type() == at::kFloat && t->is_contiguous() && t->device().is_cpu(),
+                "q4 mm: scales and lows must be (out / 16, in / 32, 16) fp32, contiguous, on the CPU");
+  TORCH_CHECK(path == PORTABLE || (path == AVX2 && has_avx2()) || (path == VNNI && has_vnni()),
+              "q4 mm: this CPU lacks the instructions of the path asked for");
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  std::vector<int8_t> qa(M * K);
+  std::vector<float> da(M * G), sa(M * G);
+  if (x.scalar_type() == at::kFloat) quantize_rows(x.data_ptr<float>(), M, K, path, qa.data(), da.data(), sa.data());
+  else quantize_rows(x.data_ptr<c10::BFloat16>(), M, K, path, qa.data(), da.data(), sa.data());
+  const Rows rows{qa.data(), da.data(), sa.data(), M, K};
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* lp = lows.data_ptr<float>();
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  // tiles of outputs split between threads: each output is computed by one thread, in one order
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> acc(M * OUT);
+    for (int64_t b = b0; b < b1; ++b) {
+      const Tile tile{cp + b * G * TILE_BYTES, sp + b * G * OUT, lp + b * G * OUT};
+      if (path == VNNI) tile_vnni(rows, tile, acc.data());
+      else if (path == AVX2) tile_avx2(rows, tile, acc.data());
+      else tile_portable(rows, tile, acc.data());
+      if (bf16) {
+        c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+        for (int64_t m = 0; m < M; ++m)
+          for (int j = 0; j < OUT; ++j) yp[m * N + b * OUT + j] = c10::BFloat16(acc[m * OUT + j]);  // nearest even
+      } else {
+        float* yp = y.data_ptr<float>();
+        for (int64_t m = 0; m < M; ++m) std::memcpy(yp + m * N + b * OUT, acc.data() + m * OUT, OUT * sizeof(float));
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(ladechat_q4, m) {
+  m.def("mm(Tensor x, Tensor codes, Tensor scales, Tensor lows, int path) -> Tensor", &mm);
+  m.def("best_path() -> int", &best_path);
+}

@@ -1,0 +1,147 @@
+"""A GGUF file's 4-bit Linear weights multiplied by ladechat's own kernel (q4.cpp), with the
+activations quantized to int8 per 32 inputs, as llama.cpp multiplies these blocks.
+
+int4.py reads the blocks (Q4_0, Q4_1, Q4_K: w = scale * q + low per 32 weights) and keeps them in
+this kernel's layout; this module makes the layout and the Linear module that runs it.
+
+Why not torch's int4 kernel (int4.Int4Linear, still the path where no compiler builds this one):
+it widens the codes to floats for every 4 rows of a step and multiplies in fp32, so each extra
+row of a lookahead step cost nearly what the first did; here the codes meet int8 activations in
+integer dot products, four multiply-adds per instruction. Measured on the 2-core AVX-512 machine
+(576x1536, fp32 rows): 12 against 49 us for one row, 69 against 235 us for 16.
+
+What it changes: the activations' int8 codes carry ~1/254 of each 32-input group's largest value
+as their rounding, where torch's kernel rounded them to bf16 (8 bits of mantissa): an error of the
+same order (tests/test_q4.py bounds it), and the one llama.cpp's users run. What it keeps: every
+row is computed alone in a fixed order, so a row gives the same bits in any step, on any thread
+count, and on the kernel's three paths (AVX-512 VNNI, AVX2, portable C++).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
+
+import torch
+
+from ladechat.engine.model import native
+
+SOURCE = Path(__file__).with_name("q4.cpp")
+GROUP = 32  # inputs per scale and low
+OUT = 16  # outputs per tile
+TILE_BYTES = OUT * GROUP // 2
+PATHS = {0: "portable", 1: "AVX2", 2: "AVX-512 VNNI"}
+
+
+def load(kernels: Path, progress: Callable[[str], AbstractContextManager] | None = None,
+         compiler: str = native.COMPILER) -> str | None:
+    """Load the kernel (compiled into `kernels` if not yet): None, or why it cannot run (one line)."""
+    return native.why_not_loaded(SOURCE, kernels, compiler, progress)
+
+
+def loaded() -> bool:
+    return native.loaded(SOURCE)
+
+
+def best_path() -> int:
+    """The fastest of the kernel's paths this CPU runs (its library loaded)."""
+    return int(torch.ops.ladechat_q4.best_path())
+
+
+def check_shape(rows: int, cols: int) -> None:
+    if rows % OUT or cols % GROUP:
+        raise ValueError(f"a {rows}x{cols} weight does not fit the 4-bit kernel (output features a multiple of "
+                         f"{OUT}, input features of {GROUP})")
+
+
+def layout(codes: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """codes (N, K) uint8 in 0..15, scales and lows (N, K / 32) -> the kernel's tiles
+    (N / 16, K / 32, 256) uint8 and scales, lows (N / 16, K / 32, 16) fp32 (q4.cpp draws the tile)."""
+    rows, cols = codes.shape
+    check_shape(rows, cols)
+    tiles, groups = rows // OUT, cols // GROUP
+    # [tile, output j, group, 4 inputs c, i]: c < 4 the low nibbles, c >= 4 the high ones
+    q = codes.to(torch.uint8).reshape(tiles, OUT, groups, 8, 4)
+    packed = (q[:, :, :, :4] | (q[:, :, :, 4:] << 4)).permute(0, 2, 3, 1, 4)  # [tile, group, p, j, i]
+    return (packed.reshape(tiles, groups, TILE_BYTES).contiguous(), _per_tile(scales, tiles, groups),
+            _per_tile(lows, tiles, groups))
+
+
+def _per_tile(values: torch.Tensor, tiles: int, groups: int) -> torch.Tensor:
+    return values.float().reshape(tiles, OUT, groups).transpose(1, 2).contiguous()
+
+
+def codes_of(tiles: torch.Tensor) -> torch.Tensor:
+    """layout's tiles -> the codes (N, K) uint8 again."""
+    count, groups, _ = tiles.shape
+    packed = tiles.reshape(count, groups, 4, OUT, 4).permute(0, 3, 1, 2, 4)  # [tile, j, group, p, i]
+    q = torch.cat([packed & 0x0F, packed >> 4], dim=3)  # [tile, j, group, c, i]
+    return q.reshape(count * OUT, groups * GROUP)
+
+
+def per_row(values: torch.Tensor) -> torch.Tensor:
+    """layout's scales or lows -> (N, K / 32) again."""
+    count, groups, _ = values.shape
+    return values.transpose(1, 2).reshape(count * OUT, groups)
+
+
+class Q4Linear(torch.nn.Module):
+    """y = x W^T + b with W as 4-bit codes and an fp32 scale and low per 32 weights, by ladechat's
+    kernel (its library loaded: load()), the rows quantized to int8 per 32 inputs. fp32 and bf16
+    rows run as they are, others through fp32; the result is in x's dtype. Inference only, fixed to
+    the CPU: `.weight` (and a state dict) give W dense in fp32, computed at each read."""
+
+    def __init__(self, tiles: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor,
+                 bias: torch.Tensor | None = None, kind: str = "Q4", path: int | None = None):
+        """tiles, scales, lows: as layout() makes them; path: the kernel's (PATHS), default the best here."""
+        super().__init__()
+        count, groups, size = tiles.shape
+        self.out_features, self.in_features = count * OUT, groups * GROUP
+        if tiles.dtype != torch.uint8 or size != TILE_BYTES or any(
+                t.dtype != torch.float32 or t.shape != (count, groups, OUT) for t in (scales, lows)):
+            raise ValueError(f"4-bit buffers {tiles.dtype} {tuple(tiles.shape)}, {scales.dtype} {tuple(scales.shape)} "
+                             f"and {lows.dtype} {tuple(lows.shape)} do not make one weight")
+        self.kind = kind
+        self.path = best_path() if path is None else path
+        self.register_buffer("tiles", tiles, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
+        self.register_buffer("lows", lows, persistent=False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype not in (torch.float32, torch.bfloat16):
+            rows = rows.float()
+        y = torch.ops.ladechat_q4.mm(rows.contiguous(), self.tiles, self.scales, self.lows, self.path)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def product(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """x (rows, in) contiguous, fp32 or bf16 -> x W^T (+ b) in x's dtype: the kernel called
+        directly, without the forward's reshapes (a lean step calls it ~200 times)."""
+        op, tiles, scales, lows, path, bias = (torch.ops.ladechat_q4.mm.default, self.tiles, self.scales,
+                                               self.lows, self.path, self.bias)
+        if bias is None:
+            return lambda x: op(x, tiles, scales, lows, path)
+        return lambda x: op(x, tiles, scales, lows, path) + bias
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """W (out, in) in fp32, scale * q + low: a dense copy per read."""
+        return self.dense_weight()
+
+    def dense_weight(self) -> torch.Tensor:
+        q = codes_of(self.tiles).float()
+        return q * per_row(self.scales).repeat_interleave(GROUP, 1) + per_row(self.lows).repeat_interleave(GROUP, 1)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        destination[prefix + "weight"] = self.dense_weight()
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _apply(self, fn, recurse=True):
+        raise TypeError("4-bit weights stay on the CPU; load with --weights dense to move or cast the model")
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"{self.kind} blocks, ladechat's {PATHS[self.path]} kernel with int8 activations")

@@ -1,0 +1,150 @@
+"""ladechat's 4-bit kernel (engine/model/q4.py, q4.cpp): products against fp64 of the same int8
+activation codes, the rounding those codes cost against the exact weights, the same bits for a row
+whatever the step's size, the thread count or the instruction set, the layout and the module."""
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from ladechat.engine.model import int4, native, q4
+from ladechat.paths import cache_root
+
+pytestmark = pytest.mark.skipif(not int4.supported(torch.device("cpu")),
+                                reason="the 4-bit kernel is built with x86-64 vector instructions")
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if shutil.which(native.COMPILER) is None:
+        pytest.skip(f"no C++ compiler ({native.COMPILER}) to build the kernel here "
+                    "(tests/test_int4.py covers the load without one)")
+    assert q4.load(cache_root() / "kernels") is None
+
+
+def paths() -> list[int]:
+    """The kernel's paths this CPU runs: portable always, AVX2, and AVX-512 VNNI where it has them."""
+    return list(range(q4.best_path() + 1))
+
+
+def random_weight(rows: int, cols: int, seed: int = 0):
+    """Codes, and fp16-valued scales and lows as Q4_1 blocks have them."""
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (rows, cols), dtype=torch.uint8, generator=generator)
+    scales = (torch.rand(rows, cols // 32, generator=generator) * 0.01).half().float()
+    lows = (-torch.rand(rows, cols // 32, generator=generator) * 0.08).half().float()
+    return codes, scales, lows
+
+
+def dense(codes, scales, lows) -> torch.Tensor:
+    return codes.double() * scales.double().repeat_interleave(32, 1) + lows.double().repeat_interleave(32, 1)
+
+
+def quantized(x: torch.Tensor):
+    """The kernel's int8 codes of each row, per 32 inputs, by its documented steps in fp32:
+    (codes, scales, sums) as float64."""
+    groups = x.float().numpy().reshape(x.shape[0], -1, 32)
+    amax = np.abs(groups).max(axis=-1, keepdims=True)
+    scale = (amax / np.float32(127)).astype(np.float32)
+    inverse = np.where(scale != 0, np.float32(1) / np.where(scale != 0, scale, 1), 0).astype(np.float32)
+    codes = np.clip(np.rint((groups * inverse).astype(np.float32)), -127, 127)
+    return codes.astype(np.float64), scale[..., 0].astype(np.float64), codes.sum(axis=-1).astype(np.float64)
+
+
+def test_products_are_the_int8_rows_times_the_exact_weights(kernel):
+    codes, scales, lows = random_weight(64, 96)
+    layer = q4.Q4Linear(*q4.layout(codes, scales, lows))
+    assert torch.equal(layer.dense_weight().double(), dense(codes, scales, lows))  # the weights, exactly
+    x = torch.randn(5, 96) * torch.tensor([1.0, 0.01, 30.0, 1e-6, 1.0])[:, None]  # rows of any scale
+    qa, da, sa = quantized(x)
+    # per group: da * (scale * sum q qa + low * sum qa); the integer sums exact, then 3 fp32 roundings a group
+    q = codes.double().numpy().reshape(64, 3, 32)
+    isum = np.einsum("ngk,mgk->mng", q, qa)
+    terms = da[:, None, :] * (scales.double().numpy()[None] * isum + lows.double().numpy()[None] * sa[:, None, :])
+    reference = terms.sum(-1)
+    bound = np.abs(terms).sum(-1) * 2**-21
+    for path in paths():
+        y = q4.Q4Linear(*q4.layout(codes, scales, lows), path=path)(x)
+        assert y.dtype == torch.float32 and y.shape == (5, 64)
+        assert (np.abs(y.double().numpy() - reference) <= bound).all(), path
+
+
+def test_int8_rows_cost_at_most_half_a_code_of_each_group(kernel):
+    """Against the exact product x W^T: each input moves by at most half its group's step
+    (max |x| / 254), so an output by at most that times the group's |w|, summed."""
+    codes, scales, lows = random_weight(48, 576, seed=3)
+    weight = dense(codes, scales, lows)
+    x = torch.randn(7, 576)
+    x[:, 5] = 40.0  # an outlier: its group's other inputs round coarsely, within the bound still
+    y = q4.Q4Linear(*q4.layout(codes, scales, lows))(x).double()
+    step = x.double().abs().reshape(7, -1, 32).amax(-1) / 254  # (rows, groups)
+    bound = step @ weight.abs().reshape(48, -1, 32).sum(-1).t() * 1.001 + 1e-6
+    error = (y - x.double() @ weight.t()).abs()
+    assert (error <= bound).all()
+    assert (error > 0).any()  # it does round (this is not the exact product)
+
+
+def test_the_paths_and_dtypes_give_the_same_bits(kernel):
+    codes, scales, lows = random_weight(96, 320, seed=4)
+    tiles = q4.layout(codes, scales, lows)
+    x = torch.randn(9, 320)
+    results = [q4.Q4Linear(*tiles, path=path)(x) for path in paths()]
+    assert all(torch.equal(y, results[0]) for y in results)  # VNNI, AVX2 and portable
+    layer = q4.Q4Linear(*tiles)
+    rows = x.bfloat16()  # bf16 rows are read as their fp32 values; the result rounds once to bf16
+    assert torch.equal(layer(rows), layer(rows.float()).bfloat16())
+    assert torch.equal(layer(x.half()), layer(x.half().float()).half())  # fp16 through fp32
+    assert torch.equal(layer(x[None]), results[0][None])  # a step's extra dimensions are kept
+    assert torch.equal(layer.product()(x), results[0])
+
+
+def test_a_row_is_the_same_alone_among_many_and_on_any_thread_count(kernel):
+    """What lets a lookahead step's rows equal one-row steps' (plain decoding) bit for bit."""
+    codes, scales, lows = random_weight(1536, 576, seed=1)
+    layer = q4.Q4Linear(*q4.layout(codes, scales, lows))
+    x = torch.randn(40, 576, generator=torch.Generator().manual_seed(1))  # > 16 rows: quantized on 2 threads
+    together = layer(x)
+    assert all(torch.equal(layer(x[i:i + 1]), together[i:i + 1]) for i in range(40))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(layer(x), together)
+        torch.set_num_threads(2)
+        assert torch.equal(layer(x), together)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_layout_keeps_every_code_scale_and_low(kernel):
+    codes, scales, lows = random_weight(32, 64, seed=5)
+    tiles, tile_scales, tile_lows = q4.layout(codes, scales, lows)
+    assert tiles.shape == (2, 2, 256) and tile_scales.shape == tile_lows.shape == (2, 2, 16)
+    assert torch.equal(q4.codes_of(tiles), codes)
+    assert torch.equal(q4.per_row(tile_scales), scales) and torch.equal(q4.per_row(tile_lows), lows)
+    # the tile as q4.cpp draws it: byte 64 p + 4 j + i holds q[j][4 p + i] low, q[j][4 (p + 4) + i] high
+    assert tiles[0, 1, 64 * 2 + 4 * 3 + 1] == codes[3, 32 + 9] | (codes[3, 32 + 25] << 4)
+
+
+def test_the_module_keeps_its_bias_refuses_moves_and_bad_buffers(kernel):
+    codes, scales, lows = random_weight(32, 64, seed=6)
+    bias = torch.randn(32)
+    layer = q4.Q4Linear(*q4.layout(codes, scales, lows), bias=bias, kind="Q4_0")
+    x = torch.randn(3, 64)
+    assert torch.equal(layer(x), q4.Q4Linear(*q4.layout(codes, scales, lows))(x) + bias)
+    assert torch.equal(layer.product()(x), layer(x))
+    state = layer.state_dict()
+    assert torch.equal(state["weight"], layer.dense_weight()) and torch.equal(state["bias"], bias)
+    assert "Q4_0 blocks, ladechat's" in repr(layer)
+    with pytest.raises(TypeError, match="4-bit weights stay on the CPU"):
+        layer.to(torch.float16)
+    tiles, tile_scales, tile_lows = q4.layout(codes, scales, lows)
+    with pytest.raises(ValueError, match="do not make one weight"):
+        q4.Q4Linear(tiles, tile_scales.half(), tile_lows)
+    with pytest.raises(ValueError, match="does not fit the 4-bit kernel"):
+        q4.layout(codes[:24], scales[:24], lows[:24])
+    with pytest.raises(RuntimeError, match="the inputs must be a multiple of 32"):
+        torch.ops.ladechat_q4.mm(torch.randn(2, 48), tiles, tile_scales, tile_lows, 0)
+    with pytest.raises(RuntimeError, match="codes must be"):
+        torch.ops.ladechat_q4.mm(torch.randn(2, 96), tiles, tile_scales, tile_lows, 0)
+    assert layer(torch.randn(0, 64)).shape == (0, 32)
