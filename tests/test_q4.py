@@ -1,4 +1,4 @@
-"""ladechat's 4-bit kernel (engine/model/q4.py, q4.cpp): products against fp64 of the same int8
+"""ladechat's 4-bit kernel (engine/model/q4.py, blocks.cpp): products against fp64 of the same int8
 activation codes, the rounding those codes cost against the exact weights, the same bits for a row
 whatever the step's size, the thread count or the instruction set, the layout and the module."""
 
@@ -122,7 +122,7 @@ def test_the_layout_keeps_every_code_scale_and_low(kernel):
     assert tiles.shape == (2, 2, 256) and tile_scales.shape == tile_lows.shape == (2, 2, 16)
     assert torch.equal(q4.codes_of(tiles), codes)
     assert torch.equal(q4.per_row(tile_scales), scales) and torch.equal(q4.per_row(tile_lows), lows)
-    # the tile as q4.cpp draws it: byte 64 p + 4 j + i holds q[j][4 p + i] low, q[j][4 (p + 4) + i] high
+    # the tile as blocks.cpp draws it: byte 64 p + 4 j + i holds q[j][4 p + i] low, q[j][4 (p + 4) + i] high
     assert tiles[0, 1, 64 * 2 + 4 * 3 + 1] == codes[3, 32 + 9] | (codes[3, 32 + 25] << 4)
 
 
@@ -144,7 +144,7 @@ def test_the_module_keeps_its_bias_refuses_moves_and_bad_buffers(kernel):
     with pytest.raises(ValueError, match="does not fit the 4-bit kernel"):
         q4.layout(codes[:24], scales[:24], lows[:24])
     with pytest.raises(RuntimeError, match="the inputs must be a multiple of 32"):
-        torch.ops.ladechat_q4.mm(torch.randn(2, 48), tiles, tile_scales, tile_lows, 0)
+        torch.ops.ladechat_blocks.q4_mm(torch.randn(2, 48), tiles, tile_scales, tile_lows, 0)
     with pytest.raises(RuntimeError, match="codes must be"):
-        torch.ops.ladechat_q4.mm(torch.randn(2, 96), tiles, tile_scales, tile_lows, 0)
+        torch.ops.ladechat_blocks.q4_mm(torch.randn(2, 96), tiles, tile_scales, tile_lows, 0)
     assert layer(torch.randn(0, 64)).shape == (0, 32)

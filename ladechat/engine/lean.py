@@ -12,7 +12,7 @@ of the same family needs only:
                 q, k, v = q_proj(h), k_proj(h), v_proj(h)  its own Linear modules (int4, packed, dense)
                 q, k = rope(q, k) at the rows' positions   a cos/sin table the model's rotary module made
                 K, V = cache.update(k, v)                  the runner's GrowingCache (kv.py)
-                x = x + o_proj(sdpa(q stacked per kv head, K, V, mask tiled per group))
+                x = x + o_proj(attend(q stacked per kv head, K, V, mask tiled per group))
                 h = post_norm(x)                           the layer's own RMSNorm module
                 x = x + down(silu(gate(h)) * up(h))        its MLP's Linear modules
     logits = lm_head(norm(x))                              every row's (lookahead reads them all)
@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from ladechat.engine.layout import StepLayout, step_inputs
-from ladechat.engine.model import int4, norms, q4, step_ops
+from ladechat.engine.model import attention, int4, norms, q4, step_ops
 
 FAMILIES = frozenset({"llama", "mistral", "qwen2"})
 TABLE_MIN = 1024  # positions of the first cos/sin table; it grows by half when a step passes it
@@ -54,8 +54,9 @@ def supported(model) -> str | None:
             or any(hasattr(module, "_hf_hook") for module in model.modules()):
         return "its layers are placed by a device map (accelerate's hooks move their weights)"
     grouped = config.num_key_value_heads != config.num_attention_heads
-    # with key/value groups, ladechat's grouped attention (model/attention.py) is what it computes
-    if config._attn_implementation != ("ladechat_grouped_sdpa" if grouped else "sdpa"):
+    # with key/value groups, ladechat's grouped attention (model/attention.py) is what it computes;
+    # its row-wise attention with or without groups
+    if config._attn_implementation not in (attention.ROWWISE, attention.NAME if grouped else "sdpa"):
         return f"attention {config._attn_implementation!r}, not {'grouped ' if grouped else ''}SDPA"
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         return "sliding-window attention"
@@ -146,6 +147,9 @@ class LeanStep:
             raise ValueError(f"ladechat's rope kernel cannot rotate this model's steps ({model.dtype}, "
                              f"{'loaded' if step_ops.loaded() else 'not loaded'})")
         self.rope = torch.ops.ladechat_step.rope.default if rope_kernel else _torch_rope
+        # the attention the model's forward runs (attention.py), of the stacked rows
+        self.attend = attention.attend_stacked if config._attn_implementation == attention.ROWWISE \
+            else attention.sdpa_stacked
 
     def table(self, end: int) -> None:
         """cos/sin for positions 0..end-1 at least, from the model's own rotary module: each
@@ -174,7 +178,7 @@ class LeanStep:
             self.table(int(positions.max()) + 1)
             cos, signed_sin = self.cos[positions], self.signed_sin[positions]  # (S, dim), broadcast over heads
             x = model.model.embed_tokens(ids)  # (S, hidden)
-            silu, sdpa, rope = torch.nn.functional.silu, torch.nn.functional.scaled_dot_product_attention, self.rope
+            silu, attend, rope = torch.nn.functional.silu, self.attend, self.rope
             layers = cache.layers
             h = self.first_norm(x)
             for i, (q_proj, k_proj, v_proj, o_proj, scaling, add_norm2, gate, up, down, add_next_norm) \
@@ -185,7 +189,7 @@ class LeanStep:
                     keys, values = layers[i].update(k[None], v[None])
                 else:  # an empty cache (a one-token prompt): the cache makes the layer
                     keys, values = cache.update(k[None], v[None], i)
-                out = sdpa(q.reshape(1, kv_heads, groups * size, dim), keys, values, attn_mask=mask, scale=scaling)
+                out = attend(q.reshape(1, kv_heads, groups * size, dim), keys, values, mask, scaling, size)
                 x, h = add_norm2(x, o_proj(out.reshape(heads, size, dim).transpose(0, 1).reshape(size, heads * dim)))
                 x, h = add_next_norm(x, down(silu(gate(h)) * up(h)))
             return model.lm_head(h)

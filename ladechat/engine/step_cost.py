@@ -87,7 +87,8 @@ def cache_path(model, name: str, *what, threads: int | None = None) -> Path:
     # this measurement), so a change to it measures afresh rather than trusting a curve of the old code
     code = source_digest(attention.__file__, layout.__file__, kv.__file__, lean.__file__, packing.__file__,
                          int4.__file__, q4.__file__, q4.SOURCE, runners.__file__, __file__, step_ops.SOURCE, norms.__file__)
-    key = json.dumps([code, name, str(model.device), str(model.dtype), int4.weight_layout(model), torch.__version__,
+    key = json.dumps([code, name, str(model.device), str(model.dtype), int4.weight_layout(model),
+                      model.config._attn_implementation, torch.__version__,
                       threads or torch.get_num_threads(), lean.supported(model) is None, step_ops.loaded(), *what])
     return cache_root() / "step-cost" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 

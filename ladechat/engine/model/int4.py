@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ladechat.engine.model import native, q4
+from ladechat.engine.model import attention, native, q4
 
 GROUP = 32  # weights per scale and low
 KINDS = ("Q4_0", "Q4_1", "Q4_K")  # GGUF block types with an exact int4 form
@@ -328,6 +328,8 @@ def _kernel(gguf_path: Path, kernels: Path | None, progress, compiler: str) -> t
     unbuilt = q4.load(kernels, progress, compiler)
     if unbuilt:
         return [f"the 4-bit weights of {Path(gguf_path).name} run on torch's int4 kernel: {unbuilt}"], None
+    if q4.best_path() < 1:  # an x86-64 CPU without AVX2: the kernel's portable loops are slower than torch's
+        return [], None
     return [], q4.best_path()
 
 
@@ -444,7 +446,7 @@ def describe(model) -> str:
         kinds = "/".join(sorted({m.kind for m in int4}))
         parts.append(f"{len(int4)} Linear int4 from {kinds} blocks (torch {KERNEL}, bf16 activations)")
     if q8_0:
-        paths = "/".join(sorted({"AVX-512" if m.wide else "AVX2" for m in q8_0}))
+        paths = "/".join(sorted({q4.PATHS[m.path] for m in q8_0}))
         parts.append(f"the output layer from Q8_0 blocks (ladechat's {paths} kernel)")
     if packed:
         dtype = str(packed[0].packed_weight.dtype).removeprefix("torch.")
@@ -454,4 +456,6 @@ def describe(model) -> str:
     norms = sum(type(m) is NativeRMSNorm for m in model.modules())
     if norms:
         parts.append(f"{norms} RMSNorm by ladechat's kernel")
+    if getattr(model.config, "_attn_implementation", None) == attention.ROWWISE:
+        parts.append("attention row by row (ladechat's kernel)")
     return ", ".join(parts)

@@ -240,7 +240,7 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
     to_int4 = layouts and spec.weights in ("auto", "int4") and gguf_file is not None and int4.supported(device)
     lean = (lambda config: int4.load_lean(Path(source), gguf_file, kwargs, config, kernels)) if to_int4 else None
     if to_int4:
-        native.prebuild([q4.SOURCE, q8.SOURCE], kernels)
+        native.prebuild([q4.SOURCE], kernels)  # q8's kernel too: one library
     tokenizer, model, lean_applied = _read(spec.model or source, source, name, device, kwargs, lean)
     layouts = layouts and getattr(model, "hf_quantizer", None) is None
     # 4-bit blocks first (here, or already by the lean load): the mask probe below runs on what
@@ -253,20 +253,22 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
                            "running them as --weights packed")
         # its Q8_0 output layer at 8 bits too (before packing: else a packed copy of it is made)
         notices.extend(q8.apply(model, gguf_file, Path(source), kernels, progress).notices)
+    # a step's small ops by ladechat's kernels (step_ops.py)
+    unbuilt = step_ops.load(kernels, progress) if model.device.type == "cpu" else None
+    # where the weights are a GGUF's blocks, not the checkpoint's floats: the norms by the kernel too
+    # (norms.py), and attention row by row, so a lookahead step's rows are plain decoding's (attention.py)
+    four_bit = layouts and to_int4 and applied.replaced and model.device.type == "cpu"
+    if four_bit and unbuilt:
+        notices.append(f"the RMSNorm layers run as transformers' modules: {unbuilt}")
+    elif four_bit:
+        norms.apply(model)
     if attn == "sdpa":
-        use_grouped_sdpa(model)  # lookahead's masked steps without a copy of the cache per query head
+        # lookahead's masked steps without a copy of the cache per query head
+        use_grouped_sdpa(model, rowwise=four_bit and not unbuilt)
     _check_tree_mask(model, name, attn, source if Path(source).is_dir() else None, notices)
     # pack() itself leaves weights on devices and in dtypes it does not pack.
     if layouts and spec.weights != "dense":
         packing.pack(model)
-    if model.device.type == "cpu":  # a step's small ops by ladechat's kernels (step_ops.py)
-        unbuilt = step_ops.load(kernels, progress)
-        # the norms too where the weights are a GGUF's blocks, not the checkpoint's floats (norms.py)
-        if layouts and to_int4 and applied.replaced:
-            if unbuilt:
-                notices.append(f"the RMSNorm layers run as transformers' modules: {unbuilt}")
-            else:
-                norms.apply(model)
     # Packed (oneDNN) and int4 products, SDPA and the rest of a step give the same bits on 1 or 2
     # threads; MKL's dense fp32 products do not (tests/test_threads.py), and a lookahead answer
     # must equal plain decoding's whatever the load did meanwhile: those keep torch's count.

@@ -1,4 +1,4 @@
-"""A GGUF file's 4-bit Linear weights multiplied by ladechat's own kernel (q4.cpp), with the
+"""A GGUF file's 4-bit Linear weights multiplied by ladechat's own kernel (blocks.cpp), with the
 activations quantized to int8 per 32 inputs, as llama.cpp multiplies these blocks.
 
 int4.py reads the blocks (Q4_0, Q4_1, Q4_K: w = scale * q + low per 32 weights) and keeps them in
@@ -27,7 +27,7 @@ import torch
 
 from ladechat.engine.model import native
 
-SOURCE = Path(__file__).with_name("q4.cpp")
+SOURCE = Path(__file__).with_name("blocks.cpp")  # also Q8_0's kernel (q8.py): one library
 GROUP = 32  # inputs per scale and low
 OUT = 16  # outputs per tile
 TILE_BYTES = OUT * GROUP // 2
@@ -46,7 +46,7 @@ def loaded() -> bool:
 
 def best_path() -> int:
     """The fastest of the kernel's paths this CPU runs (its library loaded)."""
-    return int(torch.ops.ladechat_q4.best_path())
+    return int(torch.ops.ladechat_blocks.best_path())
 
 
 def check_shape(rows: int, cols: int) -> None:
@@ -57,7 +57,7 @@ def check_shape(rows: int, cols: int) -> None:
 
 def layout(codes: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """codes (N, K) uint8 in 0..15, scales and lows (N, K / 32) -> the kernel's tiles
-    (N / 16, K / 32, 256) uint8 and scales, lows (N / 16, K / 32, 16) fp32 (q4.cpp draws the tile)."""
+    (N / 16, K / 32, 256) uint8 and scales, lows (N / 16, K / 32, 16) fp32 (blocks.cpp draws the tile)."""
     rows, cols = codes.shape
     check_shape(rows, cols)
     tiles, groups = rows // OUT, cols // GROUP
@@ -113,14 +113,14 @@ class Q4Linear(torch.nn.Module):
         rows = x.reshape(-1, self.in_features)
         if rows.dtype not in (torch.float32, torch.bfloat16):
             rows = rows.float()
-        y = torch.ops.ladechat_q4.mm(rows.contiguous(), self.tiles, self.scales, self.lows, self.path)
+        y = torch.ops.ladechat_blocks.q4_mm(rows.contiguous(), self.tiles, self.scales, self.lows, self.path)
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
     def product(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """x (rows, in) contiguous, fp32 or bf16 -> x W^T (+ b) in x's dtype: the kernel called
         directly, without the forward's reshapes (a lean step calls it ~200 times)."""
-        op, tiles, scales, lows, path, bias = (torch.ops.ladechat_q4.mm.default, self.tiles, self.scales,
+        op, tiles, scales, lows, path, bias = (torch.ops.ladechat_blocks.q4_mm.default, self.tiles, self.scales,
                                                self.lows, self.path, self.bias)
         if bias is None:
             return lambda x: op(x, tiles, scales, lows, path)

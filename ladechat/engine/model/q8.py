@@ -1,4 +1,5 @@
-"""A GGUF file's Q8_0 output layer kept at 8 bits, multiplied by ladechat's own kernel (q8_0.cpp).
+"""A GGUF file's Q8_0 output layer kept at 8 bits, multiplied by ladechat's own kernel
+(blocks.cpp, the library of the 4-bit kernel too).
 
 The output layer is the largest product of a small model's step: the embedded model's is
 49152 x 576, 28 M weights, read whole on every step for every row's logits (lookahead reads them
@@ -9,13 +10,15 @@ MB a step in bf16, 113 MB in fp32 (the dtype of CPUs without native bf16, ~9 ms 
 whatever its rows. torch has no kernel for blocks of 32 with their own scales (its int8 weight
 kernel takes one scale per output), so ladechat compiles one (engine/model/native.py).
 
-The kernel computes w x as d * (q x) in fp32 from the exact codes and scales (the dense bf16 layer
-it replaces rounded d * q to 8 bits of mantissa), each output by one thread in one order: the same
-bits for a row alone or among a step's rows, on one thread or two. The codes and scales, in the
+As for the 4-bit weights (q4.py), each row is quantized to int8 per 32 inputs and meets the codes
+in integer dot products, as llama.cpp multiplies these blocks: a float kernel spent one
+multiply-add per weight and row, ~0.23 ms a row of a step on the 2-core AVX-512 machine. The
+exact integer sums times the scales, in one fixed order: a row gives the same bits alone or among
+a step's rows, on one thread or two, on every path of the kernel. The codes and scales, in the
 kernel's layout, are kept next to the converted model after the first read (the GGUF's metadata
 takes seconds to read); the model's code is untouched, its output module is replaced. Anything
-it cannot take (no Q8_0 output tensor, a shape the kernel does not fit, no compiler) leaves the
-layer as it was, with a one-line notice where that is a surprise.
+it cannot take (no Q8_0 output tensor, a shape the kernel does not fit, no compiler, a CPU
+without AVX2) leaves the layer as it was, with a one-line notice where that is a surprise.
 """
 
 from __future__ import annotations
@@ -29,11 +32,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ladechat.engine.model import native
+from ladechat.engine.model import native, q4
 
-SOURCE = Path(__file__).with_name("q8_0.cpp")
+SOURCE = q4.SOURCE
 GROUP = 32  # weights per scale
-OUT = 16  # outputs per block of the kernel's layout
+OUT = 16  # outputs per tile of the kernel's layout
 BLOCK_BYTES = 2 + GROUP  # fp16 scale, 32 int8 codes
 CACHE_PREFIX = "q8-"
 
@@ -53,13 +56,24 @@ def decode(data: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarr
     return codes, scales
 
 
-def kernel_layout(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """codes (N, K) int8 and scales (N, K / 32) -> the kernel's (N / 16, K, 16) and (N / 16, K / 32, 16)."""
+def kernel_layout(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """codes (N, K) int8 and scales (N, K / 32) -> the kernel's tiles (N / 16, K / 32, 512) int8,
+    scales (N / 16, K / 32, 16) fp32 and the codes' sums (N / 16, K / 32, 16) int32 (blocks.cpp
+    draws the tile)."""
     rows, cols = codes.shape
     check_shape(rows, cols)
-    blocks = rows // OUT
-    return (codes.reshape(blocks, OUT, cols).transpose(1, 2).contiguous(),
-            scales.float().reshape(blocks, OUT, cols // GROUP).transpose(1, 2).contiguous())
+    tiles, groups = rows // OUT, cols // GROUP
+    # [tile, output j, group, 4 inputs c, i] -> [tile, group, c, j, i]
+    grouped = codes.to(torch.int8).reshape(tiles, OUT, groups, 8, 4)
+    packed = grouped.permute(0, 2, 3, 1, 4).reshape(tiles, groups, OUT * GROUP).contiguous()
+    sums = grouped.int().sum((3, 4), dtype=torch.int32).transpose(1, 2).contiguous()
+    return packed, scales.float().reshape(tiles, OUT, groups).transpose(1, 2).contiguous(), sums
+
+
+def codes_of(tiles: torch.Tensor) -> torch.Tensor:
+    """kernel_layout's tiles -> the codes (N, K) int8 again."""
+    count, groups, _ = tiles.shape
+    return tiles.reshape(count, groups, 8, OUT, 4).permute(0, 3, 1, 2, 4).reshape(count * OUT, groups * GROUP)
 
 
 def check_shape(rows: int, cols: int) -> None:
@@ -70,28 +84,29 @@ def check_shape(rows: int, cols: int) -> None:
 
 class Q8Linear(torch.nn.Module):
     """y = x W^T with W as Q8_0 blocks, by ladechat's kernel (its library must be loaded:
-    native.load(SOURCE, ...)); the result in x's dtype. Inference only, fixed to the CPU; the
-    state dict gives W dense in fp32. wide: the kernel's AVX-512 path, else its AVX2 one (the same
-    results)."""
+    native.load(SOURCE, ...)), the rows quantized to int8 per 32 inputs; the result in x's dtype.
+    Inference only, fixed to the CPU; the state dict gives W dense in fp32. path: the kernel's
+    (q4.PATHS), default the best here."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, wide: bool):
-        """codes, scales: the kernel's layout, as kernel_layout makes it."""
+    def __init__(self, tiles: torch.Tensor, scales: torch.Tensor, sums: torch.Tensor, path: int | None = None):
+        """tiles, scales, sums: the kernel's layout, as kernel_layout makes it."""
         super().__init__()
-        blocks, self.in_features, _ = codes.shape
-        self.out_features = blocks * OUT
-        if codes.dtype != torch.int8 or codes.shape[2] != OUT or scales.dtype != torch.float32 \
-                or scales.shape != (blocks, self.in_features // GROUP, OUT):
-            raise Q8Error(f"Q8_0 buffers {codes.dtype} {tuple(codes.shape)} and {scales.dtype} {tuple(scales.shape)} "
-                          "do not make one weight")
-        self.wide = wide
-        self.register_buffer("codes", codes, persistent=False)
+        count, groups, size = tiles.shape
+        self.out_features, self.in_features = count * OUT, groups * GROUP
+        if tiles.dtype != torch.int8 or size != OUT * GROUP or scales.dtype != torch.float32 \
+                or sums.dtype != torch.int32 or scales.shape != (count, groups, OUT) or sums.shape != scales.shape:
+            raise Q8Error(f"Q8_0 buffers {tiles.dtype} {tuple(tiles.shape)}, {scales.dtype} {tuple(scales.shape)} "
+                          f"and {sums.dtype} {tuple(sums.shape)} do not make one weight")
+        self.path = q4.best_path() if path is None else path
+        self.register_buffer("tiles", tiles, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
+        self.register_buffer("sums", sums, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).contiguous()
+        rows = x.reshape(-1, self.in_features)
         if rows.dtype not in (torch.float32, torch.bfloat16):  # the kernel reads these two (fp16: exact in fp32)
             rows = rows.float()
-        y = torch.ops.ladechat_q8_0.mm(rows, self.codes, self.scales, self.wide)
+        y = torch.ops.ladechat_blocks.q8_mm(rows.contiguous(), self.tiles, self.scales, self.sums, self.path)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     @property
@@ -101,8 +116,8 @@ class Q8Linear(torch.nn.Module):
 
     def dense_weight(self) -> torch.Tensor:
         """W (out, in) in fp32, exactly scale * code."""
-        w = self.codes.float() * self.scales.repeat_interleave(GROUP, dim=1)  # (blocks, in, 16)
-        return w.transpose(1, 2).reshape(self.out_features, self.in_features)
+        scales = self.scales.transpose(1, 2).reshape(self.out_features, -1)
+        return codes_of(self.tiles).float() * scales.repeat_interleave(GROUP, dim=1)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         destination[prefix + "weight"] = self.dense_weight()
@@ -112,17 +127,13 @@ class Q8Linear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, Q8_0 blocks, "
-                f"{'AVX-512' if self.wide else 'AVX2'} kernel")
-
-
-def wide_kernel() -> bool:
-    """Whether this CPU takes the kernel's AVX-512 path (its library loaded)."""
-    return bool(torch.ops.ladechat_q8_0.has_avx512())
+                f"ladechat's {q4.PATHS[self.path]} kernel with int8 activations")
 
 
 def usable() -> bool:
-    """Whether the kernel's library, once loaded, runs here (a CPU with AVX2 and FMA at least)."""
-    return bool(torch.ops.ladechat_q8_0.has_avx2())
+    """Whether the kernel's library, once loaded, runs here fast: AVX2 and FMA at least (its
+    portable path is for tests and odd CPUs; the dense layer serves those better)."""
+    return q4.best_path() >= 1
 
 
 # -- the output layer of a GGUF file -------------------------------------------------------------
@@ -137,7 +148,7 @@ def output_tensor(reader, config):
     return None
 
 
-def read_gguf(gguf_path: Path, model) -> tuple[torch.Tensor, torch.Tensor] | None:
+def read_gguf(gguf_path: Path, model) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The kernel's codes and scales of the output layer of `gguf_path` (a model loaded from its
     converted copy), None when it is not Q8_0 blocks. Q8Error when they cannot run."""
     from gguf import GGUFReader, dequantize
@@ -191,7 +202,7 @@ def apply(model, gguf_path: Path, folder: Path, kernels: Path,
     if path.is_file():
         with safe_open(str(path), framework="pt") as fh:
             meta = fh.metadata() or {}
-            found = (fh.get_tensor("codes"), fh.get_tensor("scales")) if meta.get("q8_0") == "yes" else None
+            found = tuple(fh.get_tensor(k) for k in ("tiles", "scales", "sums")) if meta.get("q8_0") == "yes" else None
             notices = json.loads(meta.get("notices", "[]"))
     else:
         status = progress(f"Reading the output layer of {name} (one time)") if progress else nullcontext()
@@ -204,7 +215,7 @@ def apply(model, gguf_path: Path, folder: Path, kernels: Path,
             except (ValueError, KeyError, IndexError, OSError, EOFError) as exc:
                 detail = " ".join(str(exc).split()) or type(exc).__name__
                 return Applied(False, (f"cannot read the output layer of {name} ({detail}); running it dense",))
-        arrays = {"codes": found[0], "scales": found[1]} if found else {"none": torch.zeros(1)}
+        arrays = dict(zip(("tiles", "scales", "sums"), found, strict=True)) if found else {"none": torch.zeros(1)}
         keep_beside(path, arrays, {"q8_0": "yes" if found else "no", "notices": json.dumps(notices)},
                     f"{CACHE_PREFIX}*.safetensors")  # a read-only cache: read again next time
     if found is None:
@@ -214,10 +225,10 @@ def apply(model, gguf_path: Path, folder: Path, kernels: Path,
     except native.BuildError as exc:
         return Applied(False, (*notices, f"the output layer of {name} runs dense: {exc}"))
     head = model.get_output_embeddings()
-    codes = found[0]
+    tiles = found[0]
     if not usable() or type(head) is not torch.nn.Linear \
-            or (head.out_features, head.in_features) != (codes.shape[0] * OUT, codes.shape[1]):
+            or (head.out_features, head.in_features) != (tiles.shape[0] * OUT, tiles.shape[1] * GROUP):
         return Applied(False, tuple(notices))
     module_name = next(key for key, module in model.named_modules() if module is head)
-    model.set_submodule(module_name, Q8Linear(*found, wide=wide_kernel()))
+    model.set_submodule(module_name, Q8Linear(*found))
     return Applied(True, tuple(notices))

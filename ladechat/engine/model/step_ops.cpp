@@ -25,9 +25,15 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <immintrin.h>
+
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -213,6 +219,377 @@ at::Tensor top_k(const at::Tensor& logits, int64_t k) {
   return out;
 }
 
+// -- attention -----------------------------------------------------------------------------------
+//
+// softmax(q K^T * scale) V for each query row over the keys its mask lets it see, computed for
+// that row alone: its visible keys in sequence order, each key's score by the same dot product
+// (fixed lanes, then a fixed tree), e^(s - max) by one polynomial, the weights summed and the
+// values weighted in the order of the visible keys. A row that sees the same keys with the same
+// values therefore gets the same bits in a one-row step (plain decoding, every key visible) and
+// in a lookahead step (the cache plus its ancestors among the step's rows, others masked), on
+// one thread or two. torch's SDPA does not promise that: its blocks of keys and rows depend on
+// how many rows and keys the step has, which moves the last bits, and on rounded activations
+// (int8 codes, bf16) such a difference can turn into another token near a tie. Rows are split
+// between threads, each computed whole by one.
+//
+//   q (1, H, R, D)  the grouped layout of attention.py: query heads stacked as rows per kv head
+//   k, v (1, H, L, D)  the cache's keys and values, any stride but the last
+//   mask (1, 1, R, L): bool (true: visible) or additive (0: visible); or none: causal, the last
+//        `rows` keys being the rows' own (row r sees the keys up to L - rows + r % rows; a
+//        one-row step sees every key, a prefill its prompt up to itself)
+//
+// Three paths: AVX-512 (16 lanes), AVX2 (8 lanes), portable loops (path -1: the best here); each
+// deterministic, they differ from each other in the last bits (a machine runs one). D: 64 or 128
+// (others keep SDPA).
+
+struct AttendRow {
+  const void* q;
+  const void* k;
+  const void* v;
+  int64_t k_stride, v_stride;
+  const int64_t* visible;  // the key indices this row sees, in order
+  int64_t n;
+  float scale;
+  void* out;
+};
+
+// e^x for x <= 0, within ~2 ulp: 2^n p(r), r = x - n ln2 (two-part ln2), p a degree-7 polynomial
+inline float exp_nonpositive(float x) {
+  if (x < -87.f) return 0.f;
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = std::fma(n, -0.693359375f, x);
+  r = std::fma(n, 2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  p = std::fma(p * r, r, r + 1.f);
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return p * two_n;
+}
+
+template <typename T>
+void attend_portable(const AttendRow& row, int64_t D, float* scores) {
+  const T* q = static_cast<const T*>(row.q);
+  const T* k = static_cast<const T*>(row.k);
+  const T* v = static_cast<const T*>(row.v);
+  float top = -INFINITY;
+  for (int64_t i = 0; i < row.n; ++i) {
+    const T* key = k + row.visible[i] * row.k_stride;
+    float lanes[LANES] = {};
+    for (int64_t c = 0; c < D; c += LANES)
+      for (int l = 0; l < LANES; ++l) lanes[l] = std::fma(as_float(q[c + l]), as_float(key[c + l]), lanes[l]);
+    float half[LANES / 2];
+    for (int width = LANES / 2; width >= 1; width /= 2) {
+      for (int l = 0; l < width; ++l) half[l] = lanes[l] + lanes[l + width];
+      std::copy(half, half + width, lanes);
+    }
+    scores[i] = lanes[0] * row.scale;
+    top = std::fmax(top, scores[i]);
+  }
+  float total = 0.f;
+  for (int64_t i = 0; i < row.n; ++i) total += (scores[i] = exp_nonpositive(scores[i] - top));
+  std::vector<float> acc(D, 0.f);
+  for (int64_t i = 0; i < row.n; ++i) {
+    const T* value = v + row.visible[i] * row.v_stride;
+    for (int64_t d = 0; d < D; ++d) acc[d] = std::fma(scores[i], as_float(value[d]), acc[d]);
+  }
+  const float inverse = row.n ? 1.f / total : 0.f;
+  T* out = static_cast<T*>(row.out);
+  for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(acc[d] * inverse);
+}
+
+#define AVX512 __attribute__((target("avx512f,avx512dq,avx512bw")))
+#define AVX2 __attribute__((target("avx2,fma")))
+
+AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+AVX512 inline __m512 load16(const c10::BFloat16* p) {  // bf16 -> fp32: the bits moved up, exact
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+AVX512 inline __m512 exp16(__m512 x) {  // exp_nonpositive's steps, 16 lanes
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ),
+                             _mm512_mul_ps(p, _mm512_castsi512_ps(e)));
+}
+
+// 16 vectors -> lane t = the sum of v[t]'s lanes, by the same tree for every t:
+// ((l0 + l2) + (l1 + l3)) within each 4 lanes, then (B0 + B1) + (B2 + B3) over the 4 blocks.
+AVX512 inline __m512 sums16(const __m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+template <typename T, int C>  // C = D / 16
+AVX512 void attend_avx512(const AttendRow& row, float* scores) {
+  const T* k = static_cast<const T*>(row.k);
+  const T* v = static_cast<const T*>(row.v);
+  const int64_t n = row.n;
+  __m512 q[C];
+  for (int c = 0; c < C; ++c) q[c] = load16(static_cast<const T*>(row.q) + 16 * c);
+  const __m512 scale = _mm512_set1_ps(row.scale);
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < n; i += 16) {  // 16 keys' scores at a time (the last block padded with zeros)
+    const int count = static_cast<int>(std::min<int64_t>(16, n - i));
+    __m512 dots[16];
+    for (int t = 0; t < 16; ++t) {
+      if (t >= count) {
+        dots[t] = _mm512_setzero_ps();
+        continue;
+      }
+      const T* key = k + row.visible[i + t] * row.k_stride;
+      __m512 s = _mm512_mul_ps(q[0], load16(key));
+      for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(q[c], load16(key + 16 * c), s);
+      dots[t] = s;
+    }
+    const __mmask16 live = static_cast<__mmask16>((1u << count) - 1);
+    const __m512 s = _mm512_mul_ps(sums16(dots), scale);
+    _mm512_mask_storeu_ps(scores + i, live, s);
+    top = _mm512_mask_max_ps(top, live, top, s);
+  }
+  const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 live = static_cast<__mmask16>((1u << std::min<int64_t>(16, n - i)) - 1);
+    const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, scores + i), max)));
+    _mm512_mask_storeu_ps(scores + i, live, p);
+    total = _mm512_add_ps(total, p);
+  }
+  const float sum = _mm512_reduce_add_ps(total);
+  __m512 even[C], odd[C];  // two chains of weighted values: keys 0, 2, 4.. and 1, 3, 5..
+  for (int c = 0; c < C; ++c) even[c] = odd[c] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 2 <= n; i += 2) {
+    const T* v0 = v + row.visible[i] * row.v_stride;
+    const T* v1 = v + row.visible[i + 1] * row.v_stride;
+    const __m512 p0 = _mm512_set1_ps(scores[i]), p1 = _mm512_set1_ps(scores[i + 1]);
+    for (int c = 0; c < C; ++c) {
+      even[c] = _mm512_fmadd_ps(p0, load16(v0 + 16 * c), even[c]);
+      odd[c] = _mm512_fmadd_ps(p1, load16(v1 + 16 * c), odd[c]);
+    }
+  }
+  if (i < n) {
+    const T* v0 = v + row.visible[i] * row.v_stride;
+    for (int c = 0; c < C; ++c) even[c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[i]), load16(v0 + 16 * c), even[c]);
+  }
+  const __m512 inverse = _mm512_set1_ps(n ? 1.f / sum : 0.f);
+  T* out = static_cast<T*>(row.out);
+  for (int c = 0; c < C; ++c) {
+    float lanes[16];
+    _mm512_storeu_ps(lanes, _mm512_mul_ps(_mm512_add_ps(even[c], odd[c]), inverse));
+    for (int l = 0; l < 16; ++l) out[16 * c + l] = static_cast<T>(lanes[l]);
+  }
+}
+
+AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+AVX2 inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
+AVX2 inline __m256 exp8(__m256 x) {  // exp_nonpositive's steps, 8 lanes
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_GE_OQ), _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+// 8 vectors -> lane t = the sum of v[t]'s lanes: ((l0 + l2) + (l1 + l3)) per half, then the halves.
+AVX2 inline __m256 sums8(const __m256* v) {
+  __m256 a[4], b[2];
+  for (int i = 0; i < 4; ++i)
+    a[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 2; ++i) {
+    const __m256d x = _mm256_castps_pd(a[2 * i]), y = _mm256_castps_pd(a[2 * i + 1]);
+    b[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+  }
+  return _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20), _mm256_permute2f128_ps(b[0], b[1], 0x31));
+}
+
+template <typename T, int C>  // C = D / 8
+AVX2 void attend_avx2(const AttendRow& row, float* scores) {
+  const T* k = static_cast<const T*>(row.k);
+  const T* v = static_cast<const T*>(row.v);
+  const int64_t n = row.n;
+  __m256 q[C];
+  for (int c = 0; c < C; ++c) q[c] = load8(static_cast<const T*>(row.q) + 8 * c);
+  const __m256 scale = _mm256_set1_ps(row.scale);
+  float top = -INFINITY;
+  for (int64_t i = 0; i < n; i += 8) {  // 8 keys' scores at a time (the last block padded with zeros)
+    const int count = static_cast<int>(std::min<int64_t>(8, n - i));
+    __m256 dots[8];
+    for (int t = 0; t < 8; ++t) {
+      if (t >= count) {
+        dots[t] = _mm256_setzero_ps();
+        continue;
+      }
+      const T* key = k + row.visible[i + t] * row.k_stride;
+      __m256 s = _mm256_mul_ps(q[0], load8(key));
+      for (int c = 1; c < C; ++c) s = _mm256_fmadd_ps(q[c], load8(key + 8 * c), s);
+      dots[t] = s;
+    }
+    float block[8];
+    _mm256_storeu_ps(block, _mm256_mul_ps(sums8(dots), scale));
+    for (int t = 0; t < count; ++t) {
+      scores[i + t] = block[t];
+      top = std::fmax(top, block[t]);
+    }
+  }
+  const __m256 max = _mm256_set1_ps(top);
+  __m256 total = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    const int count = static_cast<int>(std::min<int64_t>(8, n - i));
+    float block[8] = {};
+    std::copy(scores + i, scores + i + count, block);
+    _mm256_storeu_ps(block, exp8(_mm256_sub_ps(_mm256_loadu_ps(block), max)));
+    std::fill(block + count, block + 8, 0.f);
+    std::copy(block, block + count, scores + i);
+    total = _mm256_add_ps(total, _mm256_loadu_ps(block));
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, total);
+  const float sum = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+  __m256 even[C], odd[C];
+  for (int c = 0; c < C; ++c) even[c] = odd[c] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 2 <= n; i += 2) {
+    const T* v0 = v + row.visible[i] * row.v_stride;
+    const T* v1 = v + row.visible[i + 1] * row.v_stride;
+    const __m256 p0 = _mm256_set1_ps(scores[i]), p1 = _mm256_set1_ps(scores[i + 1]);
+    for (int c = 0; c < C; ++c) {
+      even[c] = _mm256_fmadd_ps(p0, load8(v0 + 8 * c), even[c]);
+      odd[c] = _mm256_fmadd_ps(p1, load8(v1 + 8 * c), odd[c]);
+    }
+  }
+  if (i < n) {
+    const T* v0 = v + row.visible[i] * row.v_stride;
+    for (int c = 0; c < C; ++c) even[c] = _mm256_fmadd_ps(_mm256_set1_ps(scores[i]), load8(v0 + 8 * c), even[c]);
+  }
+  const __m256 inverse = _mm256_set1_ps(n ? 1.f / sum : 0.f);
+  T* out = static_cast<T*>(row.out);
+  for (int c = 0; c < C; ++c) {
+    float values[8];
+    _mm256_storeu_ps(values, _mm256_mul_ps(_mm256_add_ps(even[c], odd[c]), inverse));
+    for (int l = 0; l < 8; ++l) out[8 * c + l] = static_cast<T>(values[l]);
+  }
+}
+
+#undef AVX512
+#undef AVX2
+
+enum AttendPath : int64_t { ATTEND_PORTABLE = 0, ATTEND_AVX2 = 1, ATTEND_AVX512 = 2 };
+
+bool cpu_has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+bool cpu_has_avx512() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw");
+}
+int64_t attend_best_path() { return cpu_has_avx512() ? ATTEND_AVX512 : cpu_has_avx2() ? ATTEND_AVX2 : ATTEND_PORTABLE; }
+
+template <typename T>
+void attend_one(const AttendRow& row, int64_t D, int64_t path, float* scores) {
+  if (path == ATTEND_AVX512) (D == 64 ? attend_avx512<T, 4> : attend_avx512<T, 8>)(row, scores);
+  else if (path == ATTEND_AVX2) (D == 64 ? attend_avx2<T, 8> : attend_avx2<T, 16>)(row, scores);
+  else attend_portable<T>(row, D, scores);
+}
+
+// The indices of the keys a row sees: 0 or false hides a key, as SDPA reads the mask.
+template <typename M>
+int64_t visible_keys(const M* row, int64_t step, int64_t L, int64_t* out) {
+  int64_t n = 0;
+  for (int64_t j = 0; j < L; ++j) {
+    bool sees;
+    if constexpr (std::is_same_v<M, bool>) sees = row[j * step];
+    else sees = as_float(row[j * step]) == 0.f;
+    if (sees) out[n++] = j;
+  }
+  return n;
+}
+
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
+                  double scale, int64_t rows, int64_t path) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(0) == 1 && k.size(0) == 1 && v.size(0) == 1,
+              "attend: q, k, v must be (1, heads, rows or keys, dim)");
+  const int64_t H = q.size(1), R = q.size(2), D = q.size(3), L = k.size(2);
+  TORCH_CHECK(k.size(1) == H && v.size(1) == H && v.size(2) == L && k.size(3) == D && v.size(3) == D
+              && (D == 64 || D == 128) && q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
+              "attend: k and v must match q's heads and dim (64 or 128), each with its last dim contiguous");
+  TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) && k.scalar_type() == q.scalar_type()
+              && v.scalar_type() == q.scalar_type() && q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
+              "attend: q, k, v must be fp32 or bf16, all one dtype, on the CPU");
+  TORCH_CHECK(!mask || (mask->dim() == 4 && mask->size(2) == R && mask->size(3) == L && mask->device().is_cpu()
+                        && (mask->scalar_type() == at::kBool || mask->scalar_type() == q.scalar_type())),
+              "attend: the mask must be (1, 1, rows, keys), bool or q's dtype, on the CPU");
+  TORCH_CHECK(mask || (rows >= 1 && R % rows == 0 && rows <= L), "attend: without a mask, rows must divide q's rows");
+  if (path < 0) path = attend_best_path();
+  TORCH_CHECK(path == ATTEND_PORTABLE || (path == ATTEND_AVX2 && cpu_has_avx2()) || (path == ATTEND_AVX512 && cpu_has_avx512()),
+              "attend: this CPU lacks the instructions of the path asked for");
+  at::Tensor out = at::empty({1, H, R, D}, q.options());
+  const int64_t mask_row = mask ? mask->stride(2) : 0, mask_step = mask ? mask->stride(3) : 0;
+  const void* mask_data = mask ? mask->data_ptr() : nullptr;
+  const auto mask_type = mask ? mask->scalar_type() : at::kBool;
+  const int64_t size = q.element_size(), q_head = q.stride(1), q_row = q.stride(2), k_head = k.stride(1),
+                k_key = k.stride(2), v_head = v.stride(1), v_key = v.stride(2);
+  const char* qp = static_cast<const char*>(q.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* op = static_cast<char*>(out.data_ptr());
+  const bool fp32 = q.scalar_type() == at::kFloat;
+  // rows split between threads where there is enough to split: a one-row step's 9 heads over 200
+  // keys is ~10 us, about what waking a second thread costs
+  const int64_t grain = std::max<int64_t>(1, 2048 / std::max<int64_t>(L, 1));
+  at::parallel_for(0, H * R, grain, [&](int64_t a, int64_t b) {
+    std::vector<int64_t> visible(L);
+    std::vector<float> scores(L + 16);
+    for (int64_t hr = a; hr < b; ++hr) {
+      const int64_t h = hr / R, r = hr % R;
+      int64_t n = L;
+      if (!mask) {
+        n = L - rows + r % rows + 1;
+        for (int64_t j = 0; j < n; ++j) visible[j] = j;
+      } else if (mask_type == at::kBool) {
+        n = visible_keys(static_cast<const bool*>(mask_data) + r * mask_row, mask_step, L, visible.data());
+      } else if (mask_type == at::kFloat) {
+        n = visible_keys(static_cast<const float*>(mask_data) + r * mask_row, mask_step, L, visible.data());
+      } else {
+        n = visible_keys(static_cast<const c10::BFloat16*>(mask_data) + r * mask_row, mask_step, L, visible.data());
+      }
+      const AttendRow row{qp + (h * q_head + r * q_row) * size, kp + h * k_head * size, vp + h * v_head * size,
+                          k_key, v_key, visible.data(), n, static_cast<float>(scale),
+                          op + (h * R + r) * D * size};
+      if (fp32) attend_one<float>(row, D, path, scores.data());
+      else attend_one<c10::BFloat16>(row, D, path, scores.data());
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(ladechat_step, m) {
@@ -221,4 +598,6 @@ TORCH_LIBRARY(ladechat_step, m) {
   m.def("rope(Tensor q, Tensor k, int heads, int kv_heads, Tensor cos, Tensor signed_sin) -> (Tensor, Tensor)",
         &rope);
   m.def("top_k(Tensor logits, int k) -> Tensor", &top_k);
+  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, int rows, int path) -> Tensor", &attend);
+  m.def("attend_best_path() -> int", &attend_best_path);
 }

@@ -1,34 +1,47 @@
-// y = x W^T for W as a GGUF's 4-bit blocks (w = scale * q + low: a code q in 0..15 per weight, an
-// fp32 scale and low per 32 weights along a row), the activations quantized to int8 as llama.cpp
-// does for these blocks: ladechat's kernel for a GGUF's 4-bit Linear weights (engine/model/q4.py
-// builds and calls it).
+// y = x W^T for W as a GGUF's blocks, the activations quantized to int8 as llama.cpp does for
+// these blocks: ladechat's kernels for a GGUF's 4-bit Linear weights (engine/model/q4.py) and its
+// Q8_0 output layer (engine/model/q8.py). One library, so one compile.
+//
+//   q4_mm  Q4_0 / Q4_1 / Q4_K: w = scale * q + low, a code q in 0..15 per weight, an fp32 scale
+//          and low per 32 weights along a row
+//   q8_mm  Q8_0: w = scale * q, a code q in -128..127 per weight, an fp32 scale per 32 weights
 //
 // Why: torch's int4 kernel widens every code to floats for every 4 rows and multiplies in fp32
-// (its vectorized path takes bf16 activations), so a step's extra rows cost nearly a one-row
-// step's products each. Here each row is quantized once per product (per 32 inputs: a = da * qa,
-// qa int8 in -127..127, da = max|a| / 127), and the codes meet it in integer dot products, four
-// multiply-adds per 32-bit lane in one instruction (AVX-512 VNNI's VPDPBUSD; AVX2's VPMADDUBSW +
-// VPMADDWD). Per output and group of 32 inputs:
+// (its vectorized path takes bf16 activations), and a float kernel for Q8_0 spends a multiply-add
+// per weight and row, so a step's extra rows cost nearly a one-row step's products each. Here each
+// row is quantized once per product (per 32 inputs: a = da * qa, qa int8 in -127..127,
+// da = max|a| / 127), and the codes meet it in integer dot products, four multiply-adds per 32-bit
+// lane in one instruction (AVX-512 VNNI's VPDPBUSD; AVX2's VPMADDUBSW + VPMADDWD). Per output and
+// group of 32 inputs:
 //
-//   sum_k w_k a_k = da * (scale * sum_k q_k qa_k + low * sum_k qa_k)
+//   Q4:  sum_k w_k a_k = da * (scale * sum_k q_k qa_k + low * sum_k qa_k)
+//   Q8:  sum_k w_k a_k = da * scale * sum_k q_k qa_k
 //
 // The integer sums are exact whatever the order, and the float steps around them are the same
-// fixed sequence on every path: t = scale * isum; t = fma(low, asum, t); y = fma(t, da, y),
+// fixed sequence on every path: t = scale * isum; (Q4: t = fma(low, asum, t);) y = fma(t, da, y),
 // group after group. So a row gives the same bits alone or among a step's rows, on one thread or
-// two, and on the VNNI, AVX2 and portable paths alike (tests/test_q4.py).
+// two, and on the VNNI, AVX2 and portable paths alike (tests/test_q4.py, tests/test_q8.py).
 //
-// Layout (q4.py's `layout` makes it), one 256-byte tile per 16 outputs x 32 inputs:
+// Layout (q4.layout and q8.kernel_layout make it), one tile per 16 outputs x 32 inputs, and per
+// tile fp32 scales (Q4: and lows) (N / 16, K / 32, 16):
 //
-//   codes  (N / 16, K / 32, 256) uint8           scales, lows  (N / 16, K / 32, 16) fp32
-//
-//   tile byte 64 p + 4 j + i    (p 0..3, output j 0..15, i 0..3)
+//   Q4 codes (N / 16, K / 32, 256) uint8
+//     tile byte 64 p + 4 j + i    (p 0..3, output j 0..15, i 0..3)
 //        low nibble:  q[j][4 p + i]            inputs 0..15 of the group
 //        high nibble: q[j][4 (p + 4) + i]      inputs 16..31
+//   Q8 codes (N / 16, K / 32, 512) int8
+//     tile byte 64 c + 4 j + i    (c 0..7) = q[j][4 c + i]
+//     and sums (N / 16, K / 32, 16) int32: each output's 32 codes added (the VNNI path's offset)
 //
-//   one 64-byte load, masked or shifted, holds for 4 consecutive inputs the 4 codes of each of the
-//   16 outputs in that output's 32-bit lane:
+//   so one 64-byte load (for Q4 masked or shifted) holds for 4 consecutive inputs the 4 codes of
+//   each of the 16 outputs in that output's 32-bit lane:
 //
 //        lane j:  [ q[j][k] q[j][k+1] q[j][k+2] q[j][k+3] ]   x   [ qa[k] .. qa[k+3] ] (broadcast)
+//
+//   VPDPBUSD multiplies unsigned by signed bytes: Q4's codes are the unsigned side; for Q8 the
+//   activations are, offset by 128 (qa + 128 in 1..255), and 128 times the codes' sum comes off.
+//   AVX2's VPMADDUBSW adds pairs in 16 bits: Q8 multiplies |q| by qa with q's sign, at most
+//   2 * 128 * 127 a pair, within 16 bits.
 //
 // Inputs must be finite (an inf or NaN activation gives unspecified codes for its group).
 
@@ -51,7 +64,8 @@ namespace {
 
 constexpr int OUT = 16;                      // outputs per tile
 constexpr int GROUP = 32;                    // inputs per scale and low
-constexpr int TILE_BYTES = OUT * GROUP / 2;  // 256
+constexpr int Q4_TILE = OUT * GROUP / 2;  // bytes: 256
+constexpr int Q8_TILE = OUT * GROUP;      // bytes: 512
 constexpr int64_t QUANTIZE_GRAIN = 16;       // rows quantized per thread: a step's few rows on one
 
 enum Path : int64_t { PORTABLE = 0, AVX2 = 1, VNNI = 2 };
@@ -147,9 +161,10 @@ void quantize_avx2(const float* x, int64_t K, Quantized out) {
 
 // One tile of 16 outputs over all K inputs for M rows: acc (M, 16) fp32.
 struct Tile {
-  const uint8_t* codes;  // (K / 32, 256)
+  const uint8_t* codes;  // (K / 32, 256 Q4 / 512 Q8)
   const float* scales;   // (K / 32, 16)
-  const float* lows;     // (K / 32, 16)
+  const float* lows;     // Q4: (K / 32, 16)
+  const int32_t* sums;   // Q8: (K / 32, 16)
 };
 
 struct Rows {
@@ -160,12 +175,12 @@ struct Rows {
 };
 
 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni")))
-void tile_vnni(const Rows& x, const Tile& w, float* acc) {
+void q4_tile_vnni(const Rows& x, const Tile& w, float* acc) {
   const int64_t G = x.K / GROUP;
   for (int64_t m = 0; m < x.M; ++m) _mm512_storeu_ps(acc + m * OUT, _mm512_setzero_ps());
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* c = w.codes + g * TILE_BYTES;
+    const uint8_t* c = w.codes + g * Q4_TILE;
     __m512i q[8];  // q[c]: inputs 4c..4c+3 of the group, 4 bytes per output lane
     for (int p = 0; p < 4; ++p) {
       const __m512i v = _mm512_loadu_si512(c + 64 * p);
@@ -190,12 +205,12 @@ void tile_vnni(const Rows& x, const Tile& w, float* acc) {
 
 // The same arithmetic in two halves of 8 outputs.
 __attribute__((target("avx2,fma")))
-void tile_avx2(const Rows& x, const Tile& w, float* acc) {
+void q4_tile_avx2(const Rows& x, const Tile& w, float* acc) {
   const int64_t G = x.K / GROUP;
   for (int64_t i = 0; i < x.M * OUT; i += 8) _mm256_storeu_ps(acc + i, _mm256_setzero_ps());
   const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* c = w.codes + g * TILE_BYTES;
+    const uint8_t* c = w.codes + g * Q4_TILE;
     for (int h = 0; h < 2; ++h) {
       __m256i q[8];
       for (int p = 0; p < 4; ++p) {
@@ -222,11 +237,11 @@ void tile_avx2(const Rows& x, const Tile& w, float* acc) {
   }
 }
 
-void tile_portable(const Rows& x, const Tile& w, float* acc) {
+void q4_tile_portable(const Rows& x, const Tile& w, float* acc) {
   const int64_t G = x.K / GROUP;
   std::fill(acc, acc + x.M * OUT, 0.f);
   for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* c = w.codes + g * TILE_BYTES;
+    const uint8_t* c = w.codes + g * Q4_TILE;
     for (int64_t m = 0; m < x.M; ++m) {
       const int8_t* a = x.codes + m * x.K + g * GROUP;
       for (int j = 0; j < OUT; ++j) {
@@ -241,6 +256,79 @@ void tile_portable(const Rows& x, const Tile& w, float* acc) {
     }
   }
 }
+
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni")))
+void q8_tile_vnni(const Rows& x, const Tile& w, float* acc) {
+  const int64_t G = x.K / GROUP;
+  for (int64_t m = 0; m < x.M; ++m) _mm512_storeu_ps(acc + m * OUT, _mm512_setzero_ps());
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* c = w.codes + g * Q8_TILE;
+    __m512i q[8];
+    for (int k = 0; k < 8; ++k) q[k] = _mm512_loadu_si512(c + 64 * k);
+    const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(w.sums + g * OUT), 7);  // 128 * sum q
+    const __m512 scale = _mm512_loadu_ps(w.scales + g * OUT);
+    for (int64_t m = 0; m < x.M; ++m) {
+      const int32_t* a = reinterpret_cast<const int32_t*>(x.codes + m * x.K + g * GROUP);
+      const __m512i flip = _mm512_set1_epi32(static_cast<int32_t>(0x80808080u));  // qa + 128 as unsigned bytes
+      __m512i s0 = _mm512_setzero_si512(), s1 = s0;
+      for (int k = 0; k < 8; k += 2) {
+        s0 = _mm512_dpbusd_epi32(s0, _mm512_xor_si512(_mm512_set1_epi32(a[k]), flip), q[k]);
+        s1 = _mm512_dpbusd_epi32(s1, _mm512_xor_si512(_mm512_set1_epi32(a[k + 1]), flip), q[k + 1]);
+      }
+      const __m512 isum = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(s0, s1), offset));
+      const __m512 t = _mm512_mul_ps(scale, isum);
+      float* o = acc + m * OUT;
+      _mm512_storeu_ps(o, _mm512_fmadd_ps(t, _mm512_set1_ps(x.scale[m * G + g]), _mm512_loadu_ps(o)));
+    }
+  }
+}
+
+__attribute__((target("avx2,fma")))
+void q8_tile_avx2(const Rows& x, const Tile& w, float* acc) {
+  const int64_t G = x.K / GROUP;
+  for (int64_t i = 0; i < x.M * OUT; i += 8) _mm256_storeu_ps(acc + i, _mm256_setzero_ps());
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* c = w.codes + g * Q8_TILE;
+    for (int h = 0; h < 2; ++h) {
+      __m256i q[8], size[8];
+      for (int k = 0; k < 8; ++k) {
+        q[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * k + 32 * h));
+        size[k] = _mm256_sign_epi8(q[k], q[k]);  // |q| (-128 reads as 128 unsigned)
+      }
+      const __m256 scale = _mm256_loadu_ps(w.scales + g * OUT + 8 * h);
+      for (int64_t m = 0; m < x.M; ++m) {
+        const int32_t* a = reinterpret_cast<const int32_t*>(x.codes + m * x.K + g * GROUP);
+        __m256i s = _mm256_setzero_si256();
+        for (int k = 0; k < 8; ++k)  // |q| * (qa with q's sign), pairs in 16 bits, then 32
+          s = _mm256_add_epi32(s, _mm256_madd_epi16(
+              _mm256_maddubs_epi16(size[k], _mm256_sign_epi8(_mm256_set1_epi32(a[k]), q[k])), ones));
+        const __m256 t = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(s));
+        float* o = acc + m * OUT + 8 * h;
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(t, _mm256_set1_ps(x.scale[m * G + g]), _mm256_loadu_ps(o)));
+      }
+    }
+  }
+}
+
+void q8_tile_portable(const Rows& x, const Tile& w, float* acc) {
+  const int64_t G = x.K / GROUP;
+  std::fill(acc, acc + x.M * OUT, 0.f);
+  for (int64_t g = 0; g < G; ++g) {
+    const int8_t* c = reinterpret_cast<const int8_t*>(w.codes + g * Q8_TILE);
+    for (int64_t m = 0; m < x.M; ++m) {
+      const int8_t* a = x.codes + m * x.K + g * GROUP;
+      for (int j = 0; j < OUT; ++j) {
+        int32_t isum = 0;
+        for (int k = 0; k < GROUP; ++k) isum += c[64 * (k / 4) + 4 * j + k % 4] * a[k];
+        const float t = w.scales[g * OUT + j] * static_cast<float>(isum);
+        acc[m * OUT + j] = std::fma(t, x.scale[m * G + g], acc[m * OUT + j]);
+      }
+    }
+  }
+}
+
+using TileKernel = void (*)(const Rows&, const Tile&, float*);
 
 template <typename T>
 void quantize_rows(const T* x, int64_t M, int64_t K, int64_t path, int8_t* codes, float* scale, float* sum) {
@@ -264,25 +352,25 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int64_t path, int8_t* codes
   });
 }
 
-// x (M, K) fp32 or bf16 -> y (M, N) in x's dtype. path: 2 VNNI, 1 AVX2, 0 portable (the same results).
-at::Tensor mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& lows,
-              int64_t path) {
+void check_rows(const at::Tensor& x, const char* op) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu()
               && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "q4 mm: x must be (rows, in) fp32 or bf16, contiguous, on the CPU");
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % GROUP == 0, "q4 mm: the inputs must be a multiple of 32");
-  const int64_t G = K / GROUP;
-  TORCH_CHECK(codes.dim() == 3 && codes.size(1) == G && codes.size(2) == TILE_BYTES
-              && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.device().is_cpu(),
-              "q4 mm: codes must be (out / 16, in / 32, 256) uint8, contiguous, on the CPU");
-  const int64_t NB = codes.size(0), N = NB * OUT;
-  for (const at::Tensor* t : {&scales, &lows})
-    TORCH_CHECK(t->dim() == 3 && t->size(0) == NB && t->size(1) == G && t->size(2) == OUT
-                && t->scalar_type() == at::kFloat && t->is_contiguous() && t->device().is_cpu(),
-                "q4 mm: scales and lows must be (out / 16, in / 32, 16) fp32, contiguous, on the CPU");
+              op, ": x must be (rows, in) fp32 or bf16, contiguous, on the CPU");
+  TORCH_CHECK(x.size(1) % GROUP == 0, op, ": the inputs must be a multiple of 32");
+}
+
+void check_per_tile(const at::Tensor& t, int64_t tiles, int64_t groups, at::ScalarType type, const char* what) {
+  TORCH_CHECK(t.dim() == 3 && t.size(0) == tiles && t.size(1) == groups && t.size(2) == OUT && t.scalar_type() == type
+              && t.is_contiguous() && t.device().is_cpu(), what);
+}
+
+// The common part of q4_mm and q8_mm: the rows quantized, then tiles of outputs split between
+// threads (each output computed by one thread, in one order), each tile by `kernel`.
+at::Tensor run(const at::Tensor& x, const at::Tensor& codes, int64_t tile_bytes, const at::Tensor& scales,
+               const float* lows, const int32_t* sums, int64_t path, const TileKernel kernels[3]) {
   TORCH_CHECK(path == PORTABLE || (path == AVX2 && has_avx2()) || (path == VNNI && has_vnni()),
-              "q4 mm: this CPU lacks the instructions of the path asked for");
+              "blocks: this CPU lacks the instructions of the path asked for");
+  const int64_t M = x.size(0), K = x.size(1), G = K / GROUP, NB = codes.size(0), N = NB * OUT;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   std::vector<int8_t> qa(M * K);
@@ -290,18 +378,16 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc
   if (x.scalar_type() == at::kFloat) quantize_rows(x.data_ptr<float>(), M, K, path, qa.data(), da.data(), sa.data());
   else quantize_rows(x.data_ptr<c10::BFloat16>(), M, K, path, qa.data(), da.data(), sa.data());
   const Rows rows{qa.data(), da.data(), sa.data(), M, K};
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
   const float* sp = scales.data_ptr<float>();
-  const float* lp = lows.data_ptr<float>();
+  const TileKernel kernel = kernels[path];
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  // tiles of outputs split between threads: each output is computed by one thread, in one order
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> acc(M * OUT);
     for (int64_t b = b0; b < b1; ++b) {
-      const Tile tile{cp + b * G * TILE_BYTES, sp + b * G * OUT, lp + b * G * OUT};
-      if (path == VNNI) tile_vnni(rows, tile, acc.data());
-      else if (path == AVX2) tile_avx2(rows, tile, acc.data());
-      else tile_portable(rows, tile, acc.data());
+      const Tile tile{cp + b * G * tile_bytes, sp + b * G * OUT, lows ? lows + b * G * OUT : nullptr,
+                      sums ? sums + b * G * OUT : nullptr};
+      kernel(rows, tile, acc.data());
       if (bf16) {
         c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
         for (int64_t m = 0; m < M; ++m)
@@ -315,9 +401,40 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc
   return y;
 }
 
+// x (M, K) fp32 or bf16 -> y (M, N) in x's dtype. path: 2 VNNI, 1 AVX2, 0 portable (the same results).
+at::Tensor q4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& lows,
+                 int64_t path) {
+  check_rows(x, "q4_mm");
+  const int64_t G = x.size(1) / GROUP;
+  TORCH_CHECK(codes.dim() == 3 && codes.size(1) == G && codes.size(2) == Q4_TILE
+              && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.device().is_cpu(),
+              "q4_mm: codes must be (out / 16, in / 32, 256) uint8, contiguous, on the CPU");
+  const char* what = "q4_mm: scales and lows must be (out / 16, in / 32, 16) fp32, contiguous, on the CPU";
+  check_per_tile(scales, codes.size(0), G, at::kFloat, what);
+  check_per_tile(lows, codes.size(0), G, at::kFloat, what);
+  static const TileKernel kernels[3] = {q4_tile_portable, q4_tile_avx2, q4_tile_vnni};
+  return run(x, codes, Q4_TILE, scales, lows.data_ptr<float>(), nullptr, path, kernels);
+}
+
+at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& sums,
+                 int64_t path) {
+  check_rows(x, "q8_mm");
+  const int64_t G = x.size(1) / GROUP;
+  TORCH_CHECK(codes.dim() == 3 && codes.size(1) == G && codes.size(2) == Q8_TILE
+              && codes.scalar_type() == at::kChar && codes.is_contiguous() && codes.device().is_cpu(),
+              "q8_mm: codes must be (out / 16, in / 32, 512) int8, contiguous, on the CPU");
+  check_per_tile(scales, codes.size(0), G, at::kFloat,
+                 "q8_mm: scales must be (out / 16, in / 32, 16) fp32, contiguous, on the CPU");
+  check_per_tile(sums, codes.size(0), G, at::kInt,
+                 "q8_mm: sums must be (out / 16, in / 32, 16) int32, contiguous, on the CPU");
+  static const TileKernel kernels[3] = {q8_tile_portable, q8_tile_avx2, q8_tile_vnni};
+  return run(x, codes, Q8_TILE, scales, nullptr, sums.data_ptr<int32_t>(), path, kernels);
+}
+
 }  // namespace
 
-TORCH_LIBRARY(ladechat_q4, m) {
-  m.def("mm(Tensor x, Tensor codes, Tensor scales, Tensor lows, int path) -> Tensor", &mm);
+TORCH_LIBRARY(ladechat_blocks, m) {
+  m.def("q4_mm(Tensor x, Tensor codes, Tensor scales, Tensor lows, int path) -> Tensor", &q4_mm);
+  m.def("q8_mm(Tensor x, Tensor codes, Tensor scales, Tensor sums, int path) -> Tensor", &q8_mm);
   m.def("best_path() -> int", &best_path);
 }
