@@ -20,11 +20,12 @@ other types (the embedded model's Q8_0 embedding; Q5/Q6/Q8/F16 tensors) keep the
 dense, packed for oneDNN where that applies; a Q8_0 output layer runs its blocks on ladechat's
 own kernel (q8.py).
 
-Both kernels compute each row on its own, in the same order whatever the step's size, but SDPA's
-rows depend in fp32's last bits on how many rows and masked keys a step has, and the rounding of
-the next product's input (int8 codes, or bf16) turns such a difference into a visible one now and
-then (~0.05 in the embedded model's logits): a lookahead answer on these weights can part from
-plain decoding's on them after a near tie (tests/test_int4.py checks it parts only there).
+Both kernels compute each row on its own, in the same order whatever the step's size. SDPA's rows
+depend in fp32's last bits on how many rows and masked keys a step has, and the rounding of the
+next product's input (int8 codes, or bf16) turns such a difference into a visible one now and then,
+so where ladechat's kernels load, model loading also switches attention to its row-wise kernel
+(attention.py): a lookahead answer on these weights is then plain decoding's, token for token. On
+torch's kernel with SDPA (no compiler) it can part after a near tie (tests/test_int4.py checks both).
 
 Reading a GGUF's metadata takes seconds on a small CPU, so the first load writes the blocks in the
 kernel's layout (in the model's own row order: llama.cpp permutes the rows of q and k, and
