@@ -101,6 +101,23 @@ def test_without_a_mask_the_rows_are_causal(kernel):
         assert torch.equal(attend(q, k, v, None, 6), attend(q, k, v, mask, 6))
 
 
+def test_a_prefill_with_more_keys_than_rows_and_no_mask_keeps_sdpa(kernel):
+    """transformers leaves the mask out of a prefill whose keys are its rows (causal: the kernel's
+    own), and also of one into an empty static cache, longer than the prompt, where SDPA's
+    is_causal aligns the rows with the first keys: that one stays SDPA's."""
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.training = 3, False
+    generator = torch.Generator().manual_seed(3)
+    query = torch.randn(1, 9, 5, 64, generator=generator)
+    for keys in (5, 12):
+        key, value = torch.randn(1, 3, keys, 64, generator=generator), torch.randn(1, 3, keys, 64, generator=generator)
+        ours, _ = attention.rowwise_attention(module, query, key, value, None, scaling=0.125)
+        theirs = torch.nn.functional.scaled_dot_product_attention(query, key.repeat_interleave(3, 1),
+                                                                   value.repeat_interleave(3, 1), is_causal=True,
+                                                                   scale=0.125)
+        assert (ours - theirs.transpose(1, 2)).abs().max() < 2e-6, keys
+
+
 def test_bad_inputs_are_one_line_errors(kernel):
     q, k, v, mask, _ = tree_step(torch.float32, 10, [-1, 0])
     with pytest.raises(RuntimeError, match="dim \\(64 or 128\\)"):

@@ -74,7 +74,10 @@ def _grouped(module, query, key, value, attention_mask, dropout, scaling, kwargs
     groups = getattr(module, "num_key_value_groups", 1)
     batch, heads, rows, dim = query.shape
     one_row = attention_mask is None and rows == 1  # sees every key: no mask needed when stacked
-    causal = attention_mask is None and rowwise  # transformers leaves it out where causal will do
+    # transformers leaves the mask out where SDPA's is_causal will do: one row, or a prefill of an
+    # empty cache (keys = rows; a static cache's longer key length keeps SDPA, aligned as it aligns)
+    causal = (attention_mask is None and rowwise and (rows == 1 or key.shape[2] == rows)
+              and kwargs.get("is_causal", True) is not False)
     plain = ((groups == 1 and not rowwise) or dropout or module.training or (rowwise and batch != 1)
              or not (one_row or causal or (attention_mask is not None and attention_mask.ndim == 4
                                            and attention_mask.shape[1] == 1))

@@ -54,6 +54,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -98,7 +99,7 @@ void quantize_portable(const T* x, int64_t K, Quantized out) {
       amax = std::fmax(amax, std::fabs(v[i]));
     }
     const float d = amax / 127.f;
-    const float id = d != 0.f ? 1.f / d : 0.f;
+    const float id = d >= FLT_MIN ? 1.f / d : 0.f;  // a denormal scale: codes 0 (1 / d would overflow)
     int sum = 0;
     for (int i = 0; i < GROUP; ++i) {
       const float r = std::fmin(127.f, std::fmax(-127.f, std::nearbyint(v[i] * id)));
@@ -117,7 +118,7 @@ void quantize_avx512(const float* x, int64_t K, Quantized out) {
     const __m512 v0 = _mm512_loadu_ps(x + g * GROUP), v1 = _mm512_loadu_ps(x + g * GROUP + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
     const float d = amax / 127.f;
-    const __m512 id = _mm512_set1_ps(d != 0.f ? 1.f / d : 0.f);
+    const __m512 id = _mm512_set1_ps(d >= FLT_MIN ? 1.f / d : 0.f);
     constexpr int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     const __m512i q0 = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_mul_ps(v0, id), nearest))));
     const __m512i q1 = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_mul_ps(v1, id), nearest))));
@@ -143,7 +144,7 @@ void quantize_avx2(const float* x, int64_t K, Quantized out) {
     t4 = _mm_max_ps(t4, _mm_movehl_ps(t4, t4));
     t4 = _mm_max_ss(t4, _mm_movehdup_ps(t4));
     const float d = _mm_cvtss_f32(t4) / 127.f;
-    const __m256 id = _mm256_set1_ps(d != 0.f ? 1.f / d : 0.f);
+    const __m256 id = _mm256_set1_ps(d >= FLT_MIN ? 1.f / d : 0.f);
     __m256i q[4];
     for (int i = 0; i < 4; ++i)
       q[i] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_round_ps(_mm256_mul_ps(v[i], id),
@@ -165,6 +166,16 @@ struct Tile {
   const float* scales;   // (K / 32, 16)
   const float* lows;     // Q4: (K / 32, 16)
   const int32_t* sums;   // Q8: (K / 32, 16)
+};
+
+// 4 consecutive int8 codes as one 32-bit lane's bytes (memcpy: the codes are int8, read as int32)
+struct Quad {
+  const int8_t* codes;
+  int32_t operator[](int k) const {
+    int32_t four;
+    std::memcpy(&four, codes + 4 * k, sizeof four);
+    return four;
+  }
 };
 
 struct Rows {
@@ -189,7 +200,7 @@ void q4_tile_vnni(const Rows& x, const Tile& w, float* acc) {
     }
     const __m512 scale = _mm512_loadu_ps(w.scales + g * OUT), low = _mm512_loadu_ps(w.lows + g * OUT);
     for (int64_t m = 0; m < x.M; ++m) {
-      const int32_t* a = reinterpret_cast<const int32_t*>(x.codes + m * x.K + g * GROUP);
+      const Quad a{x.codes + m * x.K + g * GROUP};
       __m512i s0 = _mm512_setzero_si512(), s1 = s0;  // two chains: the sum is exact in any order
       for (int k = 0; k < 8; k += 2) {
         s0 = _mm512_dpbusd_epi32(s0, q[k], _mm512_set1_epi32(a[k]));
@@ -220,7 +231,7 @@ void q4_tile_avx2(const Rows& x, const Tile& w, float* acc) {
       }
       const __m256 scale = _mm256_loadu_ps(w.scales + g * OUT + 8 * h), low = _mm256_loadu_ps(w.lows + g * OUT + 8 * h);
       for (int64_t m = 0; m < x.M; ++m) {
-        const int32_t* a = reinterpret_cast<const int32_t*>(x.codes + m * x.K + g * GROUP);
+        const Quad a{x.codes + m * x.K + g * GROUP};
         // a 16-bit pair sum is 2 products of at most 15 * 127, and two such added: within 16 bits
         __m256i p[4];
         for (int k = 0; k < 4; ++k)
@@ -268,7 +279,7 @@ void q8_tile_vnni(const Rows& x, const Tile& w, float* acc) {
     const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(w.sums + g * OUT), 7);  // 128 * sum q
     const __m512 scale = _mm512_loadu_ps(w.scales + g * OUT);
     for (int64_t m = 0; m < x.M; ++m) {
-      const int32_t* a = reinterpret_cast<const int32_t*>(x.codes + m * x.K + g * GROUP);
+      const Quad a{x.codes + m * x.K + g * GROUP};
       const __m512i flip = _mm512_set1_epi32(static_cast<int32_t>(0x80808080u));  // qa + 128 as unsigned bytes
       __m512i s0 = _mm512_setzero_si512(), s1 = s0;
       for (int k = 0; k < 8; k += 2) {
@@ -298,7 +309,7 @@ void q8_tile_avx2(const Rows& x, const Tile& w, float* acc) {
       }
       const __m256 scale = _mm256_loadu_ps(w.scales + g * OUT + 8 * h);
       for (int64_t m = 0; m < x.M; ++m) {
-        const int32_t* a = reinterpret_cast<const int32_t*>(x.codes + m * x.K + g * GROUP);
+        const Quad a{x.codes + m * x.K + g * GROUP};
         __m256i s = _mm256_setzero_si256();
         for (int k = 0; k < 8; ++k)  // |q| * (qa with q's sign), pairs in 16 bits, then 32
           s = _mm256_add_epi32(s, _mm256_madd_epi16(

@@ -24,8 +24,10 @@ Both kernels compute each row on its own, in the same order whatever the step's 
 depend in fp32's last bits on how many rows and masked keys a step has, and the rounding of the
 next product's input (int8 codes, or bf16) turns such a difference into a visible one now and then,
 so where ladechat's kernels load, model loading also switches attention to its row-wise kernel
-(attention.py): a lookahead answer on these weights is then plain decoding's, token for token. On
-torch's kernel with SDPA (no compiler) it can part after a near tie (tests/test_int4.py checks both).
+(attention.py): a lookahead answer on these weights is then plain decoding's, token for token,
+where every Linear is such blocks or a Q8_0 output layer (the embedded model; other tensor types
+run packed, whose rows can depend on the step's size). On torch's kernel with SDPA (no compiler)
+it can part after a near tie (tests/test_int4.py checks both).
 
 Reading a GGUF's metadata takes seconds on a small CPU, so the first load writes the blocks in the
 kernel's layout (in the model's own row order: llama.cpp permutes the rows of q and k, and

@@ -25,7 +25,10 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#if defined(__x86_64__) || defined(_M_X64)
+#define LADECHAT_X86 1
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -303,6 +306,7 @@ void attend_portable(const AttendRow& row, int64_t D, float* scores) {
   for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(acc[d] * inverse);
 }
 
+#ifdef LADECHAT_X86
 #define AVX512 __attribute__((target("avx512f,avx512dq,avx512bw")))
 #define AVX2 __attribute__((target("avx2,fma")))
 
@@ -503,20 +507,28 @@ AVX2 void attend_avx2(const AttendRow& row, float* scores) {
 
 #undef AVX512
 #undef AVX2
+#endif  // LADECHAT_X86
 
 enum AttendPath : int64_t { ATTEND_PORTABLE = 0, ATTEND_AVX2 = 1, ATTEND_AVX512 = 2 };
 
+#ifdef LADECHAT_X86
 bool cpu_has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 bool cpu_has_avx512() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw");
 }
+#else  // the portable loops only (the library's other ops are portable C++)
+bool cpu_has_avx2() { return false; }
+bool cpu_has_avx512() { return false; }
+#endif
 int64_t attend_best_path() { return cpu_has_avx512() ? ATTEND_AVX512 : cpu_has_avx2() ? ATTEND_AVX2 : ATTEND_PORTABLE; }
 
 template <typename T>
 void attend_one(const AttendRow& row, int64_t D, int64_t path, float* scores) {
-  if (path == ATTEND_AVX512) (D == 64 ? attend_avx512<T, 4> : attend_avx512<T, 8>)(row, scores);
-  else if (path == ATTEND_AVX2) (D == 64 ? attend_avx2<T, 8> : attend_avx2<T, 16>)(row, scores);
-  else attend_portable<T>(row, D, scores);
+#ifdef LADECHAT_X86
+  if (path == ATTEND_AVX512) return (D == 64 ? attend_avx512<T, 4> : attend_avx512<T, 8>)(row, scores);
+  if (path == ATTEND_AVX2) return (D == 64 ? attend_avx2<T, 8> : attend_avx2<T, 16>)(row, scores);
+#endif
+  attend_portable<T>(row, D, scores);
 }
 
 // The indices of the keys a row sees: 0 or false hides a key, as SDPA reads the mask.
@@ -543,7 +555,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) && k.scalar_type() == q.scalar_type()
               && v.scalar_type() == q.scalar_type() && q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
               "attend: q, k, v must be fp32 or bf16, all one dtype, on the CPU");
-  TORCH_CHECK(!mask || (mask->dim() == 4 && mask->size(2) == R && mask->size(3) == L && mask->device().is_cpu()
+  TORCH_CHECK(!mask || (mask->dim() == 4 && mask->size(0) == 1 && mask->size(1) == 1 && mask->size(2) == R
+                        && mask->size(3) == L && mask->device().is_cpu()
                         && (mask->scalar_type() == at::kBool || mask->scalar_type() == q.scalar_type())),
               "attend: the mask must be (1, 1, rows, keys), bool or q's dtype, on the CPU");
   TORCH_CHECK(mask || (rows >= 1 && R % rows == 0 && rows <= L), "attend: without a mask, rows must divide q's rows");
