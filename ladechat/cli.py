@@ -50,7 +50,7 @@ TopK = Annotated[int, typer.Option("--top-k", help="Sample among the K most like
 MinP = Annotated[float, typer.Option("--min-p", help="Drop tokens less likely than min-p times the most likely one.")]
 RepPenalty = Annotated[float, typer.Option("--repetition-penalty", help="Penalise tokens already in the conversation (1.0: off).")]
 Seed = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling (same seed, same answer).")]
-Dtype = Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16 or float16 (auto: bf16 on GPUs and CPUs with native bf16, else fp32).")]
+Dtype = Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16 or float16 (auto: bf16 on GPUs and CPUs with native bf16, else fp32; fp32 for a GGUF's 4-bit blocks on ladechat's CPU kernels).")]
 Device = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")]
 FourBit = Annotated[bool, typer.Option("--load-in-4bit", help="Quantize weights to 4 bits with bitsandbytes.")]
 EightBit = Annotated[bool, typer.Option("--load-in-8bit", help="Quantize weights to 8 bits with bitsandbytes.")]

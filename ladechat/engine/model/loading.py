@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import shutil
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -238,6 +239,11 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
     # quantization_config) or a device map: accelerate's hooks sit on the modules they replace.
     layouts = spec.pack_weights and "device_map" not in kwargs and "quantization_config" not in kwargs
     to_int4 = layouts and spec.weights in ("auto", "int4") and gguf_file is not None and int4.supported(device)
+    if to_int4 and spec.dtype == "auto" and shutil.which(native.COMPILER):
+        # ladechat's 4-bit kernels quantize a step's rows to int8 whatever the dtype, so bf16 saves
+        # nothing there (fp32 steps of the embedded model were as fast or faster, BENCHMARKS.md)
+        # while fp32 keeps the rest of the step (norms, attention, residuals) exact: auto picks it
+        dtype = kwargs["dtype"] = torch.float32
     lean = (lambda config: int4.load_lean(Path(source), gguf_file, kwargs, config, kernels)) if to_int4 else None
     if to_int4:
         native.prebuild([q4.SOURCE], kernels)  # q8's kernel too: one library
