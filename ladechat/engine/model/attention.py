@@ -88,7 +88,7 @@ def _grouped(module, query, key, value, attention_mask, dropout, scaling, kwargs
     kv_heads = key.shape[1]
     stacked = query.reshape(batch, kv_heads, groups * rows, dim)
     mask = None if attention_mask is None else attention_mask.repeat(1, 1, groups, 1)
-    if scaling is None:
+    if scaling is None and rowwise:  # SDPA's own default (SDPA itself is given None, as before)
         scaling = dim**-0.5
     out = (attend_stacked if rowwise else sdpa_stacked)(stacked, key, value, mask, scaling, rows)
     out = out.reshape(batch, heads, rows, value.shape[-1])
