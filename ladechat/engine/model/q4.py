@@ -65,12 +65,13 @@ def layout(codes: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor) -> tup
     # [tile, output j, group, 4 inputs c, i]: c < 4 the low nibbles, c >= 4 the high ones
     q = codes.to(torch.uint8).reshape(tiles, OUT, groups, 8, 4)
     packed = (q[:, :, :, :4] | (q[:, :, :, 4:] << 4)).permute(0, 2, 3, 1, 4)  # [tile, group, p, j, i]
-    return (packed.reshape(tiles, groups, TILE_BYTES).contiguous(), _per_tile(scales, tiles, groups),
-            _per_tile(lows, tiles, groups))
+    return packed.reshape(tiles, groups, TILE_BYTES).contiguous(), per_tile(scales), per_tile(lows)
 
 
-def _per_tile(values: torch.Tensor, tiles: int, groups: int) -> torch.Tensor:
-    return values.float().reshape(tiles, OUT, groups).transpose(1, 2).contiguous()
+def per_tile(values: torch.Tensor) -> torch.Tensor:
+    """Per-row values (N, K / 32) -> the kernels' (N / 16, K / 32, 16) fp32 (q8's scales too)."""
+    rows, groups = values.shape
+    return values.float().reshape(rows // OUT, OUT, groups).transpose(1, 2).contiguous()
 
 
 def codes_of(tiles: torch.Tensor) -> torch.Tensor:
@@ -82,7 +83,7 @@ def codes_of(tiles: torch.Tensor) -> torch.Tensor:
 
 
 def per_row(values: torch.Tensor) -> torch.Tensor:
-    """layout's scales or lows -> (N, K / 32) again."""
+    """per_tile's values -> (N, K / 32) again."""
     count, groups, _ = values.shape
     return values.transpose(1, 2).reshape(count * OUT, groups)
 

@@ -35,8 +35,8 @@ import torch
 from ladechat.engine.model import native, q4
 
 SOURCE = q4.SOURCE
-GROUP = 32  # weights per scale
-OUT = 16  # outputs per tile of the kernel's layout
+GROUP = q4.GROUP  # weights per scale
+OUT = q4.OUT  # outputs per tile: the 4-bit kernel's, the same library
 BLOCK_BYTES = 2 + GROUP  # fp16 scale, 32 int8 codes
 CACHE_PREFIX = "q8-"
 
@@ -67,7 +67,7 @@ def kernel_layout(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tens
     grouped = codes.to(torch.int8).reshape(tiles, OUT, groups, 8, 4)
     packed = grouped.permute(0, 2, 3, 1, 4).reshape(tiles, groups, OUT * GROUP).contiguous()
     sums = grouped.int().sum((3, 4), dtype=torch.int32).transpose(1, 2).contiguous()
-    return packed, scales.float().reshape(tiles, OUT, groups).transpose(1, 2).contiguous(), sums
+    return packed, q4.per_tile(scales), sums
 
 
 def codes_of(tiles: torch.Tensor) -> torch.Tensor:
@@ -116,8 +116,7 @@ class Q8Linear(torch.nn.Module):
 
     def dense_weight(self) -> torch.Tensor:
         """W (out, in) in fp32, exactly scale * code."""
-        scales = self.scales.transpose(1, 2).reshape(self.out_features, -1)
-        return codes_of(self.tiles).float() * scales.repeat_interleave(GROUP, dim=1)
+        return codes_of(self.tiles).float() * q4.per_row(self.scales).repeat_interleave(GROUP, dim=1)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         destination[prefix + "weight"] = self.dense_weight()
@@ -220,10 +219,9 @@ def apply(model, gguf_path: Path, folder: Path, kernels: Path,
                     f"{CACHE_PREFIX}*.safetensors")  # a read-only cache: read again next time
     if found is None:
         return Applied(False, tuple(notices))
-    try:
-        native.load(SOURCE, kernels, compiler, progress)
-    except native.BuildError as exc:
-        return Applied(False, (*notices, f"the output layer of {name} runs dense: {exc}"))
+    unbuilt = native.why_not_loaded(SOURCE, kernels, compiler, progress)
+    if unbuilt:
+        return Applied(False, (*notices, f"the output layer of {name} runs dense: {unbuilt}"))
     head = model.get_output_embeddings()
     tiles = found[0]
     if not usable() or type(head) is not torch.nn.Linear \
