@@ -22,9 +22,10 @@ from ladechat.paths import cache_root
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 ATTENTION = ("sdpa", "eager", "flash")
-# --weights: auto (the fastest this machine has: a GGUF's 4-bit blocks at 4 bits on ladechat's kernel,
-# else torch's int4 one; the other Linear weights packed for oneDNN), dense (as transformers loads them), packed (all packed for oneDNN,
-# as before int4), int4 (a GGUF's 4-bit blocks as int4, the rest packed).
+# --weights: auto (the fastest this machine has: a GGUF's 4-bit blocks at 4 bits on ladechat's
+# kernel, else torch's int4 one; the other Linear weights packed for oneDNN), dense (as transformers
+# loads them), packed (all packed for oneDNN, as before int4), int4 (a GGUF's 4-bit blocks at 4
+# bits, the rest packed).
 WEIGHTS = ("auto", "dense", "packed", "int4")
 # A local model folder needs one of these for AutoTokenizer (without it transformers' error reads
 # like a failed download).
