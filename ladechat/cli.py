@@ -521,7 +521,7 @@ def bench(ctx: typer.Context, dataset: Datasets = ["mtbench"],
           max_new_tokens: MaxNew = MAX_NEW_TOKENS["bench"], temperature: Temperature = None, top_p: TopP = SAMPLING.top_p,
           top_k: TopK = SAMPLING.top_k, seed: Seed = 0, dtype: Dtype = "auto", device: Device = "auto",
           attn: Attn = "sdpa", template: Template = None, compile: Compile = False, as_json: BenchJson = False,
-          weights: Annotated[Optional[str], typer.Option("--weights", help="Linear weights, as for the chat (auto, dense, packed, int4); default packed (the layout the bench's tables compare HF with).")] = None) -> None:
+          weights: Annotated[Optional[str], typer.Option("--weights", help="Linear weights, as for the chat (auto, dense, packed, int4); default packed where this device packs them (the layout the bench's tables compare HF with), else dense (a GPU, --compile).")] = None) -> None:
     """Compare HF generate, HF prompt lookup, ladechat plain and lookahead on real prompts, side by side (and other engines' servers: --peer)."""
     if ctx.invoked_subcommand is not None:
         return
@@ -545,7 +545,7 @@ def bench(ctx: typer.Context, dataset: Datasets = ["mtbench"],
     peers = peer_bench.connect(peer or [], set(benchmark.METHODS), _settings(given))
     _quiet_libraries()
     loaded = _load_here(model, dtype, device, attn, False, False, None, err, compile=compile,
-                        weights=weights or ("dense" if compile else "packed"))
+                        weights=weights or _bench_weights(device, dtype, compile))
     settings = _settings(given, loaded)
     results = benchmark.run(loaded, dataset, method_list, settings, limit, compile=compile, single_turn=single_turn,
                             store=store, warm_from=warm_from, warm_limit=warm_limit, peers=peers,
@@ -590,6 +590,16 @@ def bench_serving(ctx: typer.Context,
         print(json.dumps(result, indent=2))
     else:
         stdout_console().print(serve_bench_table(result))
+
+
+def _bench_weights(device: str, dtype: str, compile: bool) -> str:
+    from ladechat.engine.model.loading import LoadError, bench_weights, resolve_device, resolve_dtype
+
+    try:
+        resolved = resolve_device(device)
+        return bench_weights(resolved, resolve_dtype(dtype, resolved), compile)
+    except LoadError:  # a bad --device or --dtype: the load says so in its own words
+        return "dense"
 
 
 @bench_app.command("step-cost")

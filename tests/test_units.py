@@ -385,6 +385,24 @@ def test_choose_dtype(name, device_type, native, expected):
     assert choose_dtype(name, device_type, native) == expected
 
 
+def test_the_bench_loads_weights_the_device_can_hold():
+    """`ladechat bench` without --weights: packed on a CPU that packs them, dense on a GPU (the first
+    GPU run failed there with '--weights packed needs an x86-64 CPU') and with --compile. A device
+    that does not exist leaves the load to say so (not an error about weights)."""
+    from ladechat.cli import _bench_weights
+    from ladechat.engine.model import packing
+    from ladechat.engine.model.loading import bench_weights
+
+    cpu = torch.device("cpu")
+    assert bench_weights(torch.device("cuda", 0), torch.bfloat16, compile=False) == "dense"
+    assert bench_weights(torch.device("cuda", 0), torch.float16, compile=False) == "dense"
+    assert bench_weights(cpu, torch.float32, compile=True) == "dense"
+    assert bench_weights(cpu, torch.float32, compile=False) == ("packed" if packing.supported(cpu, torch.float32)
+                                                                else "dense")
+    assert _bench_weights("cuda:99", "auto", False) == "dense"
+    assert _bench_weights("cpu", "float32", False) == bench_weights(cpu, torch.float32, compile=False)
+
+
 # /proc/cpuinfo flags of the two CPU classes the suite runs on (trimmed), and of an AVX-512 CPU without bf16
 AVX2_EPYC = "flags : fpu sse4_2 avx f16c fma avx2 bmi2 vaes vpclmulqdq sha_ni clzero"
 AVX512_EPYC = "flags : fpu avx2 avx512f avx512dq avx512_bf16 avx512_vnni avx512_bitalg vaes"

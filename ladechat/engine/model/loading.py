@@ -206,6 +206,13 @@ def _source(model: str | None, progress) -> tuple[str, str, Path | None]:
     return model, model, None
 
 
+def bench_weights(device: torch.device, dtype: torch.dtype, compile: bool) -> str:
+    """`ladechat bench`'s Linear weights when --weights is not given: packed where this device and
+    dtype pack them (the layout its tables compare HF with), else dense, as loaded (a GPU, or
+    --compile, which traces the model's own Linear modules)."""
+    return "packed" if not compile and packing.supported(device, dtype) else "dense"
+
+
 def check_weights(spec: LoadSpec) -> None:
     """LoadError for a --weights choice that cannot be honoured whatever the model (checked before
     loading anything)."""
