@@ -5,12 +5,9 @@
 # folder per call that carries one:
 #   .gpu/call1/  wheels/: Python 3.12 wheels of what the device image lacks or has in another
 #                version than ours (transformers, the server and client stack, prompt-toolkit,
-#                pexpect, ...; torch, numpy, tokenizers, hub, safetensors, accelerate, pytest and
-#                hypothesis come with the image), and gguf.part1: the embedded model's GGUF, as much
-#                of it as fits
-#   .gpu/call2/  gguf.part2 (the rest), its package's __init__.py, dist-info and checksum, the prompt sets, and
-#                the wheels only the tests need: bitsandbytes with its CPU and CUDA 13.0 libraries
-#                alone (the image's torch is cu130; the full wheel is ~43 MB) and pytest-timeout
+#                pexpect, ...; torch, numpy, tokenizers, hub, safetensors and accelerate come with
+#                the image), and gguf.part1: the embedded model's GGUF, as much of it as fits
+#   .gpu/call2/  gguf.part2 (the rest), its package's __init__.py, dist-info and checksum, the prompt sets
 # It prints each call's carried size with the working tree and fails if one is over 64 MiB.
 #
 # Usage: bash scripts/gpu/prepare.sh   (from anywhere; needs `make .venv/.installed-dev` done)
@@ -22,10 +19,9 @@ PY=${PYTHON:-.venv/bin/python}
 DATA=${LADECHAT_DATA:-../shared/data}
 LIMIT=$((64 * 1024 * 1024))
 MARGIN=$((2 * 1024 * 1024))  # room for the working tree to grow between now and the calls
-TIMEOUT_VERSION=2.4.0  # pytest-timeout (the image has one too; ours makes the dry run's the same)
 
 rm -rf .gpu
-mkdir -p .gpu/download .gpu/call1/wheels .gpu/call2/wheels .gpu/call2/data
+mkdir -p .gpu/call1/wheels .gpu/call2/data
 
 # The versions this checkout is tested with, read from its venv.
 pins=$("$PY" - <<'EOF'
@@ -33,42 +29,12 @@ from importlib.metadata import version
 names = ["transformers", "gguf", "typer", "rich", "prompt_toolkit", "wcwidth", "pexpect", "ptyprocess",
          "uvicorn", "starlette", "sse-starlette", "pydantic", "pydantic_core", "annotated-types",
          "typing-inspection", "typing_extensions", "regex", "openai", "httpx2", "httpcore2", "truststore",
-         "jiter", "sniffio", "anyio", "idna", "bitsandbytes"]
+         "jiter", "sniffio", "anyio", "idna"]
 print(" ".join(f"{n}=={version(n)}" for n in names))
 EOF
 )
 # shellcheck disable=SC2046,SC2086  # one argument per pin and per tag option
-python3 -m pip download -q --no-deps $("$PY" scripts/gpu/stage.py pip-target) -d .gpu/download \
-    $pins "pytest-timeout==$TIMEOUT_VERSION"
-mv .gpu/download/pytest_timeout-*.whl .gpu/call2/wheels/
-# bitsandbytes: the same wheel (name, metadata, RECORD) less the libraries of other CUDA, ROCm and XPU versions
-"$PY" - .gpu/download/bitsandbytes-*.whl .gpu/call2/wheels <<'EOF'
-import sys, zipfile
-from pathlib import Path
-
-source, target = Path(sys.argv[1]), Path(sys.argv[2]) / Path(sys.argv[1]).name
-keep = {"libbitsandbytes_cpu.so", "libbitsandbytes_cuda130.so"}
-
-def dropped(name: str) -> bool:
-    base = name.rsplit("/", 1)[-1]
-    return base.startswith("libbitsandbytes_") and base not in keep
-
-with zipfile.ZipFile(source) as whl, zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as out:
-    libs = [i.filename for i in whl.infolist() if i.filename.rsplit("/", 1)[-1] in keep]
-    if len(libs) != len(keep):
-        sys.exit(f"prepare.sh: {source.name} lacks one of {sorted(keep)}")
-    for info in whl.infolist():
-        if dropped(info.filename):
-            continue
-        data = whl.read(info)
-        if info.filename.endswith(".dist-info/RECORD"):
-            lines = data.decode().splitlines(keepends=True)
-            data = "".join(line for line in lines if not dropped(line.split(",")[0])).encode()
-        out.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED)
-EOF
-rm .gpu/download/bitsandbytes-*.whl
-mv .gpu/download/*.whl .gpu/call1/wheels/
-rmdir .gpu/download
+python3 -m pip download -q --no-deps $("$PY" scripts/gpu/stage.py pip-target) -d .gpu/call1/wheels $pins
 
 # The embedded model's GGUF: as much as fits beside the wheels in call 1, the rest in call 2.
 gguf=$("$PY" -c "from ladechat.engine.model.gguf import embedded_gguf; print(embedded_gguf())")

