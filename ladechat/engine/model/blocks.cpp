@@ -68,6 +68,7 @@ constexpr int GROUP = 32;                    // inputs per scale and low
 constexpr int Q4_TILE = OUT * GROUP / 2;  // bytes: 256
 constexpr int Q8_TILE = OUT * GROUP;      // bytes: 512
 constexpr int64_t QUANTIZE_GRAIN = 16;       // rows quantized per thread: a step's few rows on one
+constexpr int ROWS_AT_ONCE = 4;              // rows of a tile in registers at once (by_rows)
 
 enum Path : int64_t { PORTABLE = 0, AVX2 = 1, VNNI = 2 };
 
@@ -185,68 +186,87 @@ struct Rows {
   int64_t M, K;
 };
 
-__attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni")))
-void q4_tile_vnni(const Rows& x, const Tile& w, float* acc) {
-  const int64_t G = x.K / GROUP;
-  for (int64_t m = 0; m < x.M; ++m) _mm512_storeu_ps(acc + m * OUT, _mm512_setzero_ps());
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
-  for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* c = w.codes + g * Q4_TILE;
-    __m512i q[8];  // q[c]: inputs 4c..4c+3 of the group, 4 bytes per output lane
-    for (int p = 0; p < 4; ++p) {
-      const __m512i v = _mm512_loadu_si512(c + 64 * p);
-      q[p] = _mm512_and_si512(v, nibble);
-      q[p + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-    }
-    const __m512 scale = _mm512_loadu_ps(w.scales + g * OUT), low = _mm512_loadu_ps(w.lows + g * OUT);
-    for (int64_t m = 0; m < x.M; ++m) {
-      const Quad a{x.codes + m * x.K + g * GROUP};
-      __m512i s0 = _mm512_setzero_si512(), s1 = s0;  // two chains: the sum is exact in any order
-      for (int k = 0; k < 8; k += 2) {
-        s0 = _mm512_dpbusd_epi32(s0, q[k], _mm512_set1_epi32(a[k]));
-        s1 = _mm512_dpbusd_epi32(s1, q[k + 1], _mm512_set1_epi32(a[k + 1]));
+// The kernels take R rows of a tile at once (R = ROWS_AT_ONCE, then what is left), each row's 16
+// outputs in registers over all K inputs: a group's codes are loaded (and for Q4 unpacked) once
+// for the R rows, and the rows' sums never go through memory. The float steps per row are the
+// portable path's, in its order.
+struct Q4Vnni {
+  template <int R>
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni")))
+  static void rows(const Rows& x, const Tile& w, int64_t m0, float* acc) {
+    const int64_t K = x.K, G = K / GROUP;
+    const int8_t* codes = x.codes + m0 * K;
+    const float* da = x.scale + m0 * G;
+    const float* sa = x.sum + m0 * G;
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    __m512 y[R];
+    for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* c = w.codes + g * Q4_TILE;
+      __m512i q[8];  // q[c]: inputs 4c..4c+3 of the group, 4 bytes per output lane
+      for (int p = 0; p < 4; ++p) {
+        const __m512i v = _mm512_loadu_si512(c + 64 * p);
+        q[p] = _mm512_and_si512(v, nibble);
+        q[p + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
       }
-      const __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-      const __m512 t = _mm512_fmadd_ps(low, _mm512_set1_ps(x.sum[m * G + g]), _mm512_mul_ps(scale, isum));
-      float* o = acc + m * OUT;
-      _mm512_storeu_ps(o, _mm512_fmadd_ps(t, _mm512_set1_ps(x.scale[m * G + g]), _mm512_loadu_ps(o)));
+      const __m512 scale = _mm512_loadu_ps(w.scales + g * OUT), low = _mm512_loadu_ps(w.lows + g * OUT);
+      for (int r = 0; r < R; ++r) {
+        const Quad a{codes + r * K + g * GROUP};
+        __m512i s0 = _mm512_setzero_si512(), s1 = s0;  // two chains: the sum is exact in any order
+        for (int k = 0; k < 8; k += 2) {
+          s0 = _mm512_dpbusd_epi32(s0, q[k], _mm512_set1_epi32(a[k]));
+          s1 = _mm512_dpbusd_epi32(s1, q[k + 1], _mm512_set1_epi32(a[k + 1]));
+        }
+        const __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+        const __m512 t = _mm512_fmadd_ps(low, _mm512_set1_ps(sa[r * G + g]), _mm512_mul_ps(scale, isum));
+        y[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(da[r * G + g]), y[r]);
+      }
     }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + (m0 + r) * OUT, y[r]);
   }
-}
+};
 
 // The same arithmetic in two halves of 8 outputs.
-__attribute__((target("avx2,fma")))
-void q4_tile_avx2(const Rows& x, const Tile& w, float* acc) {
-  const int64_t G = x.K / GROUP;
-  for (int64_t i = 0; i < x.M * OUT; i += 8) _mm256_storeu_ps(acc + i, _mm256_setzero_ps());
-  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* c = w.codes + g * Q4_TILE;
-    for (int h = 0; h < 2; ++h) {
-      __m256i q[8];
-      for (int p = 0; p < 4; ++p) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * p + 32 * h));
-        q[p] = _mm256_and_si256(v, nibble);
-        q[p + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-      }
-      const __m256 scale = _mm256_loadu_ps(w.scales + g * OUT + 8 * h), low = _mm256_loadu_ps(w.lows + g * OUT + 8 * h);
-      for (int64_t m = 0; m < x.M; ++m) {
-        const Quad a{x.codes + m * x.K + g * GROUP};
-        // a 16-bit pair sum is 2 products of at most 15 * 127, and two such added: within 16 bits
-        __m256i p[4];
-        for (int k = 0; k < 4; ++k)
-          p[k] = _mm256_add_epi16(_mm256_maddubs_epi16(q[2 * k], _mm256_set1_epi32(a[2 * k])),
-                                  _mm256_maddubs_epi16(q[2 * k + 1], _mm256_set1_epi32(a[2 * k + 1])));
-        const __m256i s = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(p[0], ones), _mm256_madd_epi16(p[1], ones)),
-                                           _mm256_add_epi32(_mm256_madd_epi16(p[2], ones), _mm256_madd_epi16(p[3], ones)));
-        const __m256 t = _mm256_fmadd_ps(low, _mm256_set1_ps(x.sum[m * G + g]),
-                                         _mm256_mul_ps(scale, _mm256_cvtepi32_ps(s)));
-        float* o = acc + m * OUT + 8 * h;
-        _mm256_storeu_ps(o, _mm256_fmadd_ps(t, _mm256_set1_ps(x.scale[m * G + g]), _mm256_loadu_ps(o)));
+struct Q4Avx2 {
+  template <int R>
+  __attribute__((target("avx2,fma")))
+  static void rows(const Rows& x, const Tile& w, int64_t m0, float* acc) {
+    const int64_t K = x.K, G = K / GROUP;
+    const int8_t* codes = x.codes + m0 * K;
+    const float* da = x.scale + m0 * G;
+    const float* sa = x.sum + m0 * G;
+    const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 y[R][2];
+    for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* c = w.codes + g * Q4_TILE;
+      for (int h = 0; h < 2; ++h) {
+        __m256i q[8];
+        for (int p = 0; p < 4; ++p) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * p + 32 * h));
+          q[p] = _mm256_and_si256(v, nibble);
+          q[p + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        }
+        const __m256 scale = _mm256_loadu_ps(w.scales + g * OUT + 8 * h), low = _mm256_loadu_ps(w.lows + g * OUT + 8 * h);
+        for (int r = 0; r < R; ++r) {
+          const Quad a{codes + r * K + g * GROUP};
+          // a 16-bit pair sum is 2 products of at most 15 * 127, and two such added: within 16 bits
+          __m256i p[4];
+          for (int k = 0; k < 4; ++k)
+            p[k] = _mm256_add_epi16(_mm256_maddubs_epi16(q[2 * k], _mm256_set1_epi32(a[2 * k])),
+                                    _mm256_maddubs_epi16(q[2 * k + 1], _mm256_set1_epi32(a[2 * k + 1])));
+          const __m256i s = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(p[0], ones), _mm256_madd_epi16(p[1], ones)),
+                                             _mm256_add_epi32(_mm256_madd_epi16(p[2], ones), _mm256_madd_epi16(p[3], ones)));
+          const __m256 t = _mm256_fmadd_ps(low, _mm256_set1_ps(sa[r * G + g]),
+                                           _mm256_mul_ps(scale, _mm256_cvtepi32_ps(s)));
+          y[r][h] = _mm256_fmadd_ps(t, _mm256_set1_ps(da[r * G + g]), y[r][h]);
+        }
       }
     }
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc + (m0 + r) * OUT + 8 * h, y[r][h]);
   }
-}
+};
 
 void q4_tile_portable(const Rows& x, const Tile& w, float* acc) {
   const int64_t G = x.K / GROUP;
@@ -268,59 +288,70 @@ void q4_tile_portable(const Rows& x, const Tile& w, float* acc) {
   }
 }
 
-__attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni")))
-void q8_tile_vnni(const Rows& x, const Tile& w, float* acc) {
-  const int64_t G = x.K / GROUP;
-  for (int64_t m = 0; m < x.M; ++m) _mm512_storeu_ps(acc + m * OUT, _mm512_setzero_ps());
-  for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* c = w.codes + g * Q8_TILE;
-    __m512i q[8];
-    for (int k = 0; k < 8; ++k) q[k] = _mm512_loadu_si512(c + 64 * k);
-    const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(w.sums + g * OUT), 7);  // 128 * sum q
-    const __m512 scale = _mm512_loadu_ps(w.scales + g * OUT);
-    for (int64_t m = 0; m < x.M; ++m) {
-      const Quad a{x.codes + m * x.K + g * GROUP};
-      const __m512i flip = _mm512_set1_epi32(static_cast<int32_t>(0x80808080u));  // qa + 128 as unsigned bytes
-      __m512i s0 = _mm512_setzero_si512(), s1 = s0;
-      for (int k = 0; k < 8; k += 2) {
-        s0 = _mm512_dpbusd_epi32(s0, _mm512_xor_si512(_mm512_set1_epi32(a[k]), flip), q[k]);
-        s1 = _mm512_dpbusd_epi32(s1, _mm512_xor_si512(_mm512_set1_epi32(a[k + 1]), flip), q[k + 1]);
+struct Q8Vnni {
+  template <int R>
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni")))
+  static void rows(const Rows& x, const Tile& w, int64_t m0, float* acc) {
+    const int64_t K = x.K, G = K / GROUP;
+    const int8_t* codes = x.codes + m0 * K;
+    const float* da = x.scale + m0 * G;
+    const __m512i flip = _mm512_set1_epi32(static_cast<int32_t>(0x80808080u));  // qa + 128 as unsigned bytes
+    __m512 y[R];
+    for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* c = w.codes + g * Q8_TILE;
+      __m512i q[8];
+      for (int k = 0; k < 8; ++k) q[k] = _mm512_loadu_si512(c + 64 * k);
+      const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(w.sums + g * OUT), 7);  // 128 * sum q
+      const __m512 scale = _mm512_loadu_ps(w.scales + g * OUT);
+      for (int r = 0; r < R; ++r) {
+        const Quad a{codes + r * K + g * GROUP};
+        __m512i s0 = _mm512_setzero_si512(), s1 = s0;
+        for (int k = 0; k < 8; k += 2) {
+          s0 = _mm512_dpbusd_epi32(s0, _mm512_xor_si512(_mm512_set1_epi32(a[k]), flip), q[k]);
+          s1 = _mm512_dpbusd_epi32(s1, _mm512_xor_si512(_mm512_set1_epi32(a[k + 1]), flip), q[k + 1]);
+        }
+        const __m512 isum = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(s0, s1), offset));
+        y[r] = _mm512_fmadd_ps(_mm512_mul_ps(scale, isum), _mm512_set1_ps(da[r * G + g]), y[r]);
       }
-      const __m512 isum = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(s0, s1), offset));
-      const __m512 t = _mm512_mul_ps(scale, isum);
-      float* o = acc + m * OUT;
-      _mm512_storeu_ps(o, _mm512_fmadd_ps(t, _mm512_set1_ps(x.scale[m * G + g]), _mm512_loadu_ps(o)));
     }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + (m0 + r) * OUT, y[r]);
   }
-}
+};
 
-__attribute__((target("avx2,fma")))
-void q8_tile_avx2(const Rows& x, const Tile& w, float* acc) {
-  const int64_t G = x.K / GROUP;
-  for (int64_t i = 0; i < x.M * OUT; i += 8) _mm256_storeu_ps(acc + i, _mm256_setzero_ps());
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* c = w.codes + g * Q8_TILE;
-    for (int h = 0; h < 2; ++h) {
-      __m256i q[8], size[8];
-      for (int k = 0; k < 8; ++k) {
-        q[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * k + 32 * h));
-        size[k] = _mm256_sign_epi8(q[k], q[k]);  // |q| (-128 reads as 128 unsigned)
-      }
-      const __m256 scale = _mm256_loadu_ps(w.scales + g * OUT + 8 * h);
-      for (int64_t m = 0; m < x.M; ++m) {
-        const Quad a{x.codes + m * x.K + g * GROUP};
-        __m256i s = _mm256_setzero_si256();
-        for (int k = 0; k < 8; ++k)  // |q| * (qa with q's sign), pairs in 16 bits, then 32
-          s = _mm256_add_epi32(s, _mm256_madd_epi16(
-              _mm256_maddubs_epi16(size[k], _mm256_sign_epi8(_mm256_set1_epi32(a[k]), q[k])), ones));
-        const __m256 t = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(s));
-        float* o = acc + m * OUT + 8 * h;
-        _mm256_storeu_ps(o, _mm256_fmadd_ps(t, _mm256_set1_ps(x.scale[m * G + g]), _mm256_loadu_ps(o)));
+struct Q8Avx2 {
+  template <int R>
+  __attribute__((target("avx2,fma")))
+  static void rows(const Rows& x, const Tile& w, int64_t m0, float* acc) {
+    const int64_t K = x.K, G = K / GROUP;
+    const int8_t* codes = x.codes + m0 * K;
+    const float* da = x.scale + m0 * G;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 y[R][2];
+    for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* c = w.codes + g * Q8_TILE;
+      for (int h = 0; h < 2; ++h) {
+        __m256i q[8], size[8];
+        for (int k = 0; k < 8; ++k) {
+          q[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * k + 32 * h));
+          size[k] = _mm256_sign_epi8(q[k], q[k]);  // |q| (-128 reads as 128 unsigned)
+        }
+        const __m256 scale = _mm256_loadu_ps(w.scales + g * OUT + 8 * h);
+        for (int r = 0; r < R; ++r) {
+          const Quad a{codes + r * K + g * GROUP};
+          __m256i s = _mm256_setzero_si256();
+          for (int k = 0; k < 8; ++k)  // |q| * (qa with q's sign), pairs in 16 bits, then 32
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(
+                _mm256_maddubs_epi16(size[k], _mm256_sign_epi8(_mm256_set1_epi32(a[k]), q[k])), ones));
+          y[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_cvtepi32_ps(s)), _mm256_set1_ps(da[r * G + g]), y[r][h]);
+        }
       }
     }
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc + (m0 + r) * OUT + 8 * h, y[r][h]);
   }
-}
+};
 
 void q8_tile_portable(const Rows& x, const Tile& w, float* acc) {
   const int64_t G = x.K / GROUP;
@@ -336,6 +367,21 @@ void q8_tile_portable(const Rows& x, const Tile& w, float* acc) {
         acc[m * OUT + j] = std::fma(t, x.scale[m * G + g], acc[m * OUT + j]);
       }
     }
+  }
+}
+
+
+// A tile for all M rows: ROWS_AT_ONCE at a time, then the 1-3 left.
+template <typename Kernel>
+void by_rows(const Rows& x, const Tile& w, float* acc) {
+  static_assert(ROWS_AT_ONCE == 4, "the rest below is 1-3 rows");
+  int64_t m = 0;
+  for (; m + ROWS_AT_ONCE <= x.M; m += ROWS_AT_ONCE) Kernel::template rows<ROWS_AT_ONCE>(x, w, m, acc);
+  switch (x.M - m) {
+    case 1: Kernel::template rows<1>(x, w, m, acc); break;
+    case 2: Kernel::template rows<2>(x, w, m, acc); break;
+    case 3: Kernel::template rows<3>(x, w, m, acc); break;
+    default: break;
   }
 }
 
@@ -423,7 +469,7 @@ at::Tensor q4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
   const char* what = "q4_mm: scales and lows must be (out / 16, in / 32, 16) fp32, contiguous, on the CPU";
   check_per_tile(scales, codes.size(0), G, at::kFloat, what);
   check_per_tile(lows, codes.size(0), G, at::kFloat, what);
-  static const TileKernel kernels[3] = {q4_tile_portable, q4_tile_avx2, q4_tile_vnni};
+  static const TileKernel kernels[3] = {q4_tile_portable, by_rows<Q4Avx2>, by_rows<Q4Vnni>};
   return run(x, codes, Q4_TILE, scales, lows.data_ptr<float>(), nullptr, path, kernels);
 }
 
@@ -438,7 +484,7 @@ at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
                  "q8_mm: scales must be (out / 16, in / 32, 16) fp32, contiguous, on the CPU");
   check_per_tile(sums, codes.size(0), G, at::kInt,
                  "q8_mm: sums must be (out / 16, in / 32, 16) int32, contiguous, on the CPU");
-  static const TileKernel kernels[3] = {q8_tile_portable, q8_tile_avx2, q8_tile_vnni};
+  static const TileKernel kernels[3] = {q8_tile_portable, by_rows<Q8Avx2>, by_rows<Q8Vnni>};
   return run(x, codes, Q8_TILE, scales, nullptr, sums.data_ptr<int32_t>(), path, kernels);
 }
 
