@@ -10,6 +10,7 @@ cached, so the decoder can size its steps from it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import statistics
@@ -120,16 +121,22 @@ class CostModel:
 
     curves: dict[int, dict[int, float]]  # cached tokens -> {tokens fed: seconds}
 
+    @functools.cached_property
+    def _sorted(self) -> tuple[list[int], dict[int, list[int]]]:
+        """The cache lengths in order, and each curve's sizes in order: sorted once, not on each of
+        the ~20 costs a step's planning asks for."""
+        return sorted(self.curves), {context: sorted(curve) for context, curve in self.curves.items()}
+
     def cost(self, size: int, cached: int) -> float:
-        contexts = sorted(self.curves)
+        contexts, sizes = self._sorted
         if len(contexts) == 1:
-            return cost(self.curves[contexts[0]], size)
+            return cost(self.curves[contexts[0]], size, sizes[contexts[0]])
         lo, hi = contexts[0], contexts[1]
         for a, b in zip(contexts, contexts[1:]):
             lo, hi = a, b
             if cached <= b:
                 break
-        at_lo, at_hi = cost(self.curves[lo], size), cost(self.curves[hi], size)
+        at_lo, at_hi = cost(self.curves[lo], size, sizes[lo]), cost(self.curves[hi], size, sizes[hi])
         share = max(0.0, (cached - lo) / (hi - lo))
         return at_lo + (at_hi - at_lo) * share
 
@@ -145,9 +152,9 @@ def cached_cost_model(model, name: str, threads: int | None = None) -> CostModel
     return CostModel({context: cached_curve(model, name, context, threads) for context in CONTEXTS})
 
 
-def cost(curve: dict[int, float], size: int) -> float:
-    """Interpolated cost of a step of `size` tokens."""
-    sizes = sorted(curve)
+def cost(curve: dict[int, float], size: int, sizes: list[int] | None = None) -> float:
+    """Interpolated cost of a step of `size` tokens (`sizes`: the curve's sizes in order, if known)."""
+    sizes = sizes or sorted(curve)
     if size <= sizes[0]:
         return curve[sizes[0]]
     for lo, hi in zip(sizes, sizes[1:]):
