@@ -610,7 +610,7 @@ def bench_step_cost(model: Model = None,
                     reps: Annotated[int, typer.Option("--reps", help="Timed steps per size (median).")] = 10,
                     compile: Compile = False, dtype: Dtype = "auto", device: Device = "auto", attn: Attn = "sdpa",
                     as_json: BenchJson = False,
-                    weights: Annotated[str, typer.Option("--weights", help="Linear weights, as for the chat (auto, dense, packed, int4); default packed.")] = "packed") -> None:
+                    weights: Annotated[Optional[str], typer.Option("--weights", help="Linear weights, as for the chat (auto, dense, packed, int4); default packed where this device packs them, else dense (a GPU, --compile).")] = None) -> None:
     """What one decoding step costs as it feeds more tokens (exact-size steps through the model's
     forward and, for the Llama family on a CPU, engine/lean.py; fixed-shape and --compile'd ones),
     next to HF generate's time per token."""
@@ -632,7 +632,7 @@ def bench_step_cost(model: Model = None,
             name = f"random {shape}"
     else:
         loaded = _load_here(model, dtype, device, attn, False, False, None, err, compile=compile,
-                            weights="dense" if compile else weights)
+                            weights="dense" if compile else weights or _bench_weights(device, dtype, compile))
         net, name = loaded.model, loaded.name
     with err.status("timing steps" + (" (compiling first)" if compile else ""), spinner="dots"):
         result = steps.run(net, name, size_list, context, reps, compile)
