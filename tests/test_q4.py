@@ -101,6 +101,20 @@ def test_the_paths_and_dtypes_give_the_same_bits(kernel):
     assert torch.equal(layer.product()(x), results[0])
 
 
+def test_every_row_count_gives_each_row_its_own_bits(kernel):
+    """The kernels take a tile's rows 4 at a time, then the 1-3 left: for every step size a row's
+    outputs are its one-row product's, on every path."""
+    codes, scales, lows = random_weight(48, 96, seed=5)
+    tiles = q4.layout(codes, scales, lows)
+    x = torch.randn(11, 96, generator=torch.Generator().manual_seed(5))
+    for path in paths():
+        layer = q4.Q4Linear(*tiles, path=path)
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
+        for rows in range(1, len(x) + 1):
+            assert torch.equal(layer(x[:rows]), alone[:rows]), (path, rows)
+    assert all(torch.equal(q4.Q4Linear(*tiles, path=path)(x), alone) for path in paths())
+
+
 def test_a_row_is_the_same_alone_among_many_and_on_any_thread_count(kernel):
     """What lets a lookahead step's rows equal one-row steps' (plain decoding) bit for bit."""
     codes, scales, lows = random_weight(1536, 576, seed=1)

@@ -81,6 +81,20 @@ def int8_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return step @ weight.double().abs().reshape(weight.shape[0], -1, 32).sum(-1).t() * 1.001 + 1e-6
 
 
+def test_every_row_count_gives_each_row_its_own_bits(kernel):
+    """The kernels take a tile's rows 4 at a time, then the 1-3 left: for every step size a row's
+    outputs are its one-row product's, on every path."""
+    codes, scales = random_layer(48, 96, seed=5)
+    tiles = q8.kernel_layout(codes, scales)
+    x = torch.randn(11, 96, generator=torch.Generator().manual_seed(5))
+    for path in paths():
+        layer = q8.Q8Linear(*tiles, path=path)
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
+        for rows in range(1, len(x) + 1):
+            assert torch.equal(layer(x[:rows]), alone[:rows]), (path, rows)
+    assert all(torch.equal(q8.Q8Linear(*tiles, path=path)(x), alone) for path in paths())
+
+
 def test_a_row_is_the_same_alone_among_many_and_on_any_thread_count(kernel):
     """What lets a lookahead step's rows equal one-row steps' (plain decoding) bit for bit."""
     # 128 blocks of 16 outputs: at::parallel_for splits them between threads (it does not below 16)

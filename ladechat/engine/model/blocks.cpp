@@ -370,7 +370,6 @@ void q8_tile_portable(const Rows& x, const Tile& w, float* acc) {
   }
 }
 
-
 // A tile for all M rows: ROWS_AT_ONCE at a time, then the 1-3 left.
 template <typename Kernel>
 void by_rows(const Rows& x, const Tile& w, float* acc) {
