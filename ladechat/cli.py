@@ -636,6 +636,8 @@ def bench_step_cost(model: Model = None,
         net, name = loaded.model, loaded.name
     with err.status("timing steps" + (" (compiling first)" if compile else ""), spinner="dots"):
         result = steps.run(net, name, size_list, context, reps, compile)
+    if "lean_error" in result:
+        err.print(f"notice: the lean step could not run here: {escape(result['lean_error'])}", highlight=False)
     if as_json:
         print(json.dumps(result, indent=2))
     else:

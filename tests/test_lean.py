@@ -178,6 +178,35 @@ def test_the_default_runner_is_lean_where_it_computes_the_same():
     assert "not grouped SDPA" in lean.supported(tiny_model("llama"))
 
 
+def test_on_a_gpu_the_lean_step_is_measured_but_no_default(monkeypatch):
+    """The first GPU run found eager steps host-bound, so `ladechat bench step-cost` measures the
+    lean step on CUDA too; the default runner there stays the model's forward until it is measured.
+    Elsewhere (here: meta) it is refused either way."""
+    model = grouped("llama")
+    assert lean.supported(model, gpu=True) is None  # a CPU: as without the flag
+    monkeypatch.setattr(type(model), "device", property(lambda self: torch.device("cuda", 0)))
+    assert lean.supported(model, gpu=True) is None
+    assert "runs on the CPU" in lean.supported(model) and type(default_runner(model)) is DynamicRunner
+    monkeypatch.setattr(type(model), "device", property(lambda self: torch.device("meta")))
+    assert "runs on the CPU" in lean.supported(model, gpu=True)
+
+
+def test_the_step_cost_bench_times_the_lean_step_and_stops_at_its_failure_on_a_cpu(monkeypatch):
+    """On a CPU a failing lean step is a failure of the bench (a bug to see), not a note."""
+    from ladechat.bench import steps
+
+    model = grouped("llama")
+    result = steps.run(model, "tiny", sizes=(1, 4), context=8, reps=1)
+    assert set(result["curves"]) == {"dynamic", "lean", "static"} and "lean_error" not in result
+
+    def broken(self, layout, past):
+        raise RuntimeError("broken lean step")
+
+    monkeypatch.setattr(LeanRunner, "step", broken)
+    with pytest.raises(RuntimeError, match="broken lean step"):
+        steps.run(model, "tiny", sizes=(1, 4), context=8, reps=1)
+
+
 @pytest.fixture(scope="module")
 def embedded_int4():
     if not int4.supported(torch.device("cpu")):

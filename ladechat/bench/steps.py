@@ -5,7 +5,9 @@ curve for a loaded model or a randomly initialised one of a known shape (no down
 e.g. Llama-2-7B on a GPU), in up to four ways side by side:
   dynamic   a growing cache, each step exactly its size, the model's own forward, eager
   lean      the same steps through engine/lean.py (the default runner on a CPU for the Llama
-            family, which it covers: bitwise the same logits without the forward's framework work)
+            family, which it covers: bitwise the same logits without the forward's framework work;
+            measured on a GPU too, where it is no default yet: a failure there is the result's
+            `lean_error`, the other curves stand)
   static    pre-allocated cache, fixed-shape step, eager
   compiled  the static step through torch.compile (CUDA graphs on a GPU)   [--compile]
 and HF `generate` per token as the baseline. A step of size 1 is plain decoding; larger steps are
@@ -146,8 +148,14 @@ def run(model, name: str, sizes=SIZES, context: int = 512, reps: int = 10, compi
     la = LookaheadConfig(window=max(sizes) // LEVELS or 1, ngram=LEVELS + 1, candidates=0, context_candidates=0)
     context_length = context + max(sizes) + 8
     curves = {"dynamic": _time_steps(DynamicRunner(model), sizes, context, reps)}
-    if lean.supported(model) is None:  # the default runner here: the model's layers without their forward
-        curves["lean"] = _time_steps(LeanRunner(model), sizes, context, reps)
+    lean_error = None
+    if lean.supported(model, gpu=True) is None:  # the model's layers without their forward (a CPU's default)
+        try:
+            curves["lean"] = _time_steps(LeanRunner(model, gpu=True), sizes, context, reps)
+        except RuntimeError as exc:  # on a GPU it is measured here first: a failure there is reported
+            if device.type == "cpu":
+                raise
+            lean_error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     curves["static"] = _time_steps(StaticRunner(model, la, context_length), sizes, context, reps)
     if compile:
         compiled = StaticRunner(model, la, context_length, compiled=CompiledForward(model))
@@ -156,4 +164,5 @@ def run(model, name: str, sizes=SIZES, context: int = 512, reps: int = 10, compi
     return {"model": name, "device": str(device), "dtype": str(model.dtype).removeprefix("torch."),
             "packed_weights": packed, "context": context, "reps": reps,
             "hf_generate_per_token_s": _hf_per_token(model, context),  # last: it unpacks the model
-            "curves": {kind: {str(s): t for s, t in curve.items()} for kind, curve in curves.items()}}
+            "curves": {kind: {str(s): t for s, t in curve.items()} for kind, curve in curves.items()},
+            **({"lean_error": lean_error} if lean_error else {})}

@@ -39,15 +39,19 @@ FAMILIES = frozenset({"llama", "mistral", "qwen2"})
 TABLE_MIN = 1024  # positions of the first cos/sin table; it grows by half when a step passes it
 
 
-def supported(model) -> str | None:
-    """None when the lean step computes what this model's forward does, else why not (one line)."""
+def supported(model, gpu: bool = False) -> str | None:
+    """None when the lean step computes what this model's forward does, else why not (one line).
+    gpu: also on a CUDA device, where it is measured (`ladechat bench step-cost`) but not yet
+    anyone's default (runner.default_runner asks without it)."""
     if not isinstance(model, torch.nn.Module):  # a wrapper (the fault-injection tests'): its own forward
         return "not a torch module"
     config = model.config
     if config.model_type not in FAMILIES:
         return f"{config.model_type} is not a Llama-family model ({', '.join(sorted(FAMILIES))})"
-    if model.device.type != "cpu":
-        return "the lean step runs on the CPU (on a GPU a step's framework work overlaps the kernels)"
+    # On a GPU the step is not a default until measured there: the first run (an H200) found eager
+    # steps host-bound, ~20 ms whatever their rows, which is what the lean step's fewer ops address.
+    if model.device.type != "cpu" and not (gpu and model.device.type == "cuda"):
+        return "the lean step runs on the CPU (on a GPU only where `ladechat bench step-cost` measures it)"
     # accelerate's hooks (a device map, disk offload) bring a layer's weights in when the layer's
     # forward runs, which the lean step never calls
     if len(set((getattr(model, "hf_device_map", None) or {}).values())) > 1 \
@@ -111,10 +115,11 @@ def _torch_rope(q: torch.Tensor, k: torch.Tensor, heads: int, kv_heads: int, cos
 class LeanStep:
     """The model's decoding steps (see the module's docstring) into a kv.GrowingCache."""
 
-    def __init__(self, model, rope_kernel: bool | None = None) -> None:
-        """rope_kernel: rotate with ladechat's kernel (its library loaded, fp32 or bf16) or torch's
-        ops, the same bits; None: the kernel where model loading loaded it and it takes the dtype."""
-        why = supported(model)
+    def __init__(self, model, rope_kernel: bool | None = None, gpu: bool = False) -> None:
+        """rope_kernel: rotate with ladechat's kernel (its library loaded, fp32 or bf16, on the CPU)
+        or torch's ops, the same bits; None: the kernel where model loading loaded it and it takes
+        the dtype. gpu: see supported()."""
+        why = supported(model, gpu)
         if why:
             raise ValueError(f"the lean step cannot run this model: {why}")
         self.model = model
@@ -140,7 +145,8 @@ class LeanStep:
                         norms.add_norm(next_norm))
                        for layer, next_norm in zip(layers, after, strict=True)]
         self.cos = self.signed_sin = torch.empty(0)
-        takes = model.dtype in (torch.float32, torch.bfloat16)  # the kernel's dtypes (fp16: torch's ops)
+        # the kernel's dtypes (fp16: torch's ops), on the CPU (its library has no CUDA code)
+        takes = model.dtype in (torch.float32, torch.bfloat16) and model.device.type == "cpu"
         if rope_kernel is None:
             rope_kernel = takes and step_ops.loaded()
         elif rope_kernel and not (takes and step_ops.loaded()):
@@ -158,8 +164,9 @@ class LeanStep:
             return
         length = max(end + end // 2, TABLE_MIN)
         with torch.inference_mode():
-            probe = torch.zeros(1, dtype=self.model.dtype)
-            cos, sin = self.model.model.rotary_emb(probe, position_ids=torch.arange(length).unsqueeze(0))
+            device = self.model.device
+            probe = torch.zeros(1, dtype=self.model.dtype, device=device)
+            cos, sin = self.model.model.rotary_emb(probe, position_ids=torch.arange(length, device=device).unsqueeze(0))
             half = sin.shape[-1] // 2
         self.cos, self.signed_sin = cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
 
@@ -169,7 +176,8 @@ class LeanStep:
         heads, kv_heads, dim, groups = self.heads, self.kv_heads, self.dim, self.groups
         with torch.inference_mode():
             if size == 1:
-                ids, positions, mask = torch.tensor(layout.tokens), torch.tensor([past]), None
+                ids, positions = (torch.tensor(v, device=model.device) for v in (layout.tokens, [past]))
+                mask = None
             else:
                 ids, positions, mask = step_inputs(layout, past, model.dtype, model.device)
                 ids, positions = ids[0], positions[0]

@@ -126,9 +126,9 @@ class LeanRunner(DynamicRunner):
 
     steps = "engine/lean.py"
 
-    def __init__(self, model, rope_kernel: bool | None = None) -> None:
+    def __init__(self, model, rope_kernel: bool | None = None, gpu: bool = False) -> None:
         super().__init__(model)
-        self.lean = lean.LeanStep(model, rope_kernel)
+        self.lean = lean.LeanStep(model, rope_kernel, gpu)
 
     def step(self, layout: StepLayout, past: int) -> torch.Tensor:
         self.appended = layout.size
