@@ -612,8 +612,8 @@ def bench_step_cost(model: Model = None,
                     as_json: BenchJson = False,
                     weights: Annotated[Optional[str], typer.Option("--weights", help="Linear weights, as for the chat (auto, dense, packed, int4); default packed where this device packs them, else dense (a GPU, --compile).")] = None) -> None:
     """What one decoding step costs as it feeds more tokens (exact-size steps through the model's
-    forward and, for the Llama family on a CPU, engine/lean.py; fixed-shape and --compile'd ones),
-    next to HF generate's time per token."""
+    forward and, for the Llama family, engine/lean.py, on a GPU too; fixed-shape and --compile'd
+    ones), next to HF generate's time per token."""
     from ladechat.bench import steps
     from ladechat.engine.model.loading import resolve_device, resolve_dtype
     from ladechat.ui.report import step_cost_table

@@ -15,7 +15,7 @@ from ladechat.engine import kv, lean
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.layout import build_layout
-from ladechat.engine.model import int4, native, q4, step_ops
+from ladechat.engine.model import attention, int4, native, q4, step_ops
 from ladechat.engine.model.attention import use_grouped_sdpa
 from ladechat.engine.model.loading import LoadSpec, load
 from ladechat.engine.runner import DynamicRunner, LeanRunner, default_runner
@@ -114,7 +114,7 @@ def test_a_dtype_the_rope_kernel_does_not_take_rotates_with_torch(rope_kernel):
     model = grouped("llama").to(torch.float16)
     assert LeanRunner(model).lean.rope is lean._torch_rope
     assert_steps_match(model, list(range(3, 40)))
-    with pytest.raises(ValueError, match=r"cannot rotate this model's steps \(torch.float16, loaded\)"):
+    with pytest.raises(ValueError, match=r"cannot rotate this model's steps \(torch.float16 on cpu, loaded\)"):
         LeanRunner(model, rope_kernel=True)
 
 
@@ -187,6 +187,8 @@ def test_on_a_gpu_the_lean_step_is_measured_but_no_default(monkeypatch):
     monkeypatch.setattr(type(model), "device", property(lambda self: torch.device("cuda", 0)))
     assert lean.supported(model, gpu=True) is None
     assert "runs on the CPU" in lean.supported(model) and type(default_runner(model)) is DynamicRunner
+    monkeypatch.setattr(model.config, "_attn_implementation", attention.ROWWISE)  # its kernel is the CPU's
+    assert "row-wise attention runs on the CPU" in lean.supported(model, gpu=True)
     monkeypatch.setattr(type(model), "device", property(lambda self: torch.device("meta")))
     assert "runs on the CPU" in lean.supported(model, gpu=True)
 

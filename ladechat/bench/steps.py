@@ -148,18 +148,20 @@ def run(model, name: str, sizes=SIZES, context: int = 512, reps: int = 10, compi
     la = LookaheadConfig(window=max(sizes) // LEVELS or 1, ngram=LEVELS + 1, candidates=0, context_candidates=0)
     context_length = context + max(sizes) + 8
     curves = {"dynamic": _time_steps(DynamicRunner(model), sizes, context, reps)}
-    lean_error = None
-    if lean.supported(model, gpu=True) is None:  # the model's layers without their forward (a CPU's default)
-        try:
-            curves["lean"] = _time_steps(LeanRunner(model, gpu=True), sizes, context, reps)
-        except RuntimeError as exc:  # on a GPU it is measured here first: a failure there is reported
-            if device.type == "cpu":
-                raise
-            lean_error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     curves["static"] = _time_steps(StaticRunner(model, la, context_length), sizes, context, reps)
     if compile:
         compiled = StaticRunner(model, la, context_length, compiled=CompiledForward(model))
         curves["compiled"] = _time_steps(compiled, sizes, context, reps)
+    lean_error = None
+    if lean.supported(model, gpu=True) is None:  # the model's layers without their forward (a CPU's default)
+        try:  # last but HF: on a GPU it is measured here first, and a broken device loses nothing before it
+            curves["lean"] = _time_steps(LeanRunner(model, gpu=True), sizes, context, reps)
+        except Exception as exc:  # there a failure is reported, the other curves stand; on a CPU it is a bug
+            if device.type == "cpu":
+                raise
+            lean_error = f"{type(exc).__name__}: " + next((line for line in str(exc).splitlines() if line.strip()), "")
+    order = ("dynamic", "lean", "static", "compiled")  # the table's columns
+    curves = {kind: curves[kind] for kind in order if kind in curves}
     packed = packing.is_packed(model)
     return {"model": name, "device": str(device), "dtype": str(model.dtype).removeprefix("torch."),
             "packed_weights": packed, "context": context, "reps": reps,

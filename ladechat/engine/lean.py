@@ -52,6 +52,8 @@ def supported(model, gpu: bool = False) -> str | None:
     # steps host-bound, ~20 ms whatever their rows, which is what the lean step's fewer ops address.
     if model.device.type != "cpu" and not (gpu and model.device.type == "cuda"):
         return "the lean step runs on the CPU (on a GPU only where `ladechat bench step-cost` measures it)"
+    if model.device.type != "cpu" and config._attn_implementation == attention.ROWWISE:
+        return "ladechat's row-wise attention runs on the CPU"
     # accelerate's hooks (a device map, disk offload) bring a layer's weights in when the layer's
     # forward runs, which the lean step never calls
     if len(set((getattr(model, "hf_device_map", None) or {}).values())) > 1 \
@@ -150,8 +152,8 @@ class LeanStep:
         if rope_kernel is None:
             rope_kernel = takes and step_ops.loaded()
         elif rope_kernel and not (takes and step_ops.loaded()):
-            raise ValueError(f"ladechat's rope kernel cannot rotate this model's steps ({model.dtype}, "
-                             f"{'loaded' if step_ops.loaded() else 'not loaded'})")
+            raise ValueError(f"ladechat's rope kernel cannot rotate this model's steps ({model.dtype} on "
+                             f"{model.device}, {'loaded' if step_ops.loaded() else 'not loaded'})")
         self.rope = torch.ops.ladechat_step.rope.default if rope_kernel else _torch_rope
         # the attention the model's forward runs (attention.py), of the stacked rows
         self.attend = attention.attend_stacked if config._attn_implementation == attention.ROWWISE \
@@ -183,7 +185,7 @@ class LeanStep:
                 ids, positions = ids[0], positions[0]
                 if groups > 1:  # one copy per query head of a group, stacked as rows
                     mask = mask.repeat(1, 1, groups, 1)
-            self.table(int(positions.max()) + 1)
+            self.table(past + size)  # a row's position is past + its depth, below size: no read of the device
             cos, signed_sin = self.cos[positions], self.signed_sin[positions]  # (S, dim), broadcast over heads
             x = model.model.embed_tokens(ids)  # (S, hidden)
             silu, attend, rope = torch.nn.functional.silu, self.attend, self.rope
