@@ -101,18 +101,24 @@ def test_the_paths_and_dtypes_give_the_same_bits(kernel):
     assert torch.equal(layer.product()(x), results[0])
 
 
-def test_every_row_count_gives_each_row_its_own_bits(kernel):
-    """The kernels take a tile's rows 4 at a time, then the 1-3 left: for every step size a row's
-    outputs are its one-row product's, on every path."""
-    codes, scales, lows = random_weight(48, 96, seed=5)
-    tiles = q4.layout(codes, scales, lows)
-    x = torch.randn(11, 96, generator=torch.Generator().manual_seed(5))
+def assert_each_row_its_own(layer_on, x: torch.Tensor) -> None:
+    """The kernels (blocks.cpp, q4 and q8 alike) take a tile's rows 4 at a time, then the 1-3 left:
+    for every step size 1..len(x) a row's outputs are its one-row product's, on every path
+    (layer_on(path): the layer on that path), and every path gives the same bits."""
+    outputs = []
     for path in paths():
-        layer = q4.Q4Linear(*tiles, path=path)
+        layer = layer_on(path)
         alone = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
         for rows in range(1, len(x) + 1):
             assert torch.equal(layer(x[:rows]), alone[:rows]), (path, rows)
-    assert all(torch.equal(q4.Q4Linear(*tiles, path=path)(x), alone) for path in paths())
+        outputs.append(alone)
+    assert all(torch.equal(y, outputs[0]) for y in outputs)
+
+
+def test_every_row_count_gives_each_row_its_own_bits(kernel):
+    tiles = q4.layout(*random_weight(48, 96, seed=5))
+    assert_each_row_its_own(lambda path: q4.Q4Linear(*tiles, path=path),
+                            torch.randn(11, 96, generator=torch.Generator().manual_seed(5)))
 
 
 def test_a_row_is_the_same_alone_among_many_and_on_any_thread_count(kernel):

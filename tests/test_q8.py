@@ -82,17 +82,11 @@ def int8_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def test_every_row_count_gives_each_row_its_own_bits(kernel):
-    """The kernels take a tile's rows 4 at a time, then the 1-3 left: for every step size a row's
-    outputs are its one-row product's, on every path."""
-    codes, scales = random_layer(48, 96, seed=5)
-    tiles = q8.kernel_layout(codes, scales)
-    x = torch.randn(11, 96, generator=torch.Generator().manual_seed(5))
-    for path in paths():
-        layer = q8.Q8Linear(*tiles, path=path)
-        alone = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
-        for rows in range(1, len(x) + 1):
-            assert torch.equal(layer(x[:rows]), alone[:rows]), (path, rows)
-    assert all(torch.equal(q8.Q8Linear(*tiles, path=path)(x), alone) for path in paths())
+    from test_q4 import assert_each_row_its_own
+
+    tiles = q8.kernel_layout(*random_layer(48, 96, seed=5))
+    assert_each_row_its_own(lambda path: q8.Q8Linear(*tiles, path=path),
+                            torch.randn(11, 96, generator=torch.Generator().manual_seed(5)))
 
 
 def test_a_row_is_the_same_alone_among_many_and_on_any_thread_count(kernel):

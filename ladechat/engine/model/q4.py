@@ -8,8 +8,8 @@ Why not torch's int4 kernel (int4.Int4Linear, still the path where no compiler b
 it widens the codes to floats for every 4 rows of a step and multiplies in fp32, so each extra
 row of a lookahead step cost nearly what the first did; here the codes meet int8 activations in
 integer dot products, four multiply-adds per instruction. Measured on the 2-core AVX-512 machine
-(576x1536, fp32 rows, scripts/kernel_bench.py): 24 against 49 us for one row, 84 against 224 us
-for 16.
+(576x1536, fp32 rows, scripts/kernel_bench.py, before the kernels took 4 rows at a time): 24
+against 49 us for one row, 84 against 224 us for 16.
 
 What it changes: the activations' int8 codes carry ~1/254 of each 32-input group's largest value
 as their rounding, where torch's kernel rounded them to bf16 (8 bits of mantissa): an error of the
