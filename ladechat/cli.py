@@ -94,17 +94,20 @@ def _setting_flags(params: dict, names: tuple[str, ...] | None = None) -> dict:
     return given
 
 
-def _settings(given: dict, loaded=None, default_temperature: float = 0.0):
+def _settings(given: dict, loaded=None, default_temperature: float = 0.0, compile: bool = False):
     """Settings (ladechat.settings) from the settings the flags give (_setting_flags). What is not
     given takes the device's defaults (on a GPU, W/N/G from the loaded model's measured step-cost
-    curve) and default_temperature. loaded=None: check the flags before loading. ConfigError or
-    TemplateError (one line) for a bad value."""
+    curve; with compile the paper's W = G = 15, N = 5 without measuring: that curve is of eager
+    exact-size steps, and a compiled full step costs about a one-row one) and default_temperature.
+    loaded=None: check the flags before loading. ConfigError or TemplateError (one line) for a bad
+    value."""
     from ladechat.engine.defaults import default_lookahead
     from ladechat.settings import Settings
     from ladechat.templates import resolve
 
     device_type = loaded.device.type if loaded is not None else "cpu"
-    base = default_lookahead(device_type, loaded.step_cost() if device_type == "cuda" else None)
+    measure = device_type == "cuda" and not compile
+    base = default_lookahead(device_type, loaded.step_cost() if measure else None)
     settings = Settings.for_lookahead(base, temperature=default_temperature).updated(given)
     resolve(loaded.tokenizer if loaded is not None else None, settings.template)
     return settings
@@ -326,7 +329,7 @@ def _chat_bot(options: dict, given: dict, progress):
     loaded = _load(options["model"], options["dtype"], options["device"], options["attn"], options["load_in_4bit"],
                    options["load_in_8bit"], options["device_map"], progress, options["max_memory"], options["compile"],
                    options["weights"])
-    settings = _settings(given, loaded, default_temperature=_model_temperature(loaded))
+    settings = _settings(given, loaded, default_temperature=_model_temperature(loaded), compile=options["compile"])
     bot = _bot(loaded, settings, options["compile"], progress)
     bot.notices[:0] = loaded.notices
     return settings, bot
@@ -372,7 +375,7 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
         _quiet_libraries()
         loaded = _load_here(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, err, max_memory,
                             compile, weights)
-        settings = _settings(given, loaded)
+        settings = _settings(given, loaded, compile=compile)
         bot = _bot(loaded, settings, compile, _spinner(err))
     if debug:  # which weights and kernels answer
         err.print(f"[dim]model {escape(bot.describe())}[/]", highlight=False, soft_wrap=True)
@@ -546,7 +549,7 @@ def bench(ctx: typer.Context, dataset: Datasets = ["mtbench"],
     _quiet_libraries()
     loaded = _load_here(model, dtype, device, attn, False, False, None, err, compile=compile,
                         weights=weights or _bench_weights(device, dtype, compile))
-    settings = _settings(given, loaded)
+    settings = _settings(given, loaded, compile=compile)
     results = benchmark.run(loaded, dataset, method_list, settings, limit, compile=compile, single_turn=single_turn,
                             store=store, warm_from=warm_from, warm_limit=warm_limit, peers=peers,
                             progress=lambda name, i, n: err.print(f"[dim]{escape(name)}: {i}/{n}[/]", highlight=False))

