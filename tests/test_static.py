@@ -69,8 +69,9 @@ def test_static_eos_and_lookahead_off():
 
 
 def test_compiled_step_is_exact():
-    """torch.compile of the fixed-shape step (two graphs: plain and lookahead) on a tiny Llama with
-    the grouped-query attention the chat runs, against HF greedy on the unchanged model."""
+    """torch.compile of the fixed-shape step (one graph for lookahead, one more once it is off) on
+    a tiny Llama with the grouped-query attention the chat runs, against HF greedy on the
+    unchanged model."""
     import copy
 
     from ladechat.engine.model.attention import use_grouped_sdpa
@@ -80,14 +81,19 @@ def test_compiled_step_is_exact():
     assert use_grouped_sdpa(model)
     la = LookaheadConfig(window=3, ngram=3, candidates=3)
     runner = StaticRunner(model, la, context_length=256, compiled=CompiledForward(model))
+    compiled, shapes = runner.forward, []
+    runner.forward = lambda **inputs: shapes.append(inputs["input_ids"].shape[1]) or compiled(**inputs)
     prompt = repetitive_prompt(random.Random(21), model.config.vocab_size, 30)
     ours, steps, session = static_run(model, prompt, la, 40, runner=runner)
     assert ours == hf_greedy(plain, prompt, 40)
     assert any(len(s.tokens) > 1 for s in steps)
+    assert set(shapes) == {max_step_size(la)}  # one shape to compile: every step padded to the full one
     session.reset()
     session.configure(LookaheadConfig(window=3, ngram=3, candidates=3, enabled=False))
+    shapes.clear()
     events = list(generate(session, prompt, SamplingConfig(max_new_tokens=20), frozenset()))
     assert list(events[-1].text_tokens) == hf_greedy(plain, prompt, 20)
+    assert set(shapes) == {1}
 
 
 def test_fixed_step_inputs_pad_rows_and_mask_the_free_slots():

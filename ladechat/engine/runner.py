@@ -146,7 +146,7 @@ def default_runner(model) -> DynamicRunner:
     return LeanRunner(model) if lean.supported(model) is None else DynamicRunner(model)
 
 
-COMPILED_GRAPHS = 64  # step graphs one model may compile: (plain, full) x cache lengths x W/N/G settings
+COMPILED_GRAPHS = 64  # step graphs one model may compile: cache lengths x W/N/G settings (or lookahead off)
 
 
 class CompiledForward:
@@ -154,10 +154,10 @@ class CompiledForward:
     runners (the chat's, each bench method's): compiled graphs are cached per function, so
     separate torch.compile calls would compete for the same slots.
 
-    dynamic=False: one graph per shape (the plain and the full step at each cache length), no
-    guards on sizes; on a GPU "reduce-overhead" also captures each as a CUDA graph. Past its limit
-    torch would silently run new shapes eagerly (and a benchmark would call them compiled); here
-    the limit is explicit, and reaching it is an error that says so.
+    dynamic=False: one graph per shape (the step at each cache length: the full one, or one row
+    with lookahead off), no guards on sizes; on a GPU "reduce-overhead" also captures each as a
+    CUDA graph. Past its limit torch would silently run new shapes eagerly (and a benchmark would
+    call them compiled); here the limit is explicit, and reaching it is an error that says so.
     """
 
     def __init__(self, model, limit: int = COMPILED_GRAPHS) -> None:
@@ -200,13 +200,12 @@ class StaticRunner(DynamicRunner):
         self.configure(lookahead)
 
     def warm_up(self, committed: int) -> None:
-        """Run the plain and the full lookahead step once, so compiling happens now, not mid-answer.
+        """Run the step once at its shape, so compiling happens now, not mid-answer.
 
         Writes only past the `committed` positions, which are kept as they are."""
         self.prefill([0], committed)
-        for size in sorted({1, self.step_size}):
-            self.truncate(committed + 1)
-            self.step(build_layout([[0] * size], []), committed + 1)
+        self.truncate(committed + 1)
+        self.step(build_layout([[0] * self.shape], []), committed + 1)
         self.truncate(committed)
 
     def reset(self) -> None:
@@ -218,6 +217,11 @@ class StaticRunner(DynamicRunner):
             raise ConfigError(f"a full step of W={lookahead.window} N={lookahead.ngram} G={lookahead.candidates} "
                               f"has {size} rows, more than the {MAX_FIXED_STEP} a fixed-shape step allows")
         self.step_size = size
+        # Every step has one shape: the full step with lookahead on (a step of fewer rows is
+        # padded to it), one row with it off. One graph to compile, not two: compiling the
+        # embedded model's step took ~27 s a shape on an H200, and a full step costs about a
+        # one-row one there (BENCHMARKS.md).
+        self.shape = size if lookahead.enabled else 1
 
     def _length_for(self, end: int) -> int:
         """The cache length (doubling from the current one) whose slots reach `end`."""
@@ -282,7 +286,7 @@ class StaticRunner(DynamicRunner):
         kv.truncate(self.cache, length, self.packed)
 
     def step(self, layout: StepLayout, past: int) -> torch.Tensor:
-        size = 1 if layout.size == 1 else self.step_size
+        size = self.shape
         self._make_room(past + size, past)
         if layout.size > size or past + size > self.length:
             raise ValueError(f"step of {layout.size} rows at {past} does not fit the fixed shape ({size} rows, "
