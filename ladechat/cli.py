@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -62,6 +64,7 @@ Template = Annotated[Optional[str], typer.Option("--template", help="Chat templa
 System = Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.")]
 Stop = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop the answer after this text (repeatable).")]
 Compile = Annotated[bool, typer.Option("--compile", help="Fixed-shape steps on a pre-allocated KV cache, compiled with torch.compile (CUDA graphs on a GPU); every lookahead step is a full one. Compiles at start.")]
+AutoCompile = Annotated[Optional[bool], typer.Option("--compile/--no-compile", show_default=False, help="Fixed-shape steps on a pre-allocated KV cache, compiled with torch.compile (CUDA graphs on a GPU); every lookahead step is a full one. Compiles at start (~30-50 s on a GPU). Default: on for a model on one CUDA GPU without --load-in-4bit/8bit or --device-map (uncompiled steps there if it fails, with a notice), off elsewhere.")]
 Store = Annotated[bool, typer.Option("--store/--no-store", help="Draft from (and add each answer to) this model's store of past answers, kept under the cache folder (see: ladechat store).")]
 Markdown = Annotated[bool, typer.Option("--markdown/--no-markdown", help="On a terminal, redraw a finished answer that has code blocks, lists or headings as rendered Markdown.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print one JSON object (text, token_ids, stats) instead of streaming.")]
@@ -275,7 +278,7 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = LOOKAHE
          load_in_4bit: FourBit = False, load_in_8bit: EightBit = False, device_map: DeviceMap = None,
          keep_alive: KeepAlive = "5m",
          max_memory: MaxMemory = None, attn: Attn = "sdpa", template: Template = None, system: System = None, stop: Stop = None,
-         compile: Compile = False, store: Store = LOOKAHEAD.store, markdown: Markdown = True, debug: Debug = False,
+         compile: AutoCompile = None, store: Store = LOOKAHEAD.store, markdown: Markdown = True, debug: Debug = False,
          api: Api = None, api_key: ApiKey = None, weights: Weights = "auto") -> None:
     """Interactive multi-turn chat (the default command). Type /help inside for commands."""
     if ctx.invoked_subcommand is not None:
@@ -299,7 +302,7 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = LOOKAHE
             run_chat(warm, system=system, debug=debug, markdown=markdown, out=stdout_console(), err=err)
             return
         load = lambda progress: _warm_bot(ctx, keep, err, progress)
-    elif compile:
+    elif _compiles(ctx.params):
         # Compiled steps are captured (CUDA graphs) per thread: warm them up on the thread that
         # answers, before the prompt.
         bot = _chat_bot(ctx.params, given, _spinner(err))[1]
@@ -326,12 +329,66 @@ def _chat_bot(options: dict, given: dict, progress):
     settings its flags give: the model loaded, W/N/G for its device, the model's own temperature
     when it samples. The load's notices are the bot's first."""
     _quiet_libraries()
+    compile = _compiles(options)
     loaded = _load(options["model"], options["dtype"], options["device"], options["attn"], options["load_in_4bit"],
-                   options["load_in_8bit"], options["device_map"], progress, options["max_memory"], options["compile"],
+                   options["load_in_8bit"], options["device_map"], progress, options["max_memory"], compile,
                    options["weights"])
-    settings = _settings(given, loaded, default_temperature=_model_temperature(loaded), compile=options["compile"])
-    bot = _bot(loaded, settings, options["compile"], progress)
+    settings, bot = _compiled_or_not(loaded, given, compile, options["compile"] is None, progress,
+                                     _model_temperature(loaded))
     bot.notices[:0] = loaded.notices
+    return settings, bot
+
+
+def _compiles(options: dict) -> bool:
+    """--compile/--no-compile as given; neither: the device's default (engine/defaults.py), without
+    importing torch where its build has no CUDA (a CPU's chat shows its prompt at once)."""
+    if options["compile"] is not None:
+        return options["compile"]
+    from ladechat.engine.defaults import compiles_by_default
+
+    device = options["device"]
+    if device == "cpu" or (device == "auto" and not _torch_has_cuda()):
+        return False
+    from ladechat.engine.model.loading import LoadError, resolve_device
+
+    try:
+        kind = resolve_device(device).type
+    except LoadError:  # the load says why, in its own words
+        return False
+    return compiles_by_default(kind, options["load_in_4bit"] or options["load_in_8bit"],
+                               options["device_map"] is not None, options["weights"])
+
+
+def _torch_has_cuda() -> bool:
+    """Whether the installed torch is a CUDA build, read from its version.py (a CPU build says
+    `cuda ... = None`) rather than by importing it (~1-2 s); unsure: True (the caller asks torch)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    try:
+        text = (Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text()
+    except OSError:
+        return True
+    return re.search(r"^cuda\b[^=\n]*=\s*None\s*$", text, re.MULTILINE) is None
+
+
+def _compiled_or_not(loaded, given: dict, compile: bool, by_default: bool, progress,
+                     default_temperature: float = 0.0):
+    """(settings, Bot). A compile the user did not ask for (by_default) that fails leaves the
+    steps uncompiled, with a notice saying why: e.g. a model with sliding-window layers, which
+    the fixed-shape cache does not hold."""
+    settings = _settings(given, loaded, default_temperature, compile=compile)
+    try:
+        return settings, _bot(loaded, settings, compile, progress)
+    except Exception as exc:  # torch.compile's failures have no common type; the uncompiled steps are the tested path
+        if not (compile and by_default):
+            raise
+        why = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    settings = _settings(given, loaded, default_temperature)
+    bot = _bot(loaded, settings, False, progress)
+    bot.notices.append(f"the decoding steps run uncompiled: compiling them failed ({why}); --no-compile skips the try")
     return settings, bot
 
 
@@ -353,7 +410,7 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
         load_in_8bit: EightBit = False, device_map: DeviceMap = None, max_memory: MaxMemory = None,
         keep_alive: KeepAlive = "5m",
         attn: Attn = "sdpa",
-        template: Template = None, system: System = None, stop: Stop = None, compile: Compile = False,
+        template: Template = None, system: System = None, stop: Stop = None, compile: AutoCompile = None,
         store: Store = LOOKAHEAD.store, markdown: Markdown = True, debug: Debug = False, as_json: AsJson = False,
         api: Api = None, api_key: ApiKey = None, weights: Weights = "auto") -> None:
     """One-shot answer to PROMPT, streamed to stdout (greedy unless --temperature is given)."""
@@ -373,10 +430,10 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
         given = _setting_flags(ctx.params)
         _settings(given)  # every flag checked before the (slow) model load
         _quiet_libraries()
+        compiled = _compiles(ctx.params)
         loaded = _load_here(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, err, max_memory,
-                            compile, weights)
-        settings = _settings(given, loaded, compile=compile)
-        bot = _bot(loaded, settings, compile, _spinner(err))
+                            compiled, weights)
+        bot = _compiled_or_not(loaded, given, compiled, compile is None, _spinner(err))[1]
     if debug:  # which weights and kernels answer
         err.print(f"[dim]model {escape(bot.describe())}[/]", highlight=False, soft_wrap=True)
     conversation = Conversation(system=system, messages=[{"role": "user", "content": text}])
@@ -449,7 +506,7 @@ def serve(ctx: typer.Context, host: Annotated[str, typer.Option("--host", help="
           top_p: TopP = SAMPLING.top_p, top_k: TopK = SAMPLING.top_k, min_p: MinP = SAMPLING.min_p, repetition_penalty: RepPenalty = SAMPLING.repetition_penalty,
           seed: Seed = None, dtype: Dtype = "auto", device: Device = "auto", load_in_4bit: FourBit = False,
           load_in_8bit: EightBit = False, device_map: DeviceMap = None, max_memory: MaxMemory = None,
-          attn: Attn = "sdpa", template: Template = None, stop: Stop = None, compile: Compile = False,
+          attn: Attn = "sdpa", template: Template = None, stop: Stop = None, compile: AutoCompile = None,
           store: Store = LOOKAHEAD.store, weights: Weights = "auto") -> None:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions), with lookahead decoding."""
     from ladechat.serve import app as server

@@ -141,6 +141,7 @@ def test_call2_assembles_the_model_and_benches_item_by_item(staged):
     labels = [label for label, _ in startup["phases"]]
     assert labels[0] == "import torch, transformers" and labels[-1] == "the first answer" and "load, in all" in labels
     assert all(seconds >= 0 for _, seconds in startup["phases"]) and 0 < startup["new_tokens"] <= 8
+    assert startup["cudagraph_skips"] == 0 and not startup["compiled"]  # the dry run drops --compile
     assert startup["to_answer_s"] >= sum(seconds for label, seconds in startup["phases"] if label != "load, in all"
                                          and labels.index(label) >= labels.index("load, in all"))
     [answer] = [line["result"] for line in steps["ask-compile"] if "result" in line]

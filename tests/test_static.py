@@ -1,5 +1,6 @@
 """The fixed-shape path (static KV cache, padded steps, optionally compiled) is exact too."""
 
+import contextlib
 import random
 
 import pytest
@@ -268,6 +269,7 @@ def test_one_compiled_forward_per_model_shared_by_its_runners():
     assert loaded.compiled_forward is loaded.compiled_forward
     first, second = (Bot(loaded, Settings(store=False), compile=True) for _ in range(2))
     assert first.session.runner.forward is second.session.runner.forward is loaded.compiled_forward
+    assert first.describe().endswith("; steps by torch.compile, one fixed shape)")  # /show and --debug say so
 
 
 def test_a_warm_up_stopped_by_ctrl_c_is_done_again_at_the_next_turn():
@@ -287,3 +289,97 @@ def test_a_warm_up_stopped_by_ctrl_c_is_done_again_at_the_next_turn():
     assert stopped.stats.finish_reason == "interrupted" and not stopped.text_tokens
     done = list(generate(session, prompt, SamplingConfig(max_new_tokens=600), frozenset()))[-1]
     assert runner.warm_ups == 2 and list(done.text_tokens) == hf_greedy(model, prompt, 600)
+
+
+def test_a_default_compile_that_fails_leaves_the_steps_uncompiled_with_a_notice():
+    """--compile is the default on a GPU (cli._compiles); a model it cannot compile (here sliding-window
+    layers, which the fixed-shape cache does not hold) answers uncompiled and says why, unless the
+    user asked for --compile."""
+    from tiny_models import COMMON, tiny_tokenizer
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from ladechat.cli import _compiled_or_not
+    from ladechat.engine.model.loading import LoadedModel
+
+    tokenizer = tiny_tokenizer()
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(**{**COMMON, "vocab_size": len(tokenizer), "sliding_window": 16})).eval()
+    loaded = LoadedModel(model=model, tokenizer=tokenizer, name="tiny-sliding", device=model.device, dtype=model.dtype,
+                         eos_ids=frozenset(), context_length=256)
+    phases = []
+    progress = lambda message: phases.append(message) or contextlib.nullcontext()
+    _, bot = _compiled_or_not(loaded, {"store": False}, True, True, progress)
+    assert not bot.compiled and not bot.session.runner.fixed
+    [notice] = bot.notices
+    assert notice.startswith("the decoding steps run uncompiled: compiling them failed (fixed-shape steps (--compile) "
+                             "do not support this model's sliding-window layers)")
+    with pytest.raises(ConfigError, match="sliding-window layers"):  # asked for: the error is the user's to see
+        _compiled_or_not(loaded, {"store": False}, True, False, progress)
+
+
+def test_compile_is_the_default_on_one_cuda_gpu_only():
+    import subprocess
+    import sys
+
+    from ladechat.cli import _compiles
+    from ladechat.engine.defaults import compiles_by_default
+
+    assert compiles_by_default("cuda", quantized=False, mapped=False, weights="auto")
+    assert not compiles_by_default("cpu", quantized=False, mapped=False, weights="auto")
+    assert not compiles_by_default("cuda", quantized=True, mapped=False, weights="auto")  # bitsandbytes' layers
+    assert not compiles_by_default("cuda", quantized=False, mapped=True, weights="auto")  # a device map
+    options = {"compile": None, "device": "auto", "load_in_4bit": False, "load_in_8bit": False, "device_map": None,
+               "weights": "auto"}
+    assert _compiles({**options, "compile": True}) and not _compiles({**options, "compile": False, "device": "cuda"})
+    assert not _compiles(options) and not _compiles({**options, "device": "cpu"})  # this CPU-only torch
+    # deciding it on a CPU build of torch does not import torch (the chat's prompt comes at once)
+    code = ("import sys; from ladechat.cli import _compiles; "
+            f"print(_compiles({options!r}), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"]
+
+
+@pytest.mark.parametrize("line, cuda", [("cuda: Optional[str] = None", False), ("cuda = None", False),
+                                        ("cuda: Optional[str] = '13.0'", True), ("cuda = '12.8'", True)])
+def test_a_torch_build_with_cuda_is_told_from_its_version_file(tmp_path, line, cuda):
+    import subprocess
+    import sys
+
+    fake = tmp_path / "torch"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('not to be imported')\n")
+    (fake / "version.py").write_text(f"__version__ = '2.13.0'\ndebug = False\n{line}\nhip = None\n")
+    code = "from ladechat.cli import _torch_has_cuda; print(_torch_has_cuda())"
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
+    assert out.strip() == str(cuda)
+
+
+def test_compiled_steps_take_each_cache_tensor_as_its_own_static_input():
+    """CUDA graphs (--compile on a GPU) replay only graphs whose mutated inputs are static and not
+    views of one another: aliased inputs that are written get a synthetic base, a fresh input,
+    and torch then skips the CUDA graph ("skipping cudagraphs due to mutated inputs", seen on an
+    H200 when the compiled runner's layers were views of one packed tensor). Checked here on the
+    graph inputs torch.compile hands its backend."""
+    loaded_model = model_for("llama")
+    inputs_seen = []
+
+    def backend(graph, example_inputs):
+        inputs_seen.append([t for t in example_inputs if isinstance(t, torch.Tensor)])
+        return graph.forward
+
+    class RecordingCompile(CompiledForward):
+        def __init__(self, model):
+            self.limit = 8
+            self.fn = torch.compile(model.forward, backend=backend, dynamic=False)
+
+    la = LookaheadConfig(window=2, ngram=3, candidates=1)
+    runner = StaticRunner(loaded_model, la, context_length=256, compiled=RecordingCompile(loaded_model))
+    runner.warm_up(0)
+    [inputs] = inputs_seen
+    layers = [t for layer in runner.cache.layers for t in (layer.keys, layer.values, layer.cumulative_length)]
+    cache_inputs = [t for t in inputs if any(t is layer for layer in layers)]
+    assert len(cache_inputs) == len(layers)  # every layer's keys, values and length: graph inputs
+    assert all(getattr(t, "_dynamo_static_input_type", None) for t in cache_inputs)  # fixed addresses
+    storages = {t.untyped_storage().data_ptr() for t in cache_inputs}
+    assert len(storages) == len(cache_inputs)  # none a view of another

@@ -27,3 +27,13 @@ def gpu_lookahead(step_cost: dict[int, float] | None) -> LookaheadConfig:
 
         branch = min(GPU_MAX_BRANCH, max(1, affordable_size(step_cost, GPU_SLACK) // (2 * (GPU_NGRAM - 1))))
     return LookaheadConfig(window=branch, ngram=GPU_NGRAM, candidates=branch, context_candidates=4, context_len=10)
+
+
+def compiles_by_default(device_type: str, quantized: bool, mapped: bool, weights: str) -> bool:
+    """Whether the steps are compiled (--compile) when neither --compile nor --no-compile is given:
+    on a CUDA GPU, for a model on one device with its own Linear modules. Measured on an H200
+    (BENCHMARKS.md): the embedded model's eager steps are host-bound (14 tok/s decoding; ~40 ms a
+    step through transformers' forward) and compiled ones answer at 134-146 tok/s, 4-14x HF greedy
+    per item on the dev sets, for a start-up of ~50 s once per process (~30 s with torch's compile
+    cache warm). bitsandbytes' layers and device maps are not what the fixed-shape step compiles."""
+    return device_type == "cuda" and not quantized and not mapped and weights in ("auto", "dense")

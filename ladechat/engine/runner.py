@@ -195,6 +195,7 @@ class StaticRunner(DynamicRunner):
         if any(getattr(layer, "is_sliding", False) for layer in self.cache.layers):
             raise ConfigError("fixed-shape steps (--compile) do not support this model's sliding-window layers")
         self.compiled = compiled is not None
+        self.steps = "torch.compile, one fixed shape" if self.compiled else "fixed-shape padding"
         self.warm = True  # the compiled graphs exist for the cache's current length (see reserve)
         self.forward = compiled or model.forward
         self.configure(lookahead)
@@ -275,7 +276,9 @@ class StaticRunner(DynamicRunner):
             self.truncate(past + start)
             tops.append(prefill_top_k(self.model, len(chunk) if ranked else 1, input_ids=ids, position_ids=positions,
                                       attention_mask=mask, **{self.cache_arg: self.cache}))
-            if self.packed is None:  # the first forward pass made the layers: pack them now
+            if self.packed is None and not self.compiled:  # the first forward pass made the layers: pack them now
+                # (not for compiled steps: layers that are views of one tensor are aliased graph
+                # inputs, which CUDA graphs skip; test_static.py checks what the graph receives)
                 self.packed = kv.pack_static(self.cache)
         return np.concatenate(tops)[-PREFILL_TOP_K:]
 

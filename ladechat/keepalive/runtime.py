@@ -36,7 +36,7 @@ SOCKET_PATH_MAX = 103 if sys.platform == "darwin" else 107  # sun_path less its 
 # The load options a warm server is started with (keyword arguments of cli._load), and their defaults.
 LOAD_DEFAULTS = {"model": None, "dtype": "auto", "device": "auto", "attn": "sdpa", "weights": "auto",
                  "load_in_4bit": False, "load_in_8bit": False, "device_map": None, "max_memory": None,
-                 "compile": False}
+                 "compile": None}  # None: the device decides (cli._compiles)
 # Environment that changes which devices and files a load sees: part of a server's identity too
 # (the rest of the environment is the starting command's, e.g. HF_HUB_OFFLINE or OMP_NUM_THREADS).
 LOAD_ENVIRONMENT = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "XDG_CACHE_HOME", "HF_HOME")

@@ -2,7 +2,8 @@
 """--compile's start-up, phase by phase (issue #26: target <= 60 s from the command to the answer),
 for the staged GPU run: what `ladechat ask --compile` does in one process, each phase timed:
 the imports, the load (its own phases, through the progress callback the CLI passes), the compile
-of the decoding steps, and the first answer. Prints one JSON object.
+of the decoding steps, and the first answer. Prints one JSON object, with how many graphs torch
+ran without CUDA graphs (cudagraph_skips; 0 is what --compile on a GPU is for).
 
     python3 scripts/gpu/startup.py [--device cuda] [--dtype bfloat16] [--max-new-tokens 64] [--model M]
                                    [--compile] PROMPT
@@ -57,10 +58,14 @@ def main(argv: list[str]) -> int:
     done = next(e for e in bot.reply(conversation) if isinstance(e, Done))
     phases.append(["the first answer", since(began)])
     stats = done.stats
+    from torch._dynamo.utils import counters  # CUDA graphs torch gave up on ("skipping cudagraphs ...")
+
+    skips = counters["inductor"]["cudagraph_skips"]
     print(json.dumps({"phases": phases, "to_answer_s": since(START), "compiled": args.compile,
                       "device": str(loaded.device), "dtype": str(loaded.dtype), "new_tokens": stats.new_tokens,
                       "steps": stats.steps, "decode_tok_s": round(stats.new_tokens / max(stats.decode_s, 1e-9), 1),
-                      "window": stats.window, "ngram": stats.ngram, "candidates": stats.candidates}))
+                      "window": stats.window, "ngram": stats.ngram, "candidates": stats.candidates,
+                      "cudagraph_skips": skips}))
     return 0
 
 
