@@ -64,7 +64,7 @@ Template = Annotated[Optional[str], typer.Option("--template", help="Chat templa
 System = Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.")]
 Stop = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop the answer after this text (repeatable).")]
 Compile = Annotated[bool, typer.Option("--compile", help="Fixed-shape steps on a pre-allocated KV cache, compiled with torch.compile (CUDA graphs on a GPU); every lookahead step is a full one. Compiles at start.")]
-AutoCompile = Annotated[Optional[bool], typer.Option("--compile/--no-compile", show_default=False, help="Fixed-shape steps on a pre-allocated KV cache, compiled with torch.compile (CUDA graphs on a GPU); every lookahead step is a full one. Compiles at start (~30-50 s on a GPU). Default: on for a model on one CUDA GPU without --load-in-4bit/8bit or --device-map (uncompiled steps there if it fails, with a notice), off elsewhere.")]
+AutoCompile = Annotated[Optional[bool], typer.Option("--compile/--no-compile", show_default=False, help="Fixed-shape steps on a pre-allocated KV cache, compiled with torch.compile (CUDA graphs on a GPU); every lookahead step is a full one. Compiles at start (~30-50 s on a GPU). Default: on for a model on one NVIDIA GPU without --load-in-4bit/8bit or --device-map (uncompiled steps there if it fails, with a notice), off elsewhere.")]
 Store = Annotated[bool, typer.Option("--store/--no-store", help="Draft from (and add each answer to) this model's store of past answers, kept under the cache folder (see: ladechat store).")]
 Markdown = Annotated[bool, typer.Option("--markdown/--no-markdown", help="On a terminal, redraw a finished answer that has code blocks, lists or headings as rendered Markdown.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print one JSON object (text, token_ids, stats) instead of streaming.")]
@@ -161,7 +161,9 @@ def _load_here(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_ma
     return loaded
 
 
-def _bot(loaded, settings, compile: bool, progress):
+def _bot(loaded, settings, compile: bool, progress, on_model_thread=None):
+    """on_model_thread(fn): runs fn on the thread that will answer (a server's model thread),
+    where compiled steps are warmed up; None: this thread answers."""
     from ladechat.backends.local import Bot
     from ladechat.paths import cache_root
 
@@ -171,7 +173,7 @@ def _bot(loaded, settings, compile: bool, progress):
     bot = Bot(loaded, settings, compile=compile, store_root=cache_root())
     if compile:
         with progress("compiling the decoding steps (once per W/N/G)"):
-            bot.warm_up()
+            (on_model_thread or (lambda fn: fn()))(bot.warm_up)
     return bot
 
 
@@ -324,17 +326,17 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = LOOKAHE
         os._exit(0)
 
 
-def _chat_bot(options: dict, given: dict, progress):
+def _chat_bot(options: dict, given: dict, progress, on_model_thread=None):
     """(settings, Bot) from the chat's load options (also serve's and the warm server's) and the
     settings its flags give: the model loaded, W/N/G for its device, the model's own temperature
-    when it samples. The load's notices are the bot's first."""
+    when it samples. The load's notices are the bot's first. on_model_thread: as for _bot."""
     _quiet_libraries()
     compile = _compiles(options)
     loaded = _load(options["model"], options["dtype"], options["device"], options["attn"], options["load_in_4bit"],
                    options["load_in_8bit"], options["device_map"], progress, options["max_memory"], compile,
                    options["weights"])
     settings, bot = _compiled_or_not(loaded, given, compile, options["compile"] is None, progress,
-                                     _model_temperature(loaded))
+                                     _model_temperature(loaded), on_model_thread)
     bot.notices[:0] = loaded.notices
     return settings, bot
 
@@ -354,6 +356,10 @@ def _compiles(options: dict) -> bool:
     try:
         kind = resolve_device(device).type
     except LoadError:  # the load says why, in its own words
+        return False
+    import torch
+
+    if torch.version.hip is not None:  # AMD's GPUs answer as cuda; compiled steps were measured on NVIDIA's
         return False
     return compiles_by_default(kind, options["load_in_4bit"] or options["load_in_8bit"],
                                options["device_map"] is not None, options["weights"])
@@ -375,21 +381,36 @@ def _torch_has_cuda() -> bool:
 
 
 def _compiled_or_not(loaded, given: dict, compile: bool, by_default: bool, progress,
-                     default_temperature: float = 0.0):
+                     default_temperature: float = 0.0, on_model_thread=None):
     """(settings, Bot). A compile the user did not ask for (by_default) that fails leaves the
     steps uncompiled, with a notice saying why: e.g. a model with sliding-window layers, which
-    the fixed-shape cache does not hold."""
+    the fixed-shape cache does not hold, or W/N/G whose full step is over its row limit."""
     settings = _settings(given, loaded, default_temperature, compile=compile)
     try:
-        return settings, _bot(loaded, settings, compile, progress)
+        return settings, _bot(loaded, settings, compile, progress, on_model_thread)
     except Exception as exc:  # torch.compile's failures have no common type; the uncompiled steps are the tested path
         if not (compile and by_default):
             raise
         why = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    _drop_compiled(loaded)
     settings = _settings(given, loaded, default_temperature)
     bot = _bot(loaded, settings, False, progress)
-    bot.notices.append(f"the decoding steps run uncompiled: compiling them failed ({why}); --no-compile skips the try")
+    bot.notices.append(f"the decoding steps run uncompiled, not compiled: {why} (--no-compile skips the try)")
     return settings, bot
+
+
+def _drop_compiled(loaded) -> None:
+    """What a failed compile left: the model's compiled forward and torch's graphs, and the GPU
+    memory the abandoned fixed-shape cache held, so the uncompiled steps start with all of it."""
+    import gc
+
+    import torch
+
+    loaded.__dict__.pop("compiled_forward", None)  # a functools.cached_property
+    torch._dynamo.reset()
+    gc.collect()
+    if loaded.device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _model_temperature(loaded) -> float:
@@ -531,7 +552,10 @@ def serve(ctx: typer.Context, host: Annotated[str, typer.Option("--host", help="
         sock = server.bind(host, port)
     except OSError as exc:
         raise Fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    settings, bot = _chat_bot(ctx.params, given, _spinner(err))
+    from ladechat.serve.worker import ModelThread
+
+    model_thread = ModelThread()  # compiled steps are warmed up where they will answer
+    settings, bot = _chat_bot(ctx.params, given, _spinner(err), model_thread.run)
     _print_notices(bot.notices, err)
     bot.notices.clear()
     model_id = served_model_name or model or bot.name.split(" (")[0]
@@ -540,7 +564,8 @@ def serve(ctx: typer.Context, host: Annotated[str, typer.Option("--host", help="
                                 hosts=allowed_hosts(host, bound_host), origins=origins,
                                 drain_timeout=drain_timeout)
     api = server.Api(bot, bot.loaded.tokenizer, bot.loaded.context_length, settings, config,
-                     log=lambda line: err.print(line, markup=False, highlight=False, soft_wrap=True))
+                     log=lambda line: err.print(line, markup=False, highlight=False, soft_wrap=True),
+                     model_thread=model_thread)
     url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
     err.print(f"ladechat serve · {bot.describe()} as {model_id!r} · lookahead {'on' if settings.lookahead else 'off'} "
               f"(W={settings.window} N={settings.ngram} G={settings.candidates}) · http://{url_host}:{bound_port}/v1"

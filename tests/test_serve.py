@@ -1,6 +1,7 @@
 """`ladechat serve` as a real process on a free loopback port, spoken to by the official openai
 client, by plain HTTP and by `ladechat --api` (ask and the chat in a pty)."""
 
+import contextlib
 import json
 import os
 import re
@@ -305,3 +306,31 @@ def test_chat_in_a_pty_against_the_server(server, tmp_path):
     child.sendline("/exit")
     child.expect("bye")
     child.expect(pexpect.EOF)
+
+
+def test_a_server_answers_on_the_thread_its_compiled_steps_were_warmed_up_on():
+    """CUDA graphs belong to the thread that captured them: `ladechat serve` and the warm server warm
+    a compiled bot up on the model thread (cli._bot's on_model_thread) that then runs every request."""
+    import threading
+
+    from tiny_models import tiny_loaded
+
+    from ladechat.cli import _bot
+    from ladechat.serve.app import Api, ServeConfig
+    from ladechat.serve.worker import ModelThread
+    from ladechat.settings import Settings
+
+    loaded = tiny_loaded()
+    model_thread = ModelThread()
+    seen = []
+
+    def on_model_thread(fn):
+        return model_thread.run(lambda: (seen.append(threading.current_thread().name), fn())[1])
+
+    bot = _bot(loaded, Settings(store=False), True, lambda message: contextlib.nullcontext(), on_model_thread)
+    api = Api(bot, loaded.tokenizer, loaded.context_length, Settings(store=False), ServeConfig(model_id="tiny"),
+              model_thread=model_thread)
+    assert seen and seen[0].startswith("ladechat-model") and seen[0] != threading.current_thread().name
+    assert api.worker.executor is model_thread.executor
+    answered = api.worker.executor.submit(lambda: threading.current_thread().name).result()
+    assert answered == seen[0]

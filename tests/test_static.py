@@ -275,9 +275,10 @@ def test_one_compiled_forward_per_model_shared_by_its_runners():
 def test_a_warm_up_stopped_by_ctrl_c_is_done_again_at_the_next_turn():
     class StoppedOnce(RecordingRunner):
         def warm_up(self, committed):
-            super().warm_up(committed)
-            if self.warm_ups == 1:
+            self.warm_ups += 1
+            if self.warm_ups == 1:  # Ctrl-C while the first warm-up compiles
                 raise KeyboardInterrupt
+            StaticRunner.warm_up(self, committed)
 
     model = model_for("llama")
     la = LookaheadConfig(window=3, ngram=3, candidates=3)
@@ -311,8 +312,8 @@ def test_a_default_compile_that_fails_leaves_the_steps_uncompiled_with_a_notice(
     _, bot = _compiled_or_not(loaded, {"store": False}, True, True, progress)
     assert not bot.compiled and not bot.session.runner.fixed
     [notice] = bot.notices
-    assert notice.startswith("the decoding steps run uncompiled: compiling them failed (fixed-shape steps (--compile) "
-                             "do not support this model's sliding-window layers)")
+    assert notice == ("the decoding steps run uncompiled, not compiled: fixed-shape steps (--compile) do not support "
+                      "this model's sliding-window layers (--no-compile skips the try)")
     with pytest.raises(ConfigError, match="sliding-window layers"):  # asked for: the error is the user's to see
         _compiled_or_not(loaded, {"store": False}, True, False, progress)
 
@@ -370,7 +371,7 @@ def test_compiled_steps_take_each_cache_tensor_as_its_own_static_input():
 
     class RecordingCompile(CompiledForward):
         def __init__(self, model):
-            self.limit = 8
+            self.gpu, self.limit = False, 8
             self.fn = torch.compile(model.forward, backend=backend, dynamic=False)
 
     la = LookaheadConfig(window=2, ngram=3, candidates=1)
@@ -383,3 +384,63 @@ def test_compiled_steps_take_each_cache_tensor_as_its_own_static_input():
     assert all(getattr(t, "_dynamo_static_input_type", None) for t in cache_inputs)  # fixed addresses
     storages = {t.untyped_storage().data_ptr() for t in cache_inputs}
     assert len(storages) == len(cache_inputs)  # none a view of another
+
+
+def test_each_thread_that_runs_compiled_steps_has_its_own_cuda_graph_state():
+    """A server answers on its model thread: torch before 2.13 keeps CUDA-graph bookkeeping only in
+    the thread that imported it and fails an assertion in any other (pytorch#123177).
+    own_cudagraph_state gives a thread its own, which torch's lookups then find."""
+    import threading
+
+    from torch._inductor import cudagraph_trees
+
+    from ladechat.engine.runner import own_cudagraph_state
+
+    main = cudagraph_trees.get_obj(cudagraph_trees.local, "tree_manager_containers")
+    found = {}
+
+    def model_thread():
+        found["before"] = hasattr(cudagraph_trees.local, "tree_manager_containers")
+        own_cudagraph_state()
+        found["containers"] = cudagraph_trees.get_obj(cudagraph_trees.local, "tree_manager_containers")
+        found["container"] = cudagraph_trees.get_container(0)
+        own_cudagraph_state()  # a second call keeps what the first made
+        found["kept"] = cudagraph_trees.local.tree_manager_containers is found["containers"]
+
+    thread = threading.Thread(target=model_thread)
+    thread.start()
+    thread.join()
+    assert found["before"] is False  # a plain Python thread starts without it
+    assert found["containers"] is not main and found["containers"] == {0: found["container"]} and found["kept"]
+
+
+def test_a_new_step_shape_is_compiled_before_the_next_turn_not_during_it():
+    """A server configures each request's settings and runs the turn; lookahead turned off there (a
+    one-row shape) or W/N/G changed must compile in reserve, before the answer's clock starts."""
+    model = model_for("llama")
+    la = LookaheadConfig(window=3, ngram=3, candidates=3)
+    runner = RecordingRunner(model, la, context_length=256)
+    runner.compiled = True  # what a compiled runner does, without paying for the compile
+    prompt = repetitive_prompt(random.Random(6), model.config.vocab_size, 20)
+    ours, _, session = static_run(model, prompt, la, 10, runner=runner)
+    assert runner.warm_ups == 0  # built warm (the chat warms it up itself at start)
+    session.configure(la)  # the same settings: nothing to compile
+    list(generate(session, prompt + ours, SamplingConfig(max_new_tokens=5), frozenset()))
+    assert runner.warm_ups == 0
+    session.configure(LookaheadConfig(window=3, ngram=3, candidates=3, enabled=False))
+    runner.lengths.clear()
+    events = list(generate(session, prompt, SamplingConfig(max_new_tokens=10), frozenset()))
+    assert runner.warm_ups == 1 and list(events[-1].text_tokens) == hf_greedy(model, prompt, 10)
+    session.configure(LookaheadConfig(window=2, ngram=3, candidates=3))  # another full shape
+    list(generate(session, prompt, SamplingConfig(max_new_tokens=5), frozenset()))
+    assert runner.warm_ups == 2
+
+
+def test_the_step_cost_bench_times_fixed_steps_of_exactly_the_rows_it_names():
+    from ladechat.bench.steps import fixed_config
+
+    model = model_for("llama")
+    runner = StaticRunner(model, fixed_config(8), context_length=256)
+    for size in (1, 8, 16, 120):
+        runner.configure(fixed_config(size))
+        assert runner.shape == size

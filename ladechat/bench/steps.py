@@ -101,13 +101,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def fixed_config(size: int) -> LookaheadConfig:
+    """Settings whose fixed-shape step has exactly `size` rows (1, or a multiple of LEVELS): a
+    window of size / LEVELS columns and nothing else (no candidates, store or recycled rows)."""
+    return LookaheadConfig(window=max(1, size // LEVELS), ngram=LEVELS + 1, candidates=0, context_candidates=0,
+                           store=False, recycle=0, enabled=size > 1)
+
+
 def _time_steps(runner, sizes, context: int, reps: int) -> dict[int, float]:
     prefill_random(runner, context)
     out = {}
     for size in sizes:
         if runner.fixed:  # a one-row step is lookahead off: the fixed shape follows
-            runner.configure(LookaheadConfig(window=max(1, size // LEVELS), ngram=LEVELS + 1, candidates=0,
-                                             context_candidates=0, enabled=size > 1))
+            runner.configure(fixed_config(size))
         layout = _layout(size)
         # two warm-up calls (compilation, allocation)
         out[size] = statistics.median([time_step(runner, layout, context) for _ in range(reps + 2)][2:])
@@ -145,7 +151,7 @@ def _generate_per_token(model, context: int, tokens: int) -> float:
 
 def run(model, name: str, sizes=SIZES, context: int = 512, reps: int = 10, compile: bool = False) -> dict:
     device = model.device
-    la = LookaheadConfig(window=max(sizes) // LEVELS or 1, ngram=LEVELS + 1, candidates=0, context_candidates=0)
+    la = fixed_config(max(sizes))
     context_length = context + max(sizes) + 8
     curves = {"dynamic": _time_steps(DynamicRunner(model), sizes, context, reps)}
     curves["static"] = _time_steps(StaticRunner(model, la, context_length), sizes, context, reps)

@@ -7,8 +7,8 @@ the same logits without the forward's framework work. default_runner picks it wh
 Llama-family model on a CPU), DynamicRunner elsewhere.
 StaticRunner (--compile): a pre-allocated cache and steps padded to one fixed size, so a step has
 the same shapes every time and torch.compile (CUDA graphs on a GPU) can capture it once. Plain
-one-token decoding gets the same treatment (its own one-row graph), so comparisons of lookahead
-against plain decoding stay fair. Prefill runs eagerly (prompt lengths vary).
+one-token decoding (lookahead off) gets the same treatment (its own one-row graph), so comparisons
+of lookahead against plain decoding stay fair. Prefill runs eagerly (prompt lengths vary).
 """
 
 from __future__ import annotations
@@ -163,19 +163,38 @@ class CompiledForward:
     def __init__(self, model, limit: int = COMPILED_GRAPHS) -> None:
         if packing.is_packed(model):  # load with LoadSpec(pack_weights=False), as --compile does
             raise ValueError("compiling needs the model's own Linear modules, not packed ones")
-        mode = "reduce-overhead" if model.device.type == "cuda" else None
+        self.gpu = model.device.type == "cuda"
         self.limit = limit
-        self.fn = torch.compile(model.forward, dynamic=False, mode=mode)
+        self.fn = torch.compile(model.forward, dynamic=False, mode="reduce-overhead" if self.gpu else None)
 
     def __call__(self, **inputs):
         import torch._dynamo
 
+        if self.gpu:
+            own_cudagraph_state()
         try:
             with torch._dynamo.config.patch(recompile_limit=self.limit, fail_on_recompile_limit_hit=True):
                 return self.fn(**inputs)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
             raise ConfigError(f"this model has compiled {self.limit} step shapes (cache lengths x W/N/G settings), "
                               "the most it may; restart ladechat to compile afresh") from None
+
+
+def own_cudagraph_state() -> None:
+    """Give the calling thread its own CUDA-graph bookkeeping if torch has not. torch before 2.13
+    sets it up only in the thread that imported its CUDA-graph trees, and a compiled call from any
+    other Python thread fails an assertion (pytorch#123177); 2.13 sets it up per thread on first
+    use (pytorch#184357), as this does for the older ones. A server answers on its model thread."""
+    import collections
+    import threading
+
+    from torch._inductor import cudagraph_trees
+
+    state = cudagraph_trees.local  # a threading.local
+    if hasattr(state, "tree_manager_containers") or torch._C._is_key_in_tls("tree_manager_containers"):
+        return
+    state.tree_manager_containers = {}
+    state.tree_manager_locks = collections.defaultdict(threading.Lock)
 
 
 class StaticRunner(DynamicRunner):
@@ -208,6 +227,7 @@ class StaticRunner(DynamicRunner):
         self.truncate(committed + 1)
         self.step(build_layout([[0] * self.shape], []), committed + 1)
         self.truncate(committed)
+        self.warm = True
 
     def reset(self) -> None:
         self.truncate(0)  # same tensors: compiled graphs stay valid
@@ -222,7 +242,10 @@ class StaticRunner(DynamicRunner):
         # padded to it), one row with it off. One graph to compile, not two: compiling the
         # embedded model's step took ~27 s a shape on an H200, and a full step costs about a
         # one-row one there (BENCHMARKS.md).
-        self.shape = size if lookahead.enabled else 1
+        shape = size if lookahead.enabled else 1
+        if getattr(self, "shape", shape) != shape:
+            self.warm = False  # a new shape: the next turn's reserve compiles it before it starts
+        self.shape = shape
 
     def _length_for(self, end: int) -> int:
         """The cache length (doubling from the current one) whose slots reach `end`."""

@@ -79,12 +79,13 @@ class Status:
                 pass
 
 
-def load(spec: Spec, status: Status):
+def load(spec: Spec, status: Status, model_thread):
     """(settings, Bot) for the spec's options, as `ladechat serve` loads: the device's defaults; the
-    requests give their own settings."""
+    requests give their own settings. Compiled steps are warmed up on model_thread (a
+    serve.worker.ModelThread), the thread that will answer."""
     from ladechat import cli
 
-    return cli._chat_bot(spec.options, {"max_new_tokens": MAX_NEW_TOKENS}, status.progress)
+    return cli._chat_bot(spec.options, {"max_new_tokens": MAX_NEW_TOKENS}, status.progress, model_thread.run)
 
 
 def resident_bytes() -> int:
@@ -98,7 +99,7 @@ def resident_bytes() -> int:
         return peak if sys.platform == "darwin" else peak * 1024
 
 
-def make_api(bot, settings):
+def make_api(bot, settings, model_thread=None):
     from ladechat.backends.detok import Detokenizer
     from ladechat.serve.app import Api, ServeConfig
 
@@ -147,7 +148,8 @@ def make_api(bot, settings):
             return item, sent + content
 
     return WarmApi(bot, bot.loaded.tokenizer, bot.loaded.context_length, settings,
-                   ServeConfig(model_id=bot.name, max_queue=16, drain_timeout=GRACE), log=log)
+                   ServeConfig(model_id=bot.name, max_queue=16, drain_timeout=GRACE), log=log,
+                   model_thread=model_thread)
 
 
 class Daemon:
@@ -344,8 +346,11 @@ def main(argv: list[str] | None = None) -> None:
     record = {"pid": os.getpid(), "options": spec.options, "build": build(), "started": time.time()}
     write_record(args.lock_fd, {**record, "state": "loading"})
     log(f"ladechat {build()} (pid {os.getpid()}): loading {spec.model} ({spec.describe_options()})")
+    from ladechat.serve.worker import ModelThread
+
+    model_thread = ModelThread()
     try:
-        settings, bot = load(spec, status)
+        settings, bot = load(spec, status, model_thread)
     except BaseException as exc:  # noqa: BLE001 -- the starting command is told, in one line
         if isinstance(exc, UserError):
             message = str(exc)
@@ -361,7 +366,7 @@ def main(argv: list[str] | None = None) -> None:
         os._exit(1)  # at once: tearing down what the load imported takes seconds
     notices = list(bot.notices)  # the load's: every command that uses this server shows them
     bot.notices.clear()
-    api = make_api(bot, settings)
+    api = make_api(bot, settings, model_thread)
     daemon = Daemon(api, bot, paths, args.lock_fd, spec, args.keep_alive, notices)
     try:
         sock = bind(paths.sock)

@@ -85,14 +85,15 @@ class Api:
     settings requests start from)."""
 
     def __init__(self, backend, tokenizer, context_length: int, base: Settings, config: ServeConfig,
-                 log=None) -> None:
+                 log=None, model_thread=None) -> None:
+        """model_thread: the serve.worker.ModelThread the backend was loaded for, if any."""
         self.backend = backend
         self.tokenizer = tokenizer
         self.context_length = context_length
         self.base = base
         self.config = config
         self.log = log or (lambda line: None)
-        self.worker = Worker(backend, config.max_queue, self.log)
+        self.worker = Worker(backend, config.max_queue, self.log, model_thread)
         self.created = int(time.time())
         self.draining = False
         # Prompts are tokenized off the event loop (the tokenizer lets go of the GIL), one at a time.

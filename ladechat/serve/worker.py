@@ -52,17 +52,30 @@ class Job:
             self.stop.set()
 
 
+class ModelThread:
+    """The one thread that runs a server's model: its compiled steps' warm-up too, before the
+    server opens, since CUDA graphs belong to the thread that captured them."""
+
+    def __init__(self) -> None:
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ladechat-model")
+
+    def run(self, fn, *args):
+        """fn(*args) on the model thread; its result, or its exception, here."""
+        return self.executor.submit(fn, *args).result()
+
+
 class Worker:
     """One thread owns the model; jobs run in submission order (a one-thread executor's FIFO)."""
 
-    def __init__(self, backend, max_queue: int, log=None) -> None:
+    def __init__(self, backend, max_queue: int, log=None, thread: ModelThread | None = None) -> None:
+        """thread: the model thread the backend was warmed up on, if any."""
         self.backend = backend
         self.log = log or (lambda line: None)
         self.max_queue = max_queue
         # From here on the model thread runs the model: the OpenMP team this thread used to load it
         # would halve the model thread's speed (engine/threads.py: release_openmp_team).
         release_openmp_team()
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ladechat-model")
+        self.executor = (thread or ModelThread()).executor
         self.lock = threading.Lock()
         self.unfinished = 0
         self.jobs: set[Job] = set()  # submitted, not yet run to the end
