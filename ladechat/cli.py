@@ -392,7 +392,7 @@ def _compiled_or_not(loaded, given: dict, compile: bool, by_default: bool, progr
         if not (compile and by_default):
             raise
         why = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-    _drop_compiled(loaded)
+    (on_model_thread or (lambda fn: fn()))(lambda: _drop_compiled(loaded))  # where the graphs were made
     settings = _settings(given, loaded, default_temperature)
     bot = _bot(loaded, settings, False, progress)
     bot.notices.append(f"the decoding steps run uncompiled, not compiled: {why} (--no-compile skips the try)")
@@ -407,6 +407,10 @@ def _drop_compiled(loaded) -> None:
     import torch
 
     loaded.__dict__.pop("compiled_forward", None)  # a functools.cached_property
+    if loaded.device.type == "cuda":
+        from ladechat.engine.runner import own_cudagraph_state
+
+        own_cudagraph_state()  # torch's reset looks for this thread's CUDA-graph bookkeeping
     torch._dynamo.reset()
     gc.collect()
     if loaded.device.type == "cuda":

@@ -310,9 +310,8 @@ def test_chat_in_a_pty_against_the_server(server, tmp_path):
 
 def test_a_server_answers_on_the_thread_its_compiled_steps_were_warmed_up_on():
     """CUDA graphs belong to the thread that captured them: `ladechat serve` and the warm server warm
-    a compiled bot up on the model thread (cli._bot's on_model_thread) that then runs every request."""
-    import threading
-
+    a compiled bot up on the model thread (cli._bot's on_model_thread) that then runs every request.
+    The compiled forward is the model's own here: where it runs is the point, not the compiler."""
     from tiny_models import tiny_loaded
 
     from ladechat.cli import _bot
@@ -321,16 +320,22 @@ def test_a_server_answers_on_the_thread_its_compiled_steps_were_warmed_up_on():
     from ladechat.settings import Settings
 
     loaded = tiny_loaded()
+    threads = []
+
+    def forward(**inputs):
+        threads.append(threading.get_ident())
+        return loaded.model.forward(**inputs)
+
+    loaded.__dict__["compiled_forward"] = forward  # the cached_property's slot
     model_thread = ModelThread()
-    seen = []
-
-    def on_model_thread(fn):
-        return model_thread.run(lambda: (seen.append(threading.current_thread().name), fn())[1])
-
-    bot = _bot(loaded, Settings(store=False), True, lambda message: contextlib.nullcontext(), on_model_thread)
-    api = Api(bot, loaded.tokenizer, loaded.context_length, Settings(store=False), ServeConfig(model_id="tiny"),
-              model_thread=model_thread)
-    assert seen and seen[0].startswith("ladechat-model") and seen[0] != threading.current_thread().name
-    assert api.worker.executor is model_thread.executor
-    answered = api.worker.executor.submit(lambda: threading.current_thread().name).result()
-    assert answered == seen[0]
+    try:
+        bot = _bot(loaded, Settings(store=False), True, lambda message: contextlib.nullcontext(), model_thread.run)
+        api = Api(bot, loaded.tokenizer, loaded.context_length, Settings(store=False), ServeConfig(model_id="tiny"),
+                  model_thread=model_thread)
+        assert api.worker.executor is model_thread.executor
+        warmed = set(threads)
+        assert len(warmed) == 1 and threading.get_ident() not in warmed  # warmed up there, not here
+        answering = model_thread.run(threading.get_ident)
+        assert warmed == {answering}
+    finally:
+        model_thread.executor.shutdown()

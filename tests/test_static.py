@@ -402,6 +402,8 @@ def test_each_thread_that_runs_compiled_steps_has_its_own_cuda_graph_state():
     def model_thread():
         found["before"] = hasattr(cudagraph_trees.local, "tree_manager_containers")
         own_cudagraph_state()
+        found["after"] = hasattr(cudagraph_trees.local, "tree_manager_containers")  # before torch's own lookup
+        found["registered"] = torch._C._is_key_in_tls("tree_manager_containers")
         found["containers"] = cudagraph_trees.get_obj(cudagraph_trees.local, "tree_manager_containers")
         found["container"] = cudagraph_trees.get_container(0)
         own_cudagraph_state()  # a second call keeps what the first made
@@ -410,7 +412,7 @@ def test_each_thread_that_runs_compiled_steps_has_its_own_cuda_graph_state():
     thread = threading.Thread(target=model_thread)
     thread.start()
     thread.join()
-    assert found["before"] is False  # a plain Python thread starts without it
+    assert found["before"] is False and found["after"] and found["registered"]  # a plain thread starts without it
     assert found["containers"] is not main and found["containers"] == {0: found["container"]} and found["kept"]
 
 
@@ -431,9 +433,12 @@ def test_a_new_step_shape_is_compiled_before_the_next_turn_not_during_it():
     runner.lengths.clear()
     events = list(generate(session, prompt, SamplingConfig(max_new_tokens=10), frozenset()))
     assert runner.warm_ups == 1 and list(events[-1].text_tokens) == hf_greedy(model, prompt, 10)
-    session.configure(LookaheadConfig(window=2, ngram=3, candidates=3))  # another full shape
+    session.configure(LookaheadConfig(window=2, ngram=3, candidates=3))  # a full shape again
     list(generate(session, prompt, SamplingConfig(max_new_tokens=5), frozenset()))
     assert runner.warm_ups == 2
+    session.configure(LookaheadConfig(window=4, ngram=3, candidates=3))  # another W: another full shape
+    list(generate(session, prompt, SamplingConfig(max_new_tokens=5), frozenset()))
+    assert runner.warm_ups == 3
 
 
 def test_the_step_cost_bench_times_fixed_steps_of_exactly_the_rows_it_names():

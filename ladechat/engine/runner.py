@@ -193,8 +193,14 @@ def own_cudagraph_state() -> None:
     state = cudagraph_trees.local  # a threading.local
     if hasattr(state, "tree_manager_containers") or torch._C._is_key_in_tls("tree_manager_containers"):
         return
+    if hasattr(cudagraph_trees, "_initialize_tls"):  # torch's own set-up, where it has one
+        cudagraph_trees._initialize_tls(state)
+        return
+    # what that set-up does: the thread's own containers, registered with torch's thread state
     state.tree_manager_containers = {}
     state.tree_manager_locks = collections.defaultdict(threading.Lock)
+    torch._C._stash_obj_in_tls("tree_manager_containers", state.tree_manager_containers)
+    torch._C._stash_obj_in_tls("tree_manager_locks", state.tree_manager_locks)
 
 
 class StaticRunner(DynamicRunner):

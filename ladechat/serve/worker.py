@@ -4,6 +4,8 @@ arrival order, and a job's events reach its request's asyncio queue as each step
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import threading
 import time
 from collections import deque
@@ -60,8 +62,16 @@ class ModelThread:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ladechat-model")
 
     def run(self, fn, *args):
-        """fn(*args) on the model thread; its result, or its exception, here."""
-        return self.executor.submit(fn, *args).result()
+        """fn(*args) on the model thread; its result, or its exception, here. Ctrl-C while it runs
+        (a server's start-up compile) ends the process at once: the model thread cannot be
+        stopped mid-compile, and the interpreter's exit would wait for it."""
+        future = self.executor.submit(fn, *args)
+        try:
+            return future.result()
+        except KeyboardInterrupt:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)
 
 
 class Worker:
