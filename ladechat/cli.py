@@ -118,7 +118,9 @@ def _settings(given: dict, loaded=None, default_temperature: float = 0.0, compil
 
 def _spinner(err: Console):
     """progress(message) for load(): a spinner on stderr while a slow phase runs."""
-    return lambda message: err.status(message, spinner="dots")
+    from ladechat.ui.phase import phases
+
+    return phases(err)
 
 
 def _print_notices(notices, err: Console) -> None:

@@ -562,3 +562,23 @@ def test_suffix_key_of_one_lookup_is_the_indexed_key():
         text = np.asarray(tokens, dtype=np.int32)
         indexed = suffix._keys(text, len(tokens), np.array([len(tokens)]))[0]
         assert suffix._key(tokens) == indexed and isinstance(suffix._key(tokens), np.uint64)
+
+
+def test_a_slow_phase_shows_what_it_is_and_for_how_long_on_a_terminal_only():
+    """progress(message) of the load, the step-cost measuring and --compile's warm-up: a spinner,
+    the phase and its elapsed time on a terminal, gone when it ends; nothing in a pipe."""
+    import io
+
+    from rich.console import Console
+
+    from ladechat.ui.phase import phases
+
+    screen = io.StringIO()
+    with phases(Console(file=screen, force_terminal=True, width=100))("compiling the decoding steps"):
+        pass
+    shown = screen.getvalue()
+    assert "compiling the decoding steps" in shown and "0:00:00" in shown
+    piped = io.StringIO()
+    with phases(Console(file=piped, force_terminal=False))("compiling the decoding steps"):
+        pass
+    assert piped.getvalue() == ""

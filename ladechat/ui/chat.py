@@ -19,6 +19,7 @@ from ladechat.errors import UserError
 from ladechat.paths import state_root
 from ladechat.settings import Settings, group, key, keys
 from ladechat.ui import commands
+from ladechat.ui.phase import phases
 from ladechat.ui.stream import StreamPrinter, debug_panel, failure, footer
 
 
@@ -209,7 +210,7 @@ class ChatApp:
     def _configure(self, settings: Settings) -> None:
         self.bot.configure(settings)
         if self.bot.compiled:
-            with self.err.status("compiling the decoding steps for these settings", spinner="dots"):
+            with phases(self.err)("compiling the decoding steps for these settings"):
                 self.bot.warm_up()
 
     def _show(self) -> str:

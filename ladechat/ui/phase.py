@@ -1,0 +1,25 @@
+"""A slow phase on stderr (loading, measuring step costs, compiling): a spinner, what is happening
+and for how long, so a minute-long compile shows that it is moving. Nothing when stderr is not
+a terminal: the phase leaves no line behind either way."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+
+def phases(console: Console) -> Callable[[str], AbstractContextManager]:
+    """progress(message) as engine/model/loading.load and cli._bot take it."""
+
+    @contextmanager
+    def phase(message: str) -> Iterator[None]:
+        columns = (SpinnerColumn("dots"), TextColumn("{task.description}"), TimeElapsedColumn())
+        # disable: off a terminal rich would still end the phase with an empty line
+        with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as shown:
+            shown.add_task(message, total=None)
+            yield
+
+    return phase
