@@ -7,10 +7,12 @@ Two kinds of cache hold the same committed sequence:
 - StaticCache: pre-allocated to a fixed length (for compiled / CUDA-graph steps); its tensors
   never move, so dropping rows only moves the write position back, and kept rows are gathered
   in place. Slots past the write position hold junk that the step's mask never shows.
-  Once its layers exist they are packed (pack_static): every layer's keys and values become
-  views of one tensor and every layer's length a view of one vector, so a commit is one gather,
-  one copy and one fill for the whole model instead of five kernels per layer (on a GPU, ~160
-  launches a step for a 32-layer model, each costing more than the work it does).
+  Once its layers exist, an eager runner's are packed (pack_static): every layer's keys and
+  values become views of one tensor and every layer's length a view of one vector, so a commit is
+  one gather, one copy and one fill for the whole model instead of five kernels per layer (on a
+  GPU, ~160 launches a step for a 32-layer model, each costing more than the work it does). A
+  compiled runner's are not: views of one tensor that a graph writes are aliased graph inputs,
+  for which torch gives up CUDA graphs.
 """
 
 from __future__ import annotations
