@@ -163,9 +163,13 @@ def _load_here(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_ma
     return loaded
 
 
-def _bot(loaded, settings, compile: bool, progress, on_model_thread=None):
+def _in_this_thread(fn):
+    return fn()
+
+
+def _bot(loaded, settings, compile: bool, progress, on_model_thread=_in_this_thread):
     """on_model_thread(fn): runs fn on the thread that will answer (a server's model thread),
-    where compiled steps are warmed up; None: this thread answers."""
+    where compiled steps are warmed up; by default this thread answers."""
     from ladechat.backends.local import Bot
     from ladechat.paths import cache_root
 
@@ -175,7 +179,7 @@ def _bot(loaded, settings, compile: bool, progress, on_model_thread=None):
     bot = Bot(loaded, settings, compile=compile, store_root=cache_root())
     if compile:
         with progress("compiling the decoding steps (once per W/N/G)"):
-            (on_model_thread or (lambda fn: fn()))(bot.warm_up)
+            on_model_thread(bot.warm_up)
     return bot
 
 
@@ -328,7 +332,7 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = LOOKAHE
         os._exit(0)
 
 
-def _chat_bot(options: dict, given: dict, progress, on_model_thread=None):
+def _chat_bot(options: dict, given: dict, progress, on_model_thread=_in_this_thread):
     """(settings, Bot) from the chat's load options (also serve's and the warm server's) and the
     settings its flags give: the model loaded, W/N/G for its device, the model's own temperature
     when it samples. The load's notices are the bot's first. on_model_thread: as for _bot."""
@@ -383,7 +387,7 @@ def _torch_has_cuda() -> bool:
 
 
 def _compiled_or_not(loaded, given: dict, compile: bool, by_default: bool, progress,
-                     default_temperature: float = 0.0, on_model_thread=None):
+                     default_temperature: float = 0.0, on_model_thread=_in_this_thread):
     """(settings, Bot). A compile the user did not ask for (by_default) that fails leaves the
     steps uncompiled, with a notice saying why: e.g. a model with sliding-window layers, which
     the fixed-shape cache does not hold, or W/N/G whose full step is over its row limit."""
@@ -394,7 +398,7 @@ def _compiled_or_not(loaded, given: dict, compile: bool, by_default: bool, progr
         if not (compile and by_default):
             raise
         why = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-    (on_model_thread or (lambda fn: fn()))(lambda: _drop_compiled(loaded))  # where the graphs were made
+    on_model_thread(lambda: _drop_compiled(loaded))  # where the graphs were made
     settings = _settings(given, loaded, default_temperature)
     bot = _bot(loaded, settings, False, progress)
     bot.notices.append(f"the decoding steps run uncompiled, not compiled: {why} (--no-compile skips the try)")
@@ -718,14 +722,14 @@ def bench_step_cost(model: Model = None,
     _quiet_libraries()
     if shape is not None:
         dev = resolve_device(device)
-        with err.status(f"building a random {shape} model on {dev}", spinner="dots"):
+        with _spinner(err)(f"building a random {shape} model on {dev}"):
             net = steps.random_model(shape, resolve_dtype(dtype, dev), dev, pack_weights=not compile)
             name = f"random {shape}"
     else:
         loaded = _load_here(model, dtype, device, attn, False, False, None, err, compile=compile,
                             weights="dense" if compile else weights or _bench_weights(device, dtype, compile))
         net, name = loaded.model, loaded.name
-    with err.status("timing steps" + (" (compiling first)" if compile else ""), spinner="dots"):
+    with _spinner(err)("timing steps" + (" (compiling first)" if compile else "")):
         result = steps.run(net, name, size_list, context, reps, compile)
     if "lean_error" in result:
         err.print(f"notice: the lean step could not run here: {escape(result['lean_error'])}", highlight=False)
