@@ -118,6 +118,23 @@ def test_a_dtype_the_rope_kernel_does_not_take_rotates_with_torch(rope_kernel):
         LeanRunner(model, rope_kernel=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_rope_kernel_takes_rows_apart(rope_kernel, dtype):
+    """q and k as column slices of one product with v (their rows apart in memory): the same
+    rotation, bit for bit, as of contiguous copies."""
+    generator = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim = 3, 1, 8
+    for rows in (1, 5):
+        joint = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=generator).to(dtype)
+        q, k, _ = joint.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
+        cos, sin = torch.randn(rows, dim, generator=generator).to(dtype), torch.randn(rows, dim, generator=generator).to(dtype)
+        got = torch.ops.ladechat_step.rope(q, k, heads, kv_heads, cos, sin)
+        want = torch.ops.ladechat_step.rope(q.contiguous(), k.contiguous(), heads, kv_heads, cos, sin)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    with pytest.raises(RuntimeError, match="each row contiguous"):
+        torch.ops.ladechat_step.rope(joint.t().contiguous().t()[:, : heads * dim], k, heads, kv_heads, cos, sin)
+
+
 @pytest.mark.parametrize("name", sorted(VARIANTS) + ["bf16"])
 @pytest.mark.parametrize("rotation", ["kernel", "torch"])
 def test_lean_step_follows_the_configs_variants(name, rotation, request):
@@ -224,6 +241,9 @@ def test_embedded_int4_answers_are_the_models_forwards(embedded_int4):
     answers, plain and with lookahead, are token for token the same."""
     lm = embedded_int4
     assert type(default_runner(lm.model)) is LeanRunner
+    for layer in lm.model.model.layers:  # q/k/v and gate/up multiplied in one call each (q4.share_buffers)
+        assert q4.joint_product([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]) is not None
+        assert q4.joint_product([layer.mlp.gate_proj, layer.mlp.up_proj]) is not None
     for la in (LookaheadConfig(enabled=False, store=False),
                LookaheadConfig(window=3, ngram=3, candidates=3, store=False)):
         for text in PROMPTS:

@@ -170,3 +170,36 @@ def test_the_module_keeps_its_bias_refuses_moves_and_bad_buffers(kernel):
     with pytest.raises(RuntimeError, match="codes must be"):
         torch.ops.ladechat_blocks.q4_mm(torch.randn(2, 96), tiles, tile_scales, tile_lows, 0)
     assert layer(torch.randn(0, 64)).shape == (0, 32)
+
+
+def siblings(seed: int, sizes=(64, 32, 32), cols: int = 96) -> torch.nn.Module:
+    """An attention-like parent of Q4Linear q/k/v projections and an MLP-like one of gate/up."""
+    made = [q4.Q4Linear(*q4.layout(*random_weight(rows, cols, seed=seed + i))) for i, rows in enumerate(sizes)]
+    attn, mlp = torch.nn.Module(), torch.nn.Module()
+    attn.q_proj, attn.k_proj, attn.v_proj = made
+    mlp.gate_proj, mlp.up_proj = (q4.Q4Linear(*q4.layout(*random_weight(48, cols, seed=seed + 9 + i)))
+                                  for i in range(2))
+    parent = torch.nn.Module()
+    parent.attn, parent.mlp = attn, mlp
+    return parent
+
+
+def test_siblings_share_one_buffer_and_multiply_in_one_call_with_the_same_bits(kernel):
+    parent = siblings(seed=40)
+    groups = [[parent.attn.q_proj, parent.attn.k_proj, parent.attn.v_proj], [parent.mlp.gate_proj, parent.mlp.up_proj]]
+    before = [[m.product() for m in group] for group in groups]
+    xs = [torch.randn(rows, 96) for rows in (1, 3, 7)]
+    want = [[torch.cat([p(x) for p in products], dim=1) for x in xs] for products in before]
+    assert all(q4.joint_product(group) is None for group in groups)  # apart until shared
+    assert q4.share_buffers(parent) == 2
+    for group, expected in zip(groups, want, strict=True):
+        storage = {m.tiles.untyped_storage().data_ptr() for m in group}
+        assert len(storage) == 1  # views of one buffer, nothing copied twice
+        joint = q4.joint_product(group)
+        for x, wanted in zip(xs, expected, strict=True):
+            assert torch.equal(joint(x), wanted)  # each output's bits as the modules' own products
+            assert torch.equal(torch.cat([m(x) for m in group], dim=1), wanted)  # the modules unchanged
+    # siblings out of order, or a module with a bias, are called apart
+    assert q4.joint_product([parent.attn.k_proj, parent.attn.q_proj]) is None
+    parent.attn.v_proj.bias = torch.nn.Parameter(torch.zeros(32), requires_grad=False)
+    assert q4.joint_product(groups[0]) is None

@@ -9,12 +9,13 @@ of the same family needs only:
 
     tokens (S) --embed--> x (S, hidden)
     per layer:  h = input_norm(x)                         the layer's own RMSNorm module
-                q, k, v = q_proj(h), k_proj(h), v_proj(h)  its own Linear modules (int4, packed, dense)
+                q, k, v = q_proj(h), k_proj(h), v_proj(h)  its own Linear modules (int4, packed, dense);
+                                                           4-bit ones side by side: one call (q4.joint_product)
                 q, k = rope(q, k) at the rows' positions   a cos/sin table the model's rotary module made
                 K, V = cache.update(k, v)                  the runner's GrowingCache (kv.py)
                 x = x + o_proj(attend(q stacked per kv head, K, V, mask tiled per group))
                 h = post_norm(x)                           the layer's own RMSNorm module
-                x = x + down(silu(gate(h)) * up(h))        its MLP's Linear modules
+                x = x + down(silu(gate(h)) * up(h))        its MLP's Linear modules (gate, up: as q, k, v)
     logits = lm_head(norm(x))                              every row's (lookahead reads them all)
 
 Each residual add and the norm after it are one call (norms.add_norm): where the norms are
@@ -134,16 +135,26 @@ class LeanStep:
         def products(*modules):
             return [_product(module, model.dtype) for module in modules]
 
+        def together(*modules):
+            """h -> each module's product of h: one call where their 4-bit buffers are side by side
+            (q4.share_buffers), each output then a column slice of it."""
+            joint = q4.joint_product(list(modules)) if model.dtype in (torch.float32, torch.bfloat16) else None
+            if joint is None:
+                apart = products(*modules)
+                return lambda h: [product(h) for product in apart]
+            sizes = [module.out_features for module in modules]
+            return lambda h: joint(h).split(sizes, dim=1)
+
         # Each residual add is fused with the norm after it (norms.add_norm: one call for
         # ladechat's norm kernel): a layer ends with the next layer's input norm, the last with the
         # model's final norm, so the first layer's input norm is the one called alone.
         layers = model.model.layers
         after = [layer.input_layernorm for layer in layers[1:]] + [model.model.norm]
         self.first_norm = layers[0].input_layernorm.forward
-        self.layers = [(*products(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                                  layer.self_attn.o_proj), layer.self_attn.scaling,
+        self.layers = [(together(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+                        _product(layer.self_attn.o_proj, model.dtype), layer.self_attn.scaling,
                         norms.add_norm(layer.post_attention_layernorm),
-                        *products(layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj),
+                        together(layer.mlp.gate_proj, layer.mlp.up_proj), _product(layer.mlp.down_proj, model.dtype),
                         norms.add_norm(next_norm))
                        for layer, next_norm in zip(layers, after, strict=True)]
         self.cos = self.signed_sin = torch.empty(0)
@@ -191,16 +202,17 @@ class LeanStep:
             silu, attend, rope = torch.nn.functional.silu, self.attend, self.rope
             layers = cache.layers
             h = self.first_norm(x)
-            for i, (q_proj, k_proj, v_proj, o_proj, scaling, add_norm2, gate, up, down, add_next_norm) \
-                    in enumerate(self.layers):
-                q, k = rope(q_proj(h), k_proj(h), heads, kv_heads, cos, signed_sin)
-                v = v_proj(h).view(size, kv_heads, dim).transpose(0, 1)
+            for i, (qkv, o_proj, scaling, add_norm2, gate_up, down, add_next_norm) in enumerate(self.layers):
+                q, k, v = qkv(h)
+                q, k = rope(q, k, heads, kv_heads, cos, signed_sin)
+                v = v.view(size, kv_heads, dim).transpose(0, 1)
                 if i < len(layers):
                     keys, values = layers[i].update(k[None], v[None])
                 else:  # an empty cache (a one-token prompt): the cache makes the layer
                     keys, values = cache.update(k[None], v[None], i)
                 out = attend(q.reshape(1, kv_heads, groups * size, dim), keys, values, mask, scaling, size)
                 x, h = add_norm2(x, o_proj(out.reshape(heads, size, dim).transpose(0, 1).reshape(size, heads * dim)))
-                x, h = add_next_norm(x, down(silu(gate(h)) * up(h)))
+                gate, up = gate_up(h)
+                x, h = add_next_norm(x, down(silu(gate) * up))
             return model.lm_head(h)
 

@@ -398,6 +398,8 @@ def _replace(model, get: Callable[[str], torch.Tensor], kinds: dict[str, str], n
                 continue
             model.set_submodule(name, module)
             count += 1
+        if path is not None:
+            q4.share_buffers(model)  # q/k/v and gate/up each multiplied in one call by the lean step
     return Applied(count, tuple(sorted(set(kinds.values()))), tuple(notices + (kernel_notices if count else [])))
 
 

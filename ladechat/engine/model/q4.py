@@ -147,3 +147,63 @@ class Q4Linear(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"{self.kind} blocks, ladechat's {PATHS[self.path]} kernel with int8 activations")
+
+
+# -- products that share their input -------------------------------------------------------------
+#
+# A decoder layer multiplies one row by q, k and v, and another by gate and up. Called apart, each
+# product pays a call (~6 us: the dispatcher, quantizing the row, starting the threads) and quantizes
+# the same row again: ~90 of a step's ~240 products are that. So at load time the siblings' tiles,
+# scales and lows are put in one buffer each, the modules' own buffers becoming consecutive views
+# of it (no memory added, each module computing what it did), and the lean step multiplies the row
+# by the whole buffer at once. Each output is computed as before (one row quantized the same way,
+# one output's sums in one fixed order), so the bits do not change.
+
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+BUFFERS = ("tiles", "scales", "lows")
+
+
+def _joinable(modules: list) -> bool:
+    return (len(modules) > 1 and all(type(m) is Q4Linear and m.bias is None for m in modules)
+            and len({(m.in_features, m.path) for m in modules}) == 1)
+
+
+def share_buffers(model: torch.nn.Module) -> int:
+    """Put the buffers of each sibling group (SIBLINGS: Q4Linear modules of one parent that take the
+    same input) in one tensor each, the modules' buffers becoming its consecutive views. Returns the
+    number of groups joined."""
+    joined = 0
+    for parent in model.modules():
+        for names in SIBLINGS:
+            modules = [getattr(parent, name, None) for name in names]
+            if not _joinable(modules):
+                continue
+            for buffer in BUFFERS:
+                whole = torch.cat([getattr(m, buffer) for m in modules])
+                start = 0
+                for module in modules:
+                    count = getattr(module, buffer).shape[0]
+                    setattr(module, buffer, whole[start : start + count])
+                    start += count
+            joined += 1
+    return joined
+
+
+def joint_product(modules: list) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """x (rows, in) -> (rows, sum of the modules' outputs): the modules' products in one call, where
+    share_buffers put their buffers side by side (else None: call them apart)."""
+    if not _joinable(modules):
+        return None
+    whole = []
+    for buffer in BUFFERS:
+        parts = [getattr(m, buffer) for m in modules]
+        first = parts[0]
+        if not all(p.is_contiguous() and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                   for p in parts):
+            return None
+        if any(b.data_ptr() != a.data_ptr() + a.nbytes for a, b in zip(parts, parts[1:])):
+            return None
+        count = sum(p.shape[0] for p in parts)
+        whole.append(first.as_strided((count, *first.shape[1:]), first.stride()))
+    op, (tiles, scales, lows), path = torch.ops.ladechat_blocks.q4_mm.default, whole, modules[0].path
+    return lambda x: op(x, tiles, scales, lows, path)

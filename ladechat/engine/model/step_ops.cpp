@@ -131,13 +131,15 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 
 // -- rotary position embedding -------------------------------------------------------------------
 
-// x (S, heads * dim) -> out (heads, S, dim): x * cos + roll(x, dim / 2) * signed_sin per row.
+// x (S, heads * dim), its rows `stride` apart -> out (heads, S, dim): x * cos + roll(x, dim / 2) *
+// signed_sin per row.
 template <typename T>
-void rotate(const T* x, int64_t S, int64_t heads, int64_t dim, const T* cos, const T* signed_sin, T* out) {
+void rotate(const T* x, int64_t stride, int64_t S, int64_t heads, int64_t dim, const T* cos, const T* signed_sin,
+            T* out) {
   const int64_t half = dim / 2;
   for (int64_t h = 0; h < heads; ++h)
     for (int64_t s = 0; s < S; ++s) {
-      const T* row = x + (s * heads + h) * dim;
+      const T* row = x + s * stride + h * dim;
       const T* c = cos + s * dim;
       const T* n = signed_sin + s * dim;
       T* o = out + (h * S + s) * dim;
@@ -152,15 +154,16 @@ void rotate(const T* x, int64_t S, int64_t heads, int64_t dim, const T* cos, con
 
 at::Tensor rotated(const at::Tensor& x, int64_t heads, const at::Tensor& cos, const at::Tensor& signed_sin) {
   const int64_t S = cos.size(0), dim = cos.size(1);
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == S && x.size(1) == heads * dim && x.is_contiguous()
-              && x.scalar_type() == cos.scalar_type() && x.device().is_cpu(),
-              "rope: q and k must be (rows, heads * dim), contiguous, in cos's dtype, on the CPU");
+  // rows may be apart (q and k as column slices of one product with v), each row contiguous
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == S && x.size(1) == heads * dim && x.stride(1) == 1
+              && (S == 1 || x.stride(0) >= x.size(1)) && x.scalar_type() == cos.scalar_type() && x.device().is_cpu(),
+              "rope: q and k must be (rows, heads * dim), each row contiguous, in cos's dtype, on the CPU");
   at::Tensor out = at::empty({heads, S, dim}, x.options());
   if (x.scalar_type() == at::kFloat)
-    rotate(x.data_ptr<float>(), S, heads, dim, cos.data_ptr<float>(), signed_sin.data_ptr<float>(),
+    rotate(x.data_ptr<float>(), x.stride(0), S, heads, dim, cos.data_ptr<float>(), signed_sin.data_ptr<float>(),
            out.data_ptr<float>());
   else
-    rotate(x.data_ptr<c10::BFloat16>(), S, heads, dim, cos.data_ptr<c10::BFloat16>(),
+    rotate(x.data_ptr<c10::BFloat16>(), x.stride(0), S, heads, dim, cos.data_ptr<c10::BFloat16>(),
            signed_sin.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>());
   return out;
 }
