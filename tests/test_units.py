@@ -235,6 +235,25 @@ def test_successor_table_prefers_the_pair_of_tokens_and_falls_back_to_the_token(
     assert small.pairs() <= 16 and small.lookup(1099, 5) == ([99, 100], True)
 
 
+def test_one_row_updates_fill_the_successor_table_as_a_step_of_many_rows_does():
+    """A one-row step's update (its own short path) leaves the table as the general one would."""
+    import numpy as np
+
+    from ladechat.engine.draft.recycle import SuccessorTable
+
+    rng = np.random.default_rng(0)
+    rows = [(int(rng.integers(0, 50)), int(rng.integers(-1, 50)), rng.integers(0, 50, 4)) for _ in range(200)]
+    alone, general = SuccessorTable(k=3, pair_slots=1 << 5), SuccessorTable(k=3, pair_slots=1 << 5)
+    for token, prev, top in rows:
+        alone.update([token], top[None], [prev])
+        general.update([token, token], np.stack([top, top]), [prev, prev])  # the same row twice: many rows
+    for token in range(60):
+        for prev in range(-1, 60):
+            assert alone.lookup(prev, token) == general.lookup(prev, token)
+    alone.update([77], np.array([[1, 2]]))  # rows narrower than k, no previous token; a new id grows the table
+    assert alone.successors(77) == [1, 2] and alone.lookup(5, 77) == ([1, 2], False)
+
+
 def test_acceptance_starts_at_the_prior_and_learns():
     from ladechat.engine.draft.tree import Acceptance
 
@@ -582,3 +601,10 @@ def test_a_slow_phase_shows_what_it_is_and_for_how_long_on_a_terminal_only():
     with phases(Console(file=piped, force_terminal=False))("compiling the decoding steps"):
         pass
     assert piped.getvalue() == ""
+
+
+def test_a_tree_mask_needs_each_parent_before_its_children():
+    sees, depth = tree_mask([-1, 0, 0, 2])
+    assert sees.tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]] and depth.tolist() == [0, 1, 1, 2]
+    with pytest.raises(ValueError, match="row 1's parent 2 does not come before it"):
+        tree_mask([-1, 2, 0])

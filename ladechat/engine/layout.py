@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ladechat.engine.draft.tree import Node
@@ -103,26 +104,24 @@ def build_layout(window_tokens: list[list[int]], candidates: list[tuple[tuple[in
 
 
 def tree_mask(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ancestor-or-self matrix (S, S) bool and depth (S,) of a tree given by parent rows.
+    """Ancestor-or-self matrix (S, S) bool and depth (S,) of a tree given by parent rows, each
+    parent before its children (every layout here is built so).
 
-    Vectorised pointer jumping: each pass moves every row's pointer one ancestor up, so the loop
-    runs once per tree level, whatever W, N, G are.
+    One pass in row order: a row sees what its parent sees, and itself. On the host with numpy
+    (a step's tree is small): ~10 us for a CPU step's few rows, where torch's ops on tensors this
+    small cost ~50 us.
     """
     size = len(parents)
-    up = torch.tensor(parents + [size], dtype=torch.long)  # index `size` is a sentinel: "no parent"
-    up[up < 0] = size
-    sees = torch.zeros(size, size + 1, dtype=torch.bool)
-    rows = torch.arange(size)
-    cur = rows.clone()
-    sees[rows, cur] = True
-    while True:
-        cur = up[cur]
-        if bool((cur == size).all()):
-            break
-        sees[rows, cur] = True
-    sees = sees[:, :size]
-    depth = sees.sum(dim=1) - 1
-    return sees, depth
+    sees = np.zeros((size, size), dtype=bool)
+    depth = np.zeros(size, dtype=np.int64)
+    for row, parent in enumerate(parents):
+        if parent >= row:
+            raise ValueError(f"row {row}'s parent {parent} does not come before it")
+        if parent >= 0:
+            sees[row] = sees[parent]
+            depth[row] = depth[parent] + 1
+        sees[row, row] = True
+    return torch.from_numpy(sees), torch.from_numpy(depth)
 
 
 def step_inputs(layout: StepLayout, past: int, dtype: torch.dtype, device: torch.device):

@@ -41,17 +41,22 @@ class SuccessorTable:
         """top[i]: the model's top-k next tokens (best first) computed for the row fed tokens[i],
         whose previous token was prevs[i] (-1: none). Later rows win where a token (or pair)
         repeats, so callers put the rows they trust most last."""
-        if self._table is None:
-            self._table = np.full((0, self.k), -1, dtype=np.int32)
+        width = min(top.shape[1], self.k)
+        if len(tokens) == 1:  # a one-row step (most steps on a CPU): no index arrays to build
+            token, prev = tokens[0], prevs[0] if prevs is not None else -1
+            self._room_for(token)
+            self._table[token, :width] = top[0, :width]
+            if prev >= 0:
+                key = (prev << 32) | token
+                slot = self._slot(key)
+                self._pair_keys[slot] = key
+                self._pair_rows[slot, :width] = top[0, :width]
+            return
         last = {tok: i for i, tok in enumerate(tokens)}  # the last row of each token id
         ids = np.fromiter(last.keys(), dtype=np.int64, count=len(last))
         rows = np.fromiter(last.values(), dtype=np.int64, count=len(last))
-        need = int(ids.max()) + 1
-        if need > len(self._table):  # grow to the largest token id seen (vocab sizes vary by model)
-            grown = np.full((max(need, 2 * len(self._table)), self.k), -1, dtype=np.int32)
-            grown[: len(self._table)] = self._table
-            self._table = grown
-        self._table[ids, : top.shape[1]] = top[rows, : self.k]
+        self._room_for(int(ids.max()))
+        self._table[ids, :width] = top[rows, :width]
         if prevs is None:
             return
         pairs: dict[int, int] = {}  # pair key -> its last row, in the order of those last rows
@@ -65,7 +70,16 @@ class SuccessorTable:
             rows = np.fromiter(pairs.values(), dtype=np.int64, count=len(pairs))
             slots = self._slots(keys)
             self._pair_keys[slots] = keys  # two pairs in one slot: the later row's stays (numpy's last write)
-            self._pair_rows[slots, : top.shape[1]] = top[rows, : self.k]
+            self._pair_rows[slots, :width] = top[rows, :width]
+
+    def _room_for(self, token: int) -> None:
+        """Grow the table to hold `token` (to the largest token id seen: vocab sizes vary by model)."""
+        if self._table is None:
+            self._table = np.full((0, self.k), -1, dtype=np.int32)
+        if token >= len(self._table):
+            grown = np.full((max(token + 1, 2 * len(self._table)), self.k), -1, dtype=np.int32)
+            grown[: len(self._table)] = self._table
+            self._table = grown
 
     def successors(self, token: int) -> list[int]:
         """The model's latest top-k after `token`, best first (empty if never seen)."""
