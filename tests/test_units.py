@@ -338,6 +338,46 @@ def test_suffix_index_sorted_and_recent_parts_agree():
     assert ctx.tokens() == text[10 : REINDEX // 2]
 
 
+def test_suffix_index_agrees_with_a_scan_through_small_and_large_appends_and_cuts():
+    """The keys of recent tokens are made as they arrive (one by one for a step's few, with numpy
+    for a prompt's many) and kept through truncation: every lookup still finds the longest, most
+    recent match a scan of the text finds, segments never crossed."""
+    import random
+
+    from ladechat.engine.draft.suffix import REINDEX, SEP
+
+    def scan(text, tail, length):
+        hits = []
+        for end in range(1, len(text)):
+            n = 0
+            while n < min(16, len(tail), end) and text[end - 1 - n] == tail[-1 - n]:
+                n += 1
+            cont = text[end : end + length]
+            cont = cont[: cont.index(SEP)] if SEP in cont else cont
+            if n and cont:
+                hits.append((n, end, tuple(cont)))
+        hits.sort(key=lambda h: (-h[0], -h[1]))
+        return [(cont, n) for n, _, cont in hits]
+
+    rng = random.Random(7)
+    ctx, text = SuffixIndex(), []
+    for round_ in range(300):
+        roll = rng.random()
+        if roll < 0.05 and text:
+            keep = rng.randrange(len(text))
+            ctx.truncate(keep)
+            text = text[:keep]
+        else:
+            count = rng.choice([1, 2, 3, 40]) if roll < 0.97 else REINDEX // 3
+            chunk = [SEP if rng.random() < 0.03 else rng.randrange(5) for _ in range(count)]
+            ctx.extend(chunk)
+            text += chunk
+        assert ctx.tokens() == text
+        tail = [tok for tok in text[-rng.randrange(1, 8):] if tok != SEP] or [1]
+        got, want = ctx.matches(tail, 4, 6), scan(text, tail, 4)
+        assert (got[:1] == want[:1]) and all(hit in want for hit in got), round_
+
+
 def test_suffix_matches_never_cross_a_segment_end():
     from ladechat.engine.draft.suffix import SEP
 

@@ -10,10 +10,12 @@ draft; tree.py counts the hits into a trie, so a continuation that several hits 
 above one seen once (frequency), and the most recent breaks ties.
 
 Layout: `text` is a growable int32 array. Keys of text[:indexed] are kept sorted per key length
-(numpy searchsorted finds a key's run of positions, in text order); the newest positions, past
-`indexed`, are scanned directly and folded into the sorted arrays once REINDEX of them pile up.
-So appending a step's tokens is O(1) amortised and a lookup is a few small numpy calls, for a
-conversation of a few thousand tokens and a store of a few hundred thousand alike.
+(numpy searchsorted finds a key's run of positions, in text order); the keys of the newest
+positions, past `indexed`, are computed as their tokens arrive (in Python: a step brings a few)
+into arrays in text order, compared with a lookup's key directly, and folded into the sorted
+arrays once REINDEX of them pile up. So appending a step's tokens is O(1) amortised and a lookup
+is a few small numpy calls, for a conversation of a few thousand tokens and a store of a few
+hundred thousand alike.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ KEY_LENS = (4, 2, 1)
 MAX_MATCH = 16  # a match is measured up to this many tokens back
 SCAN = 64  # most recent positions looked at per key
 REINDEX = 512  # unindexed tokens that trigger folding them into the sorted keys
+RECENT_IN_PYTHON = 16  # tokens appended at once whose keys are computed one by one in Python
 _MULT = np.uint64(0x9E3779B97F4A7C15)  # key hash: polynomial in this odd constant, mod 2^64
 _MULT_INT, _MASK = int(_MULT), (1 << 64) - 1
 
@@ -43,10 +46,12 @@ def _keys(text: np.ndarray, m: int, ends: np.ndarray) -> np.ndarray:
 
 
 def _key(tokens: list[int]) -> np.uint64:
-    """_keys of one short key (no SEP in it), in Python integers: a lookup's few tokens do not pay
+    """_keys of one short key, in Python integers: a lookup's (or a step's) few tokens do not pay
     for numpy's calls."""
     h = 0
     for tok in tokens:
+        if tok < 0:
+            return np.uint64(_MASK)
         h = (h * _MULT_INT + tok) & _MASK
     return np.uint64(h)
 
@@ -57,6 +62,8 @@ class SuffixIndex:
         self.n = 0
         self.indexed = 0
         self._sorted: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # m -> (keys, ends), by key
+        # m -> keys of the ends indexed + 1 .. n, in text order (all ones: no key, as in _keys)
+        self._recent = {m: np.empty(REINDEX, dtype=np.uint64) for m in KEY_LENS}
 
     def __len__(self) -> int:
         return self.n
@@ -72,9 +79,18 @@ class SuffixIndex:
             grown[: self.n] = self.text[: self.n]
             self.text = grown
         self.text[self.n : self.n + len(tokens)] = tokens
-        self.n += len(tokens)
+        start, self.n = self.n, self.n + len(tokens)
         if self.n - self.indexed > REINDEX:
             self._reindex()
+        elif len(tokens) > RECENT_IN_PYTHON:
+            self._recent_keys(start)
+        else:
+            window = self.text[max(0, start - max(KEY_LENS)) : self.n].tolist()
+            offset = max(0, start - max(KEY_LENS))
+            for end in range(start + 1, self.n + 1):
+                for m in KEY_LENS:
+                    self._recent[m][end - self.indexed - 1] = \
+                        _key(window[end - m - offset : end - offset]) if end >= m else np.uint64(_MASK)
 
     def truncate(self, length: int) -> None:
         """Forget everything after the first `length` tokens (the conversation was edited)."""
@@ -94,6 +110,15 @@ class SuffixIndex:
         self._sorted = {}
         self._reindex()
 
+    def _recent_keys(self, start: int) -> None:
+        """The keys of the ends start + 1 .. n into the recent arrays, with numpy (many tokens)."""
+        ends = np.arange(start + 1, self.n + 1, dtype=np.int64)
+        for m in KEY_LENS:
+            keys = np.full(len(ends), _MASK, dtype=np.uint64)
+            long_enough = ends >= m
+            keys[long_enough] = _keys(self.text[: self.n], m, ends[long_enough])
+            self._recent[m][start - self.indexed : self.n - self.indexed] = keys
+
     def _reindex(self) -> None:
         text = self.text[: self.n]
         for m in KEY_LENS:
@@ -111,25 +136,19 @@ class SuffixIndex:
             keys, ends = self._sorted[m]
             lo, hi = np.searchsorted(keys, key, "left"), np.searchsorted(keys, key, "right")
             found.append(ends[max(lo, hi - SCAN) : hi])
-        start = max(self.indexed + 1, m)
-        if start <= self.n:
-            recent = np.arange(start, self.n + 1, dtype=np.int64)
-            found.append(recent[_keys(self.text[: self.n], m, recent) == key])
+        if self.n > self.indexed:
+            found.append(np.flatnonzero(self._recent[m][: self.n - self.indexed] == key) + (self.indexed + 1))
         return np.concatenate(found)[-SCAN:] if found else np.empty(0, dtype=np.int64)
 
     def _match_lengths(self, ends: np.ndarray, tail: np.ndarray) -> np.ndarray:
         """How many tokens before each end equal the last tokens of `tail` (up to MAX_MATCH)."""
-        length = np.zeros(len(ends), dtype=np.int64)
-        alive = np.ones(len(ends), dtype=bool)
-        for back in range(1, min(MAX_MATCH, len(tail)) + 1):
-            at = ends - back
-            ok = at >= 0
-            ok[ok] = self.text[at[ok]] == tail[-back]
-            alive &= ok
-            if not alive.any():
-                break
-            length += alive
-        return length
+        # all the steps back at once, (ends, depth), then each row's leading run of equal tokens: a
+        # few numpy calls whatever the depth (token by token, ~5 calls a step back)
+        depth = min(MAX_MATCH, len(tail))
+        back = np.arange(1, depth + 1)
+        at = ends[:, None] - back[None, :]
+        same = (at >= 0) & (self.text[np.maximum(at, 0)] == tail[len(tail) - back][None, :])
+        return np.where(same.all(axis=1), depth, same.argmin(axis=1))
 
     def matches(self, tail: list[int], length: int, limit: int) -> list[tuple[tuple[int, ...], int]]:
         """Up to `limit` places where `tail`'s end occurred before: (the up to `length` tokens that
@@ -144,8 +163,8 @@ class SuffixIndex:
                 continue
             ends = self._ends_after(_key(tail_arr[-m:].tolist()), m)
             ends = ends[ends < self.n]
-            if found:  # places a longer key already found
-                ends = ends[~np.isin(ends, list(found))]
+            if found:  # places a longer key already found (a few: Python's set test, not np.isin)
+                ends = np.array([end for end in ends.tolist() if end not in found], dtype=np.int64)
             if not len(ends):
                 continue
             lengths = self._match_lengths(ends, tail_arr)
