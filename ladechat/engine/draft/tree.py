@@ -16,6 +16,7 @@ improves, and nothing at all (a plain step) when no node is worth its cost.
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ def share_bucket(share: float) -> int:
     return 3 if share >= 0.999 else 2 if share >= 0.6 else 1 if share >= 0.3 else 0
 
 
+@functools.cache  # a few hundred buckets, asked for ~100 times a step
 def _prior(bucket: tuple) -> float:
     source, first, depth, *extra = bucket
     if source in ("context", "store"):  # first: length of the textual match; extra: the share bucket
