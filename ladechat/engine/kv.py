@@ -49,14 +49,28 @@ class GrowingLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        held = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+        held, keys, values = self.room(key_states.shape[-2], key_states, value_states)
         end = held + key_states.shape[-2]
-        if self._buffers is None or end > self._buffers[0].shape[-2]:
-            self._buffers = tuple(self._room_for(end, new, old) for new, old in
-                                  ((key_states, self.keys), (value_states, self.values)))
-        keys, values = self._buffers
         keys[..., held:end, :] = key_states
         values[..., held:end, :] = value_states
+        return self.filled(end)
+
+    def room(self, rows: int, key_states: torch.Tensor | None = None, value_states: torch.Tensor | None = None
+             ) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """(positions held, the key buffer, the value buffer), the buffers with room for `rows`
+        more positions after the held ones: for a step's keys and values written in place (the
+        lean step's rope_kv kernel), then filled(). New buffers are shaped like key_states and
+        value_states (default: the layer's own, which must hold keys already)."""
+        held = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+        end = held + rows
+        if self._buffers is None or end > self._buffers[0].shape[-2]:
+            like = (self.keys, self.values) if key_states is None else (key_states, value_states)
+            self._buffers = tuple(self._room_for(end, new, old) for new, old in zip(like, (self.keys, self.values)))
+        return held, *self._buffers
+
+    def filled(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's keys and values: its buffers' first `end` positions."""
+        keys, values = self._buffers
         self.keys, self.values = keys[..., :end, :], values[..., :end, :]
         return self.keys, self.values
 

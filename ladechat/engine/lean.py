@@ -12,7 +12,8 @@ of the same family needs only:
                 q, k, v = q_proj(h), k_proj(h), v_proj(h)  its own Linear modules (int4, packed, dense);
                                                            4-bit ones side by side: one call (q4.joint_product)
                 q, k = rope(q, k) at the rows' positions   a cos/sin table the model's rotary module made
-                K, V = cache.update(k, v)                  the runner's GrowingCache (kv.py)
+                K, V = cache.update(k, v)                  the runner's GrowingCache (kv.py); with q/k/v in
+                                                           one product, rotated into it in one call (rope_kv)
                 x = x + o_proj(attend(q stacked per kv head, K, V, mask tiled per group))
                 h = post_norm(x)                           the layer's own RMSNorm module
                 x = x + down(silu(gate(h)) * up(h))        its MLP's Linear modules (gate, up: as q, k, v)
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from ladechat.engine import kv
 from ladechat.engine.layout import StepLayout, step_inputs
 from ladechat.engine.model import attention, int4, norms, q4, step_ops
 
@@ -152,6 +154,7 @@ class LeanStep:
         after = [layer.input_layernorm for layer in layers[1:]] + [model.model.norm]
         self.first_norm = layers[0].input_layernorm.forward
         self.layers = [(together(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+                        q4.joint_product([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
                         _product(layer.self_attn.o_proj, model.dtype), layer.self_attn.scaling,
                         norms.add_norm(layer.post_attention_layernorm),
                         together(layer.mlp.gate_proj, layer.mlp.up_proj), _product(layer.mlp.down_proj, model.dtype),
@@ -166,6 +169,8 @@ class LeanStep:
             raise ValueError(f"ladechat's rope kernel cannot rotate this model's steps ({model.dtype} on "
                              f"{model.device}, {'loaded' if step_ops.loaded() else 'not loaded'})")
         self.rope = torch.ops.ladechat_step.rope.default if rope_kernel else _torch_rope
+        # with the kernel and q/k/v in one product: rotated and put in the cache in one call
+        self.rope_kv = torch.ops.ladechat_step.rope_kv.default if rope_kernel else None
         # the attention the model's forward runs (attention.py), of the stacked rows
         self.attend = attention.attend_stacked if config._attn_implementation == attention.ROWWISE \
             else attention.sdpa_stacked
@@ -199,17 +204,24 @@ class LeanStep:
             self.table(past + size)  # a row's position is past + its depth, below size: no read of the device
             cos, signed_sin = self.cos[positions], self.signed_sin[positions]  # (S, dim), broadcast over heads
             x = model.model.embed_tokens(ids)  # (S, hidden)
-            silu, attend, rope = torch.nn.functional.silu, self.attend, self.rope
+            silu, attend, rope, rope_kv = torch.nn.functional.silu, self.attend, self.rope, self.rope_kv
             layers = cache.layers
             h = self.first_norm(x)
-            for i, (qkv, o_proj, scaling, add_norm2, gate_up, down, add_next_norm) in enumerate(self.layers):
-                q, k, v = qkv(h)
-                q, k = rope(q, k, heads, kv_heads, cos, signed_sin)
-                v = v.view(size, kv_heads, dim).transpose(0, 1)
-                if i < len(layers):
-                    keys, values = layers[i].update(k[None], v[None])
-                else:  # an empty cache (a one-token prompt): the cache makes the layer
-                    keys, values = cache.update(k[None], v[None], i)
+            for i, (q_k_v, qkv, o_proj, scaling, add_norm2, gate_up, down, add_next_norm) in enumerate(self.layers):
+                layer = layers[i] if i < len(layers) else None
+                if rope_kv is not None and qkv is not None and isinstance(layer, kv.GrowingLayer) \
+                        and layer.keys.dim() == 4:
+                    held, key_buffer, value_buffer = layer.room(size)
+                    q = rope_kv(qkv(h), heads, kv_heads, cos, signed_sin, key_buffer, value_buffer, held)
+                    keys, values = layer.filled(held + size)
+                else:
+                    q, k, v = q_k_v(h)
+                    q, k = rope(q, k, heads, kv_heads, cos, signed_sin)
+                    v = v.view(size, kv_heads, dim).transpose(0, 1)
+                    if layer is not None:
+                        keys, values = layer.update(k[None], v[None])
+                    else:  # an empty cache (a one-token prompt): the cache makes the layer
+                        keys, values = cache.update(k[None], v[None], i)
                 out = attend(q.reshape(1, kv_heads, groups * size, dim), keys, values, mask, scaling, size)
                 x, h = add_norm2(x, o_proj(out.reshape(heads, size, dim).transpose(0, 1).reshape(size, heads * dim)))
                 gate, up = gate_up(h)

@@ -12,6 +12,8 @@
 //   rope                    the lean step's rotation of q and k (lean._rotate): bitwise the same
 //                           floats, each product rounded to the dtype and then their sum (the
 //                           compile flags keep a * b + c two roundings, as torch's ops are).
+//   rope_kv                 the same rotation of a joint q/k/v product's rows, k rotated and v
+//                           written straight into the layer's cache buffers (kv.GrowingLayer).
 //   top_k                   each row's k likeliest tokens, best first, equal logits by index (as
 //                           argmax picks); NaN above every number, as torch.topk ranks it.
 //
@@ -131,18 +133,18 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 
 // -- rotary position embedding -------------------------------------------------------------------
 
-// x (S, heads * dim), its rows `stride` apart -> out (heads, S, dim): x * cos + roll(x, dim / 2) *
-// signed_sin per row.
+// x (S, heads * dim), its rows `stride` apart -> out, head h's row s at out + h * out_head + s *
+// dim (out_head = S * dim: (heads, S, dim)): x * cos + roll(x, dim / 2) * signed_sin per row.
 template <typename T>
 void rotate(const T* x, int64_t stride, int64_t S, int64_t heads, int64_t dim, const T* cos, const T* signed_sin,
-            T* out) {
+            T* out, int64_t out_head) {
   const int64_t half = dim / 2;
   for (int64_t h = 0; h < heads; ++h)
     for (int64_t s = 0; s < S; ++s) {
       const T* row = x + s * stride + h * dim;
       const T* c = cos + s * dim;
       const T* n = signed_sin + s * dim;
-      T* o = out + (h * S + s) * dim;
+      T* o = out + h * out_head + s * dim;
       for (int64_t j = 0; j < dim; ++j) {
         const T rolled = row[j < half ? j + half : j - half];
         const T a = static_cast<T>(as_float(row[j]) * as_float(c[j]));
@@ -161,22 +163,65 @@ at::Tensor rotated(const at::Tensor& x, int64_t heads, const at::Tensor& cos, co
   at::Tensor out = at::empty({heads, S, dim}, x.options());
   if (x.scalar_type() == at::kFloat)
     rotate(x.data_ptr<float>(), x.stride(0), S, heads, dim, cos.data_ptr<float>(), signed_sin.data_ptr<float>(),
-           out.data_ptr<float>());
+           out.data_ptr<float>(), S * dim);
   else
     rotate(x.data_ptr<c10::BFloat16>(), x.stride(0), S, heads, dim, cos.data_ptr<c10::BFloat16>(),
-           signed_sin.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>());
+           signed_sin.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), S * dim);
   return out;
+}
+
+void check_rotation(const at::Tensor& cos, const at::Tensor& signed_sin) {
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) % 2 == 0 && cos.is_contiguous() && signed_sin.sizes() == cos.sizes()
+              && signed_sin.is_contiguous() && signed_sin.scalar_type() == cos.scalar_type()
+              && (cos.scalar_type() == at::kFloat || cos.scalar_type() == at::kBFloat16)
+              && cos.device().is_cpu() && signed_sin.device().is_cpu(),
+              "rope: cos and signed_sin must be (rows, even dim), fp32 or bf16, contiguous, on the CPU");
+}
+
+template <typename T>
+void rotate_into_cache(const at::Tensor& qkv, int64_t heads, int64_t kv_heads, const at::Tensor& cos,
+                       const at::Tensor& signed_sin, at::Tensor& keys, at::Tensor& values, int64_t held, at::Tensor& q) {
+  const int64_t S = cos.size(0), dim = cos.size(1), stride = qkv.stride(0), capacity = keys.size(2);
+  const T* x = qkv.data_ptr<T>();
+  const T* c = cos.data_ptr<T>();
+  const T* n = signed_sin.data_ptr<T>();
+  rotate(x, stride, S, heads, dim, c, n, q.data_ptr<T>(), S * dim);
+  rotate(x + heads * dim, stride, S, kv_heads, dim, c, n, keys.data_ptr<T>() + held * dim, capacity * dim);
+  T* v = values.data_ptr<T>() + held * dim;
+  for (int64_t h = 0; h < kv_heads; ++h)
+    for (int64_t s = 0; s < S; ++s)
+      std::memcpy(v + h * capacity * dim + s * dim, x + s * stride + (heads + kv_heads + h) * dim, dim * sizeof(T));
+}
+
+// The rows of one joint q/k/v product, qkv (S, (heads + 2 kv_heads) * dim), each row contiguous:
+// q rotated and returned, (heads, S, dim); k rotated and v as it is written straight into a
+// layer's key and value buffers (1, kv_heads, capacity, dim) at positions held .. held + S - 1.
+// The same floats as rope() and a copy into the cache (kv.GrowingLayer.update), in one call
+// instead of ~10 (the lean step's q/k/v, once a layer).
+at::Tensor rope_kv(const at::Tensor& qkv, int64_t heads, int64_t kv_heads, const at::Tensor& cos,
+                   const at::Tensor& signed_sin, at::Tensor keys, at::Tensor values, int64_t held) {
+  check_rotation(cos, signed_sin);
+  const int64_t S = cos.size(0), dim = cos.size(1);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(0) == S && qkv.size(1) == (heads + 2 * kv_heads) * dim && qkv.stride(1) == 1
+              && (S == 1 || qkv.stride(0) >= qkv.size(1)) && qkv.scalar_type() == cos.scalar_type() && qkv.device().is_cpu(),
+              "rope_kv: qkv must be (rows, (heads + 2 kv_heads) * dim), each row contiguous, in cos's dtype, on the CPU");
+  for (const at::Tensor* buffer : {&keys, &values})
+    TORCH_CHECK(buffer->dim() == 4 && buffer->size(0) == 1 && buffer->size(1) == kv_heads && buffer->size(3) == dim
+                && buffer->is_contiguous() && buffer->scalar_type() == cos.scalar_type() && buffer->device().is_cpu()
+                && buffer->sizes() == keys.sizes() && held >= 0 && held + S <= buffer->size(2),
+                "rope_kv: keys and values must be (1, kv_heads, capacity, dim) alike, contiguous, in cos's dtype, "
+                "with room for the rows after `held`");
+  at::Tensor q = at::empty({heads, S, dim}, qkv.options());
+  if (qkv.scalar_type() == at::kFloat) rotate_into_cache<float>(qkv, heads, kv_heads, cos, signed_sin, keys, values, held, q);
+  else rotate_into_cache<c10::BFloat16>(qkv, heads, kv_heads, cos, signed_sin, keys, values, held, q);
+  return q;
 }
 
 // q (S, heads * dim), k (S, kv_heads * dim); cos, signed_sin (S, dim), signed_sin =
 // cat(-sin[:dim/2], sin[dim/2:]) -> q, k rotated, heads first: (heads, S, dim), (kv_heads, S, dim).
 std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k, int64_t heads, int64_t kv_heads,
                                         const at::Tensor& cos, const at::Tensor& signed_sin) {
-  TORCH_CHECK(cos.dim() == 2 && cos.size(1) % 2 == 0 && cos.is_contiguous() && signed_sin.sizes() == cos.sizes()
-              && signed_sin.is_contiguous() && signed_sin.scalar_type() == cos.scalar_type()
-              && (cos.scalar_type() == at::kFloat || cos.scalar_type() == at::kBFloat16)
-              && cos.device().is_cpu() && signed_sin.device().is_cpu(),
-              "rope: cos and signed_sin must be (rows, even dim), fp32 or bf16, contiguous, on the CPU");
+  check_rotation(cos, signed_sin);
   return {rotated(q, heads, cos, signed_sin), rotated(k, kv_heads, cos, signed_sin)};
 }
 
@@ -613,6 +658,8 @@ TORCH_LIBRARY(ladechat_step, m) {
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)", &add_rms_norm);
   m.def("rope(Tensor q, Tensor k, int heads, int kv_heads, Tensor cos, Tensor signed_sin) -> (Tensor, Tensor)",
         &rope);
+  m.def("rope_kv(Tensor qkv, int heads, int kv_heads, Tensor cos, Tensor signed_sin, Tensor(a!) keys, "
+        "Tensor(b!) values, int held) -> Tensor", &rope_kv);
   m.def("top_k(Tensor logits, int k) -> Tensor", &top_k);
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, int rows, int path) -> Tensor", &attend);
   m.def("attend_best_path() -> int", &attend_best_path);
