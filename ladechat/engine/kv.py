@@ -174,9 +174,12 @@ def commit_kv(cache, past: int, keep_rows: list[int], appended: int | None = Non
             if packed is not None:  # every layer's keys and values in one tensor: one gather
                 index = torch.tensor([past + row for row in keep_rows], device=packed.states.device)
                 packed.states[..., past : past + kept, :] = packed.states.index_select(-2, index)
+            elif _moves_rows_on_host(layers := _layers(cache)):  # one call for every layer
+                torch.ops.ladechat_step.keep_rows([s for layer in layers for s in (layer.keys, layer.values)],
+                                                  past, keep_rows)
             else:
                 indices: dict[torch.device, torch.Tensor] = {}  # one copy per device (layers may be spread)
-                for layer in _layers(cache):
+                for layer in layers:
                     device = layer.keys.device
                     if device not in indices:
                         indices[device] = torch.tensor([past + row for row in keep_rows], device=device)
@@ -184,6 +187,14 @@ def commit_kv(cache, past: int, keep_rows: list[int], appended: int | None = Non
                     for states in (layer.keys, layer.values):
                         states[..., past : past + kept, :] = states.index_select(-2, index)
     truncate(cache, past + kept, packed)
+
+
+def _moves_rows_on_host(layers) -> bool:
+    """Whether ladechat's keep_rows kernel (step_ops.cpp, loaded with a model on the CPU) can move
+    these layers' rows: every layer on the CPU."""
+    from ladechat.engine.model import step_ops
+
+    return step_ops.loaded() and all(layer.keys.device.type == "cpu" for layer in layers)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@
 //                           written straight into the layer's cache buffers (kv.GrowingLayer).
 //   top_k                   each row's k likeliest tokens, best first, equal logits by index (as
 //                           argmax picks); NaN above every number, as torch.topk ranks it.
+//   keep_rows               a step's accepted rows moved down in every layer's keys and values
+//                           (kv.commit_kv), one call for the whole cache.
 //
 // Every row is computed alone, in a fixed order, by one thread: a row gives the same bits alone
 // or among a step's rows, on one thread or two, so a lookahead step computes what a one-row step does.
@@ -651,6 +653,31 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   return out;
 }
 
+// -- keeping a step's accepted rows -------------------------------------------------------------
+
+// Each of a cache's key and value tensors (1, heads, positions, dim), its last dim contiguous:
+// positions past + rows[i] moved down to past + i (rows ascending, so rows[i] >= i and no row is
+// overwritten before it is read). kv.commit_kv's gather for every layer in one call instead of
+// ~4 ops a tensor. Bytes are moved as they are, whatever the dtype.
+void keep_rows(at::TensorList states, int64_t past, at::IntArrayRef rows) {
+  for (size_t i = 1; i < rows.size(); ++i)
+    TORCH_CHECK(rows[i] > rows[i - 1], "keep_rows: rows must be ascending");
+  TORCH_CHECK(past >= 0 && (rows.empty() || rows[0] >= 0), "keep_rows: past and rows must be >= 0");
+  for (const at::Tensor& t : states) {
+    TORCH_CHECK(t.dim() == 4 && t.size(0) == 1 && t.stride(3) == 1 && t.device().is_cpu(),
+                "keep_rows: states must be (1, heads, positions, dim) on the CPU, the last dim contiguous");
+    TORCH_CHECK(rows.empty() || past + rows.back() < t.size(2), "keep_rows: a row past the tensor's positions");
+    char* base = static_cast<char*>(t.data_ptr());
+    const int64_t size = t.element_size(), row_bytes = t.size(3) * size;
+    for (int64_t h = 0; h < t.size(1); ++h) {
+      char* head = base + h * t.stride(1) * size;
+      for (size_t i = 0; i < rows.size(); ++i)
+        if (rows[i] != static_cast<int64_t>(i))
+          std::memcpy(head + (past + i) * t.stride(2) * size, head + (past + rows[i]) * t.stride(2) * size, row_bytes);
+    }
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(ladechat_step, m) {
@@ -661,6 +688,7 @@ TORCH_LIBRARY(ladechat_step, m) {
   m.def("rope_kv(Tensor qkv, int heads, int kv_heads, Tensor cos, Tensor signed_sin, Tensor(a!) keys, "
         "Tensor(b!) values, int held) -> Tensor", &rope_kv);
   m.def("top_k(Tensor logits, int k) -> Tensor", &top_k);
+  m.def("keep_rows(Tensor(a!)[] states, int past, int[] rows) -> ()", &keep_rows);
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, int rows, int path) -> Tensor", &attend);
   m.def("attend_best_path() -> int", &attend_best_path);
 }
