@@ -175,6 +175,19 @@ def test_top_k_ranks_as_torch_and_breaks_ties_by_index(kernel):
     assert torch.equal(alone[0], torch.ops.ladechat_step.top_k(logits, TOP_K)[5])
 
 
+def test_top_k_of_long_fp32_rows_with_ties_and_nans_ranks_as_one_pass_does(kernel):
+    """Past the first k, fp32 rows are scanned 8 logits at a time for what may enter (above the
+    k-th best, or NaN): the ranking stays NaN first (by index), then larger, then lower index."""
+    generator = torch.Generator().manual_seed(8)
+    for trial in range(30):
+        logits = torch.randint(-6, 6, (3, 1003), generator=generator).float()  # many ties
+        if trial % 2:
+            logits[trial % 3, torch.randint(8, 1003, (2,), generator=generator)] = float("nan")  # NaNs late
+        for row, ids in zip(logits, torch.ops.ladechat_step.top_k(logits, 8), strict=True):
+            want = sorted(range(len(row)), key=lambda i: (not row[i].isnan(), -row[i].nan_to_num().item(), i))[:8]
+            assert ids.tolist() == want
+
+
 def test_finding_the_norms_reads_no_other_modules_weight(kernel):
     """An int4 or Q8_0 layer's `weight` is a dense copy computed at each read (seconds for the
     embedded model's 210 int4 layers): finding the norms must not read it."""
