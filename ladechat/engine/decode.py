@@ -230,8 +230,12 @@ class Session:
         if self.step_cost is None:
             room = max_step_size(la) - la.window * levels
             return tree_layout(window, worth_feeding(tree, None, limit=room)), skipped
-        cached = len(self.cached)
-        cost = lambda size: self.step_cost.cost(size, cached)  # noqa: E731
+        cached, known = len(self.cached), {}
+
+        def cost(size: int) -> float:  # asked for ~30 times a plan, of a few sizes
+            if size not in known:
+                known[size] = self.step_cost.cost(size, cached)
+            return known[size]
         if probe is not None:
             return probe_layout(window, worth_feeding(tree, None, limit=probe - 1), probe), skipped
         nodes = worth_feeding(tree, cost)

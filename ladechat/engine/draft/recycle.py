@@ -107,4 +107,4 @@ class SuccessorTable:
 
 
 def _listed(row: np.ndarray) -> list[int]:
-    return [int(x) for x in row if x >= 0]  # -1: no successor of that rank on record
+    return [x for x in row.tolist() if x >= 0]  # -1: no successor of that rank on record
