@@ -4,6 +4,7 @@ lookahead, over several turns, for every family it accepts; families it does not
 own forward."""
 
 import random
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -163,6 +164,34 @@ def test_rope_kv_rotates_into_the_cache_what_rope_and_an_update_put_there(rope_k
                                         randn(2, dim), key_buffer, value_buffer, key_buffer.shape[2] - 1)
 
 
+@pytest.mark.parametrize("rotation", ["kernel", "torch"])
+def test_on_4bit_weights_kept_together_the_lean_step_is_the_forward(rotation, request):
+    """A tiny Llama whose Linear weights are 4-bit, q/k/v and gate/up kept together as the 4-bit
+    file keeps them (q4.joined): the lean step multiplies each group in one call and, with the
+    rope kernel, rotates into the cache in one (rope_kv), or rotates column slices with torch's
+    ops; either way every row's logits and the cache are the forward's, bit for bit."""
+    if shutil.which(native.COMPILER) is None or q4.load(cache_root() / "kernels"):
+        pytest.skip(f"no C++ compiler ({native.COMPILER}) to build the 4-bit kernel here")
+    use_kernel = rotation == "kernel" and request.getfixturevalue("rope_kernel")
+    model = grouped("llama")
+    generator = torch.Generator().manual_seed(9)
+    names = [name for name, module in model.named_modules() if type(module) is torch.nn.Linear and ".layers." in name]
+    arrays = {}
+    for name in names:
+        rows, cols = model.get_submodule(name).weight.shape
+        codes = torch.randint(0, 16, (rows, cols), dtype=torch.uint8, generator=generator)
+        scales, lows = torch.rand(rows, cols // 32, generator=generator) * 0.02, -torch.rand(rows, cols // 32, generator=generator) * 0.1
+        arrays.update(zip((f"{name}.{b}" for b in q4.BUFFERS), q4.layout(codes, scales, lows), strict=True))
+    kept = q4.joined(arrays)
+    read = q4.KeptReader(kept.__getitem__, kept, model)
+    for name in names:
+        model.set_submodule(name, q4.Q4Linear(*(read(name, buffer) for buffer in q4.BUFFERS)))
+    step = LeanRunner(model, use_kernel).lean
+    assert all(qkv is not None for _, qkv, *_ in step.layers)  # q/k/v in one call
+    assert (step.rope_kv is not None) == use_kernel
+    assert_steps_match(model, list(range(3, 40)), rope_kernel=use_kernel)
+
+
 @pytest.mark.parametrize("name", sorted(VARIANTS) + ["bf16"])
 @pytest.mark.parametrize("rotation", ["kernel", "torch"])
 def test_lean_step_follows_the_configs_variants(name, rotation, request):
@@ -269,7 +298,7 @@ def test_embedded_int4_answers_are_the_models_forwards(embedded_int4):
     answers, plain and with lookahead, are token for token the same."""
     lm = embedded_int4
     assert type(default_runner(lm.model)) is LeanRunner
-    for layer in lm.model.model.layers:  # q/k/v and gate/up multiplied in one call each (q4.share_buffers)
+    for layer in lm.model.model.layers:  # q/k/v and gate/up multiplied in one call each (q4.joined)
         assert q4.joint_product([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]) is not None
         assert q4.joint_product([layer.mlp.gate_proj, layer.mlp.up_proj]) is not None
     for la in (LookaheadConfig(enabled=False, store=False),

@@ -183,6 +183,8 @@ def test_top_k_of_long_fp32_rows_with_ties_and_nans_ranks_as_one_pass_does(kerne
         logits = torch.randint(-6, 6, (3, 1003), generator=generator).float()  # many ties
         if trial % 2:
             logits[trial % 3, torch.randint(8, 1003, (2,), generator=generator)] = float("nan")  # NaNs late
+        if trial % 5 == 0:
+            logits[(trial + 1) % 3, torch.randperm(1003, generator=generator)[:12]] = float("nan")  # a NaN k-th best
         for row, ids in zip(logits, torch.ops.ladechat_step.top_k(logits, 8), strict=True):
             want = sorted(range(len(row)), key=lambda i: (not row[i].isnan(), -row[i].nan_to_num().item(), i))[:8]
             assert ids.tolist() == want

@@ -653,6 +653,23 @@ def test_a_slow_phase_shows_what_it_is_and_for_how_long_on_a_terminal_only():
     assert piped.getvalue() == ""
 
 
+def test_keep_rows_refuses_rows_out_of_order_before_changing_anything():
+    from ladechat.engine.model import native, step_ops
+    from ladechat.paths import cache_root
+
+    if step_ops.load(cache_root() / "kernels"):
+        pytest.skip(f"no C++ compiler ({native.COMPILER}) to build ladechat's step kernels here")
+    first, second = torch.arange(24.0).view(1, 1, 6, 4), torch.arange(12.0).view(1, 1, 3, 4)
+    before = first.clone()
+    with pytest.raises(RuntimeError, match="rows must be ascending"):
+        torch.ops.ladechat_step.keep_rows([first], 1, [0, 3, 2])
+    with pytest.raises(RuntimeError, match="a row past the tensor's positions"):
+        torch.ops.ladechat_step.keep_rows([first, second], 1, [0, 3])  # the second is too short
+    assert torch.equal(first, before)  # nothing moved in the first either
+    torch.ops.ladechat_step.keep_rows([first], 1, [0, 3, 4])
+    assert first[0, 0, :4, 0].tolist() == [0, 4, 16, 20]
+
+
 def test_a_tree_mask_needs_each_parent_before_its_children():
     sees, depth = tree_mask([-1, 0, 0, 2])
     assert sees.tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]] and depth.tolist() == [0, 1, 1, 2]

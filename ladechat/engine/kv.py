@@ -158,8 +158,9 @@ def truncate(cache, length: int, packed: PackedStatic | None = None) -> None:
 
 def commit_kv(cache, past: int, keep_rows: list[int], appended: int | None = None,
               packed: PackedStatic | None = None) -> None:
-    """After a step that appended `appended` rows at `past`, keep only `keep_rows` (ascending, row 0
-    first). `packed`: the cache's layers packed (pack_static), gathered in one go.
+    """After a step that appended `appended` rows at `past`, keep only `keep_rows` (strictly
+    ascending, row 0 first: the kernel that moves them on the CPU refuses any other order).
+    `packed`: the cache's layers packed (pack_static), gathered in one go.
 
     Accepted rows are gathered down to past, past+1, ... so the cache again holds exactly the
     committed sequence. When the kept rows are already a prefix, this is a plain crop, and when they

@@ -139,7 +139,7 @@ class LeanStep:
 
         def together(*modules):
             """h -> each module's product of h: one call where their 4-bit buffers are side by side
-            (q4.share_buffers), each output then a column slice of it."""
+            (q4.KeptReader), each output then a column slice of it."""
             joint = q4.joint_product(list(modules)) if model.dtype in (torch.float32, torch.bfloat16) else None
             if joint is None:
                 apart = products(*modules)
@@ -210,7 +210,7 @@ class LeanStep:
             for i, (q_k_v, qkv, o_proj, scaling, add_norm2, gate_up, down, add_next_norm) in enumerate(self.layers):
                 layer = layers[i] if i < len(layers) else None
                 if rope_kv is not None and qkv is not None and isinstance(layer, kv.GrowingLayer) \
-                        and layer.keys.dim() == 4:
+                        and layer.keys is not None and layer.keys.dim() == 4:  # a reset layer: update() sets it up
                     held, key_buffer, value_buffer = layer.room(size)
                     q = rope_kv(qkv(h), heads, kv_heads, cos, signed_sin, key_buffer, value_buffer, held)
                     keys, values = layer.filled(held + size)

@@ -161,7 +161,10 @@ class SuffixIndex:
         for m in KEY_LENS:
             if len(found) >= limit or len(tail_arr) < m:
                 continue
-            ends = self._ends_after(_key(tail_arr[-m:].tolist()), m)
+            key = _key(tail_arr[-m:].tolist())
+            if key == _MASK:  # a tail across a segment's end: no key spans one
+                continue
+            ends = self._ends_after(key, m)
             ends = ends[ends < self.n]
             if found:  # places a longer key already found (a few: Python's set test, not np.isin)
                 ends = np.array([end for end in ends.tolist() if end not in found], dtype=np.int64)

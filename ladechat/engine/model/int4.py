@@ -310,6 +310,7 @@ def apply(model, gguf_path: Path, folder: Path, kernels: Path | None,
         with status:
             try:
                 arrays, notices, kinds = read_gguf(Path(gguf_path), model)
+                arrays = q4.joined(arrays)  # q/k/v and gate/up kept together: one product each in a step
             except (ValueError, KeyError, IndexError, OSError, EOFError) as exc:
                 detail = " ".join(str(exc).split()) or type(exc).__name__
                 notice = f"cannot read the 4-bit blocks of {Path(gguf_path).name} ({detail}); running its dense weights"
@@ -317,11 +318,12 @@ def apply(model, gguf_path: Path, folder: Path, kernels: Path | None,
             meta = {"notices": json.dumps(notices), "kinds": json.dumps(kinds)}
             if not keep_beside(path, arrays, meta, f"{CACHE_PREFIX}*.safetensors"):
                 # a read-only cache: the same weights, read again next time
-                return _replace(model, arrays.__getitem__, kinds, notices, path_here, kernel_notices)
+                return _replace(model, q4.KeptReader(arrays.__getitem__, arrays, model), kinds, notices, path_here,
+                                kernel_notices)
     with safe_open(str(path), framework="pt") as fh:
         meta = fh.metadata() or {}
         kinds, notices = json.loads(meta.get("kinds", "{}")), json.loads(meta.get("notices", "[]"))
-        return _replace(model, fh.get_tensor, kinds, notices, path_here, kernel_notices)
+        return _replace(model, q4.KeptReader(fh.get_tensor, fh.keys(), model), kinds, notices, path_here, kernel_notices)
 
 
 def _kernel(gguf_path: Path, kernels: Path | None, progress, compiler: str) -> tuple[list[str], int | None]:
@@ -378,17 +380,17 @@ def load_lean(folder: Path, gguf_path: Path, kwargs: dict, config, kernels: Path
     return model.eval(), applied
 
 
-def _replace(model, get: Callable[[str], torch.Tensor], kinds: dict[str, str], notices: list[str],
+def _replace(model, read: q4.KeptReader, kinds: dict[str, str], notices: list[str],
              path: int | None, kernel_notices: list[str]) -> Applied:
-    """Put in the kept blocks: Q4Linear on ladechat's kernel's `path`, or (None) Int4Linear (then
-    `kernel_notices` say why, where any module was replaced)."""
+    """Put in the kept blocks (read(module, buffer)): Q4Linear on ladechat's kernel's `path`, or
+    (None) Int4Linear (then `kernel_notices` say why, where any module was replaced)."""
     count = 0
     with torch.no_grad():
         for name, kind in kinds.items():
             linear = model.get_submodule(name)
             if type(linear) is not torch.nn.Linear:
                 continue
-            tiles, scales, lows = get(f"{name}.tiles"), get(f"{name}.scales"), get(f"{name}.lows")
+            tiles, scales, lows = (read(name, buffer) for buffer in q4.BUFFERS)
             if path is not None:
                 module = q4.Q4Linear(tiles, scales, lows, linear.bias, kind, path)
             else:
@@ -398,8 +400,6 @@ def _replace(model, get: Callable[[str], torch.Tensor], kinds: dict[str, str], n
                 continue
             model.set_submodule(name, module)
             count += 1
-        if path is not None:
-            q4.share_buffers(model)  # q/k/v and gate/up each multiplied in one call by the lean step
     return Applied(count, tuple(sorted(set(kinds.values()))), tuple(notices + (kernel_notices if count else [])))
 
 

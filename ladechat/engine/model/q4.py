@@ -153,14 +153,63 @@ class Q4Linear(torch.nn.Module):
 #
 # A decoder layer multiplies one row by q, k and v, and another by gate and up. Called apart, each
 # product pays a call (~6 us: the dispatcher, quantizing the row, starting the threads) and quantizes
-# the same row again: ~90 of a step's ~240 products are that. So at load time the siblings' tiles,
-# scales and lows are put in one buffer each, the modules' own buffers becoming consecutive views
-# of it (no memory added, each module computing what it did), and the lean step multiplies the row
-# by the whole buffer at once. Each output is computed as before (one row quantized the same way,
-# one output's sums in one fixed order), so the bits do not change.
+# the same row again: ~90 of a step's ~240 products are that. So the kept 4-bit file holds each such
+# group's tiles, scales and lows as one tensor each (joined(), when the GGUF is first read), the
+# modules' buffers are consecutive views of them (read_buffer(): no copy, no memory added), and the
+# lean step multiplies the row by the whole group at once (joint_product()). Each output is computed
+# as before (one row quantized the same way, one output's sums in one fixed order): the same bits.
 
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 BUFFERS = ("tiles", "scales", "lows")
+
+
+def _group_key(parent: str, names: tuple[str, ...], buffer: str) -> str:
+    return f"{parent}.{'+'.join(names)}.{buffer}"
+
+
+def joined(arrays: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`arrays` ({module.tiles|scales|lows: buffer}) with each sibling group (SIBLINGS: modules of
+    one parent that take the same input, every one 4-bit with the same inputs) kept as one tensor
+    per buffer under parent.q_proj+k_proj+v_proj.tiles (and so on), its modules' rows in order."""
+    out = dict(arrays)
+    parents = {key.rsplit(".", 2)[0] for key in arrays}
+    for parent in sorted(parents):
+        for names in SIBLINGS:
+            keys = [[f"{parent}.{name}.{buffer}" for buffer in BUFFERS] for name in names]
+            if not all(key in arrays for group in keys for key in group):
+                continue
+            if len({arrays[group[0]].shape[1:] for group in keys}) != 1:  # not the same inputs
+                continue
+            for i, buffer in enumerate(BUFFERS):
+                out[_group_key(parent, names, buffer)] = torch.cat([arrays[group[i]] for group in keys])
+                for group in keys:
+                    del out[group[i]]
+    return out
+
+
+class KeptReader:
+    """Modules' buffers from a kept 4-bit file, get(key) reading its keys: a module's own tensor, or
+    where joined() kept its group together, a view of its rows of the group's tensor, read once
+    for the group."""
+
+    def __init__(self, get: Callable[[str], torch.Tensor], keys, model: torch.nn.Module) -> None:
+        self._get, self._keys, self._model = get, set(keys), model
+        self._groups: dict[str, torch.Tensor] = {}
+
+    def __call__(self, module: str, buffer: str) -> torch.Tensor:
+        key = f"{module}.{buffer}"
+        if key in self._keys:
+            return self._get(key)
+        parent, name = module.rsplit(".", 1)
+        for names in SIBLINGS:
+            group = _group_key(parent, names, buffer)
+            if name in names and group in self._keys:
+                if group not in self._groups:
+                    self._groups[group] = self._get(group)
+                sizes = [self._model.get_submodule(f"{parent}.{other}").out_features // OUT for other in names]
+                start = sum(sizes[: names.index(name)])
+                return self._groups[group][start : start + sizes[names.index(name)]]
+        raise KeyError(key)
 
 
 def _joinable(modules: list) -> bool:
@@ -168,30 +217,9 @@ def _joinable(modules: list) -> bool:
             and len({(m.in_features, m.path) for m in modules}) == 1)
 
 
-def share_buffers(model: torch.nn.Module) -> int:
-    """Put the buffers of each sibling group (SIBLINGS: Q4Linear modules of one parent that take the
-    same input) in one tensor each, the modules' buffers becoming its consecutive views. Returns the
-    number of groups joined."""
-    joined = 0
-    for parent in model.modules():
-        for names in SIBLINGS:
-            modules = [getattr(parent, name, None) for name in names]
-            if not _joinable(modules):
-                continue
-            for buffer in BUFFERS:
-                whole = torch.cat([getattr(m, buffer) for m in modules])
-                start = 0
-                for module in modules:
-                    count = getattr(module, buffer).shape[0]
-                    setattr(module, buffer, whole[start : start + count])
-                    start += count
-            joined += 1
-    return joined
-
-
 def joint_product(modules: list) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """x (rows, in) -> (rows, sum of the modules' outputs): the modules' products in one call, where
-    share_buffers put their buffers side by side (else None: call them apart)."""
+    their buffers are consecutive views of one tensor each (KeptReader), else None: call them apart."""
     if not _joinable(modules):
         return None
     whole = []

@@ -213,6 +213,7 @@ at::Tensor rope_kv(const at::Tensor& qkv, int64_t heads, int64_t kv_heads, const
                 && buffer->sizes() == keys.sizes() && held >= 0 && held + S <= buffer->size(2),
                 "rope_kv: keys and values must be (1, kv_heads, capacity, dim) alike, contiguous, in cos's dtype, "
                 "with room for the rows after `held`");
+  TORCH_CHECK(keys.data_ptr() != values.data_ptr(), "rope_kv: keys and values must be two buffers");
   at::Tensor q = at::empty({heads, S, dim}, qkv.options());
   if (qkv.scalar_type() == at::kFloat) rotate_into_cache<float>(qkv, heads, kv_heads, cos, signed_sin, keys, values, held, q);
   else rotate_into_cache<c10::BFloat16>(qkv, heads, kv_heads, cos, signed_sin, keys, values, held, q);
@@ -695,10 +696,13 @@ void keep_rows(at::TensorList states, int64_t past, at::IntArrayRef rows) {
   for (size_t i = 1; i < rows.size(); ++i)
     TORCH_CHECK(rows[i] > rows[i - 1], "keep_rows: rows must be ascending");
   TORCH_CHECK(past >= 0 && (rows.empty() || rows[0] >= 0), "keep_rows: past and rows must be >= 0");
-  for (const at::Tensor& t : states) {
-    TORCH_CHECK(t.dim() == 4 && t.size(0) == 1 && t.stride(3) == 1 && t.device().is_cpu(),
-                "keep_rows: states must be (1, heads, positions, dim) on the CPU, the last dim contiguous");
+  for (const at::Tensor& t : states) {  // every tensor checked before any is changed
+    TORCH_CHECK(t.dim() == 4 && t.size(0) == 1 && t.stride(3) == 1 && t.stride(2) >= t.size(3)
+                && t.stride(1) >= t.size(2) * t.stride(2) && t.device().is_cpu(),
+                "keep_rows: states must be (1, heads, positions, dim) on the CPU, rows apart, the last dim contiguous");
     TORCH_CHECK(rows.empty() || past + rows.back() < t.size(2), "keep_rows: a row past the tensor's positions");
+  }
+  for (const at::Tensor& t : states) {
     char* base = static_cast<char*>(t.data_ptr());
     const int64_t size = t.element_size(), row_bytes = t.size(3) * size;
     for (int64_t h = 0; h < t.size(1); ++h) {
