@@ -134,18 +134,29 @@ class LeanStep:
         self.groups = self.heads // self.kv_heads
         # bound forward methods: a module's __call__ (its hook lists, tracing checks) costs more than
         # some of their work; supported() refused models whose hooks do anything
-        def products(*modules):
-            return [_product(module, model.dtype) for module in modules]
+        dtype = model.dtype
 
-        def together(*modules):
-            """h -> each module's product of h: one call where their 4-bit buffers are side by side
-            (q4.KeptReader), each output then a column slice of it."""
-            joint = q4.joint_product(list(modules)) if model.dtype in (torch.float32, torch.bfloat16) else None
-            if joint is None:
-                apart = products(*modules)
-                return lambda h: [product(h) for product in apart]
+        def joint(*modules):
+            """The modules' products in one call where their 4-bit buffers are side by side
+            (q4.KeptReader), else None."""
+            return q4.joint_product(list(modules)) if dtype in (torch.float32, torch.bfloat16) else None
+
+        def together(product, *modules):
+            """h -> each module's product of h: the one call `product`, each output a column slice
+            of it, or each module's own."""
+            if product is None:
+                apart = [_product(module, dtype) for module in modules]
+                return lambda h: [each(h) for each in apart]
             sizes = [module.out_features for module in modules]
-            return lambda h: joint(h).split(sizes, dim=1)
+            return lambda h: product(h).split(sizes, dim=1)
+
+        def ops(layer, next_norm) -> tuple:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = joint(attn.q_proj, attn.k_proj, attn.v_proj)
+            return (together(qkv, attn.q_proj, attn.k_proj, attn.v_proj), qkv, _product(attn.o_proj, dtype),
+                    attn.scaling, norms.add_norm(layer.post_attention_layernorm),
+                    together(joint(mlp.gate_proj, mlp.up_proj), mlp.gate_proj, mlp.up_proj),
+                    _product(mlp.down_proj, dtype), norms.add_norm(next_norm))
 
         # Each residual add is fused with the norm after it (norms.add_norm: one call for
         # ladechat's norm kernel): a layer ends with the next layer's input norm, the last with the
@@ -153,13 +164,7 @@ class LeanStep:
         layers = model.model.layers
         after = [layer.input_layernorm for layer in layers[1:]] + [model.model.norm]
         self.first_norm = layers[0].input_layernorm.forward
-        self.layers = [(together(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
-                        q4.joint_product([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
-                        _product(layer.self_attn.o_proj, model.dtype), layer.self_attn.scaling,
-                        norms.add_norm(layer.post_attention_layernorm),
-                        together(layer.mlp.gate_proj, layer.mlp.up_proj), _product(layer.mlp.down_proj, model.dtype),
-                        norms.add_norm(next_norm))
-                       for layer, next_norm in zip(layers, after, strict=True)]
+        self.layers = [ops(layer, next_norm) for layer, next_norm in zip(layers, after, strict=True)]
         self.cos = self.signed_sin = torch.empty(0)
         # the kernel's dtypes (fp16: torch's ops), on the CPU (its library has no CUDA code)
         takes = model.dtype in (torch.float32, torch.bfloat16) and model.device.type == "cpu"

@@ -20,6 +20,7 @@ count, and on the kernel's three paths (AVX-512 VNNI, AVX2, portable C++).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -155,7 +156,7 @@ class Q4Linear(torch.nn.Module):
 # product pays a call (~6 us: the dispatcher, quantizing the row, starting the threads) and quantizes
 # the same row again: ~90 of a step's ~240 products are that. So the kept 4-bit file holds each such
 # group's tiles, scales and lows as one tensor each (joined(), when the GGUF is first read), the
-# modules' buffers are consecutive views of them (read_buffer(): no copy, no memory added), and the
+# modules' buffers are consecutive views of them (KeptReader: no copy, no memory added), and the
 # lean step multiplies the row by the whole group at once (joint_product()). Each output is computed
 # as before (one row quantized the same way, one output's sums in one fixed order): the same bits.
 
@@ -229,7 +230,7 @@ def joint_product(modules: list) -> Callable[[torch.Tensor], torch.Tensor] | Non
         if not all(p.is_contiguous() and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
                    for p in parts):
             return None
-        if any(b.data_ptr() != a.data_ptr() + a.nbytes for a, b in zip(parts, parts[1:])):
+        if any(b.data_ptr() != a.data_ptr() + a.nbytes for a, b in itertools.pairwise(parts)):
             return None
         count = sum(p.shape[0] for p in parts)
         whole.append(first.as_strided((count, *first.shape[1:]), first.stride()))

@@ -697,8 +697,9 @@ void keep_rows(at::TensorList states, int64_t past, at::IntArrayRef rows) {
     TORCH_CHECK(rows[i] > rows[i - 1], "keep_rows: rows must be ascending");
   TORCH_CHECK(past >= 0 && (rows.empty() || rows[0] >= 0), "keep_rows: past and rows must be >= 0");
   for (const at::Tensor& t : states) {  // every tensor checked before any is changed
-    TORCH_CHECK(t.dim() == 4 && t.size(0) == 1 && t.stride(3) == 1 && t.stride(2) >= t.size(3)
-                && t.stride(1) >= t.size(2) * t.stride(2) && t.device().is_cpu(),
+    // rows and heads apart in memory (a size-1 dim's stride says nothing: torch may give it any)
+    TORCH_CHECK(t.dim() == 4 && t.size(0) == 1 && t.stride(3) == 1 && (t.size(2) == 1 || t.stride(2) >= t.size(3))
+                && (t.size(1) == 1 || t.stride(1) >= t.size(2) * t.stride(2)) && t.device().is_cpu(),
                 "keep_rows: states must be (1, heads, positions, dim) on the CPU, rows apart, the last dim contiguous");
     TORCH_CHECK(rows.empty() || past + rows.back() < t.size(2), "keep_rows: a row past the tensor's positions");
   }
