@@ -85,8 +85,8 @@ class SuffixIndex:
         elif len(tokens) > RECENT_IN_PYTHON:
             self._recent_keys(start)
         else:
-            window = self.text[max(0, start - max(KEY_LENS)) : self.n].tolist()
-            offset = max(0, start - max(KEY_LENS))
+            offset = max(0, start - max(KEY_LENS))  # the new keys' tokens start no earlier
+            window = self.text[offset : self.n].tolist()
             for end in range(start + 1, self.n + 1):
                 for m in KEY_LENS:
                     self._recent[m][end - self.indexed - 1] = \
