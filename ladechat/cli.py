@@ -604,7 +604,7 @@ BENCH_FLAGS = {"--step-cost": "step-cost", "--api": "serving"}
 
 @bench_app.callback(invoke_without_command=True)
 def bench(ctx: typer.Context, dataset: Datasets = ["mtbench"],
-          methods: Annotated[str, typer.Option("--methods", help="Comma-separated: hf (always run, the reference), hf-lookup-3, hf-lookup-5, hf-lookup (10 tokens), hf-packed (HF greedy on ladechat's packed weights), plain, lookahead, lookahead-full.")] = "hf,hf-lookup-3,hf-lookup-5,hf-lookup,plain,lookahead",
+          methods: Annotated[str, typer.Option("--methods", help="Comma-separated: hf (always run, the reference), hf-lookup-3, hf-lookup-5, hf-lookup (10 tokens), hf-static (HF generate on one static cache, compiled with --compile), hf-packed (HF greedy on ladechat's packed weights), plain, lookahead, lookahead-full.")] = "hf,hf-lookup-3,hf-lookup-5,hf-lookup,plain,lookahead",
           single_turn: Annotated[bool, typer.Option("--single-turn", help="Only the first turn of each item.")] = False,
           store: Annotated[str, typer.Option("--store", help="Each ladechat method's store of past answers: cold (empty at the start, filled as the run goes), warm (first filled with the answers to --warm-from) or off. Never the store of your chats.")] = "cold",
           warm_from: Annotated[Optional[list[str]], typer.Option("--warm-from", help="With --store warm: prompt set(s) whose answers fill the store first; must not share prompts with --dataset.")] = None,

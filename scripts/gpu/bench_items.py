@@ -16,8 +16,11 @@ def main() -> None:
     stamp = json.loads(os.environ.get("LADECHAT_GPU_STAMP") or "{}")
 
     def on_item(record: dict) -> None:
+        from torch._dynamo.utils import counters  # compiled graphs run without CUDA graphs so far
+
         with open(path, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps({**stamp, **record}) + "\n")
+            fh.write(json.dumps({**stamp, **record, "cudagraph_skips": int(counters["inductor"]["cudagraph_skips"])})
+                     + "\n")
 
     run = bench.run
     bench.run = lambda *args, **kwargs: run(*args, on_item=on_item, **kwargs)  # cli.bench calls prompts.run

