@@ -101,7 +101,8 @@ def _settings(given: dict, loaded=None, default_temperature: float = 0.0, compil
     """Settings (ladechat.settings) from the settings the flags give (_setting_flags). What is not
     given takes the device's defaults (on a GPU, W/N/G from the loaded model's measured step-cost
     curve; with compile the paper's W = G = 15, N = 5 without measuring: that curve is of eager
-    exact-size steps, and a compiled full step costs about a one-row one) and default_temperature.
+    exact-size steps, and the compiled full step, dearer than one row, was measured ahead of plain
+    decoding and of smaller steps, BENCHMARKS.md) and default_temperature.
     loaded=None: check the flags before loading. ConfigError or TemplateError (one line) for a bad
     value."""
     from ladechat.engine.defaults import default_lookahead

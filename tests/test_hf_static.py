@@ -7,7 +7,7 @@ import torch
 from tiny_models import tiny_loaded
 
 from ladechat.bench import hf_static
-from ladechat.bench.prompts import BenchError, run
+from ladechat.bench.prompts import run
 from ladechat.settings import Settings
 
 
@@ -48,6 +48,6 @@ def test_uncompiled_it_compiles_nothing_and_reuses_its_cache():
 
 def test_a_conversation_longer_than_its_cache_is_a_one_line_error():
     generator = hf_static.StaticGenerate(tiny_loaded().model, 256, compile=False)
-    with pytest.raises(BenchError, match="hf-static: a prompt of 250 tokens and 12 new ones do not fit its static "
+    with pytest.raises(hf_static.StaticCacheError, match="hf-static: a prompt of 250 tokens and 12 new ones do not fit its static "
                                          "cache of 256"):
         generator.answer([1] * 250, {"do_sample": False}, 12, [])

@@ -15,8 +15,13 @@ import time
 import torch
 
 from ladechat.engine import kv
+from ladechat.errors import UserError
 
 ROUND = 256  # the cache's length is rounded up to this: one length for a whole run
+
+
+class StaticCacheError(UserError, ValueError):
+    pass
 
 
 def cache_length(prompt_tokens: int, turns: int, max_new_tokens: int, context: int) -> int:
@@ -57,9 +62,7 @@ class StaticGenerate:
     def answer(self, ids: list[int], extra: dict, max_new_tokens: int, eos: list[int]) -> tuple[list[int], float]:
         """(the answer's ids, seconds) for the prompt `ids`; `extra`: generate's sampling arguments."""
         if len(ids) + max_new_tokens > self.length:
-            from ladechat.bench.prompts import BenchError
-
-            raise BenchError(f"hf-static: a prompt of {len(ids)} tokens and {max_new_tokens} new ones do not fit its "
+            raise StaticCacheError(f"hf-static: a prompt of {len(ids)} tokens and {max_new_tokens} new ones do not fit its "
                              f"static cache of {self.length}")
         before = graphs_compiled()
         start = time.perf_counter()

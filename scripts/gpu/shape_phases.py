@@ -58,34 +58,60 @@ class HostTimers:
     methods and the decode module's functions wrapped with timers (this script's instrument only)."""
 
     PARTS = ("window", "plan", "forward", "top_k", "verify", "learn", "commit")
+    # the forward's own split: its call returning (host: inputs, launches, replay) and the wait
+    # for the device after it; and the device's time between events recorded around the call
+    FORWARD = ("forward_call", "forward_wait", "forward_gpu")
 
     def __init__(self, session, device: torch.device) -> None:
         from ladechat.engine import decode
         from ladechat.engine.draft.window import JacobiWindow
 
-        self.seconds = dict.fromkeys(self.PARTS, 0.0)
         self.device = device
+        self.reset()
         JacobiWindow.fill = self.timed("window", JacobiWindow.fill)  # the class's: a reset makes a new window
         session.plan = self.timed("plan", session.plan)
-        session.runner.step = self.timed("forward", session.runner.step, then_sync=True)
+        session.runner.step = self.forward(session.runner.step)
+        self.last_layout = None
         session._learn = self.timed("learn", session._learn)
         session._commit = self.timed("commit", session._commit)
         decode.top_k = self.timed("top_k", decode.top_k)
         decode.verify = self.timed("verify", decode.verify)
 
-    def timed(self, part: str, fn, then_sync: bool = False):
+    def timed(self, part: str, fn):
         def wrapper(*args, **kwargs):
             start = time.perf_counter()
             out = fn(*args, **kwargs)
-            if then_sync:
-                sync(self.device)
             self.seconds[part] += time.perf_counter() - start
             return out
 
         return wrapper
 
+    def forward(self, step):
+        gpu = self.device.type == "cuda"
+
+        def wrapper(layout, past):
+            self.last_layout = layout
+            if gpu:
+                began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                began.record()
+            start = time.perf_counter()
+            out = step(layout, past)
+            called = time.perf_counter()
+            if gpu:
+                ended.record()
+            sync(self.device)
+            waited = time.perf_counter()
+            self.seconds["forward"] += waited - start
+            self.seconds["forward_call"] += called - start
+            self.seconds["forward_wait"] += waited - called
+            if gpu:
+                self.seconds["forward_gpu"] += began.elapsed_time(ended) / 1000
+            return out
+
+        return wrapper
+
     def reset(self) -> None:
-        self.seconds = dict.fromkeys(self.PARTS, 0.0)
+        self.seconds = dict.fromkeys(self.PARTS + self.FORWARD, 0.0)
 
 
 def decode_phase(model, args, lookahead: bool) -> dict:
@@ -127,11 +153,19 @@ def decode_phase(model, args, lookahead: bool) -> dict:
                            "context_candidates": la.context_candidates, "context_len": la.context_len,
                            "recycle": la.recycle, "enabled": la.enabled}}
     if timers:
-        parts = {part: round(1000 * s / stats.steps, 3) for part, s in timers.seconds.items()}
+        parts = {part: round(1000 * timers.seconds[part] / stats.steps, 3) for part in timers.PARTS}
         step_ms = 1000 * stats.decode_s / stats.steps
         parts["other"] = round(step_ms - sum(parts.values()), 3)
         result["ms_per_step_by_part"] = parts
+        result["forward_split_ms"] = {part: round(1000 * timers.seconds[part] / stats.steps, 3)
+                                      for part in timers.FORWARD}
         result["host_share"] = round(1 - parts["forward"] / step_ms, 3)
+        # the answer's last layout again, alone, as bench.steps times a step (top-k included)
+        from ladechat.engine.step_cost import time_step
+
+        past = len(session.cached)
+        alone = [time_step(runner, timers.last_layout, past) for _ in range(12)][2:]
+        result["last_layout_alone_ms"] = round(1000 * statistics.median(alone), 3)
     return result
 
 
