@@ -115,40 +115,158 @@ def test_a_session_sets_the_count_before_every_forward_pass():
     assert counts == [1] * (done.stats.steps + 1)  # the prompt's prefill, then every step, on one thread
 
 
-def test_packed_and_int4_steps_give_the_same_bits_on_any_thread_count():
-    """What lets the governor change the count mid-answer: a step's logits do not depend on it for
-    packed (oneDNN) weights; MKL's dense fp32 products may, so a dense model keeps torch's count."""
+def test_the_counts_probed_are_powers_of_two_and_the_ceiling():
+    from ladechat.engine.thread_probe import candidate_counts
+
+    assert candidate_counts(1) == [1]
+    assert candidate_counts(2) == [1, 2]
+    assert candidate_counts(6) == [1, 2, 4, 6]
+    assert candidate_counts(16) == [1, 2, 4, 8, 16]
+
+
+def _outputs(*rows):
+    return [torch.tensor(row) for row in rows]
+
+
+@pytest.mark.parametrize("cpu, outputs, agreeing", [
+    # the AMD AVX-512 class with packed fp32: one thread sums in another order than two
+    ("2 cores, 1 differs", {1: _outputs([1.0, 2.0000002]), 2: _outputs([1.0, 2.0])}, (2,)),
+    # the Intel Xeon and AVX2 classes with packed fp32, and the 4-bit kernels on each class seen
+    ("2 cores, all agree", {1: _outputs([1.0, 2.0]), 2: _outputs([1.0, 2.0])}, (1, 2)),
+    ("8 cores, 2 and 4 differ", {1: _outputs([3.0]), 2: _outputs([3.5]), 4: _outputs([2.5]), 8: _outputs([3.0])},
+     (1, 8)),
+    ("a NaN where the full count has one too", {1: _outputs([float("nan"), 1.0]), 2: _outputs([float("nan"), 1.0])},
+     (1, 2)),
+    ("a NaN where the full count has a number", {1: _outputs([float("nan"), 1.0]), 2: _outputs([0.0, 1.0])}, (2,)),
+    ("another shape", {1: _outputs([1.0]), 2: _outputs([1.0, 0.0])}, (2,)),
+])
+def test_only_counts_that_give_the_full_counts_bits_are_allowed(cpu, outputs, agreeing):
+    """The decision from given facts, as each CPU class gives them: a count is allowed when every
+    step's logits equal the full count's bit for bit."""
+    from ladechat.engine.thread_probe import agreeing_counts
+
+    assert agreeing_counts(outputs, max(outputs)) == agreeing
+
+
+def test_the_governor_sets_only_allowed_counts():
+    machine = Machine()
+    machine.cpus = 8
+    threads, calls = governor(machine, ceiling=8)
+    threads.restrict((1, 8))
+    assert [threads.wanted(o) for o in (0.0, 1.0, 4.0, 7.5)] == [8, 1, 1, 1]  # 7 or 4 free: no allowed count fits
+    threads.restrict((1, 4, 8))
+    assert [threads.wanted(o) for o in (0.0, 1.0, 4.0, 7.5)] == [8, 4, 4, 1]
+    with pytest.raises(ValueError, match="must include the ceiling"):
+        threads.restrict((1, 2))
+
+
+def test_a_model_gets_a_governor_only_where_the_probe_allows_fewer_threads(monkeypatch):
+    """load()'s decision from the probe's verdict, whatever this CPU's: none when only the full
+    count agrees, one restricted to the agreeing counts otherwise; none for dense weights (unprobed),
+    or for one thread."""
+    from ladechat.engine import thread_probe
+    from ladechat.engine.model import loading, packing
+
+    model = tiny_model("llama")
+    packing.pack(model)
+    asked = []
+    for verdict, governed in (((2,), False), ((1, 2), True)):
+        monkeypatch.setattr(thread_probe, "cached_counts", lambda *a, v=verdict, **k: asked.append(a) or v)
+        threads = loading._governed(CpuThreads(ceiling=2, cpus=2), model, "tiny", "tiny", None, None)
+        assert (threads is not None) == governed and (not governed or threads.counts == (1, 2))
+    assert [a[1:] for a in asked] == [(None, 2, None)] * 2  # no files to name: probed each time, not kept
+    assert loading._governed(CpuThreads(ceiling=2, cpus=2), tiny_model("llama"), "tiny", "tiny", None, None) is None
+    assert loading._governed(CpuThreads(ceiling=1, cpus=1), model, "tiny", "tiny", None, None) is None
+    assert len(asked) == 2
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: there is no other thread count to probe")
+def test_the_real_probe_on_this_machine_matches_the_steps_it_allows():
+    """On whatever CPU runs the suite: the probe's verdict for packed fp32 weights is what the steps
+    do (a count it allows gives the full count's logits on every step size; one it refuses gives
+    other logits on some), and asking again gives the same verdict."""
+    from ladechat.engine import thread_probe
     from ladechat.engine.model import packing
-    from ladechat.engine.runner import DynamicRunner
-    from ladechat.engine.step_cost import chain, prefill_random
 
     model = tiny_model("llama")
     if not packing.supported(torch.device("cpu"), torch.float32):
-        pytest.skip("oneDNN packing runs on x86-64 only; elsewhere models keep torch's count (next test)")
+        pytest.skip("oneDNN packing runs on x86-64 only; elsewhere models keep torch's count")
     packing.pack(model)
+    steps = thread_probe.model_steps(model)
+    ceiling = torch.get_num_threads()
+    verdict = thread_probe.probe(steps, ceiling)
+    assert thread_probe.probe(steps, ceiling) == verdict and ceiling in verdict
     before = torch.get_num_threads()
-    logits = {}
     try:
-        for count in (1, 2):
-            torch.set_num_threads(count)
-            runner = DynamicRunner(model)
-            prefill_random(runner, 40)
-            logits[count] = []
-            for size in (1, 6):  # a plain step and a lookahead step's worth of rows
-                logits[count].append(runner.step(chain(size), 40).clone())
-                runner.truncate(40)
+        torch.set_num_threads(ceiling)
+        full = steps()
+        torch.set_num_threads(1)
+        one = steps()
     finally:
         torch.set_num_threads(before)
-    assert all(torch.equal(a, b) for a, b in zip(logits[1], logits[2]))
+    assert (1 in verdict) == all(torch.equal(a, b) for a, b in zip(one, full))
 
 
-def test_only_models_whose_steps_do_not_depend_on_the_count_get_a_governor():
+@pytest.fixture(scope="module")
+def embedded_default():
+    from ladechat.engine.model.loading import LoadSpec, load
+
+    return load(LoadSpec(dtype="float32", device="cpu"))
+
+
+def test_a_loaded_model_gets_the_governor_its_probe_allows(embedded_default):
+    """Dense weights never get one; the default load's (kept per model and CPU) is what its probe says."""
+    from ladechat.engine import thread_probe
     from ladechat.engine.model.loading import LoadSpec, load
 
     dense = load(LoadSpec(dtype="float32", device="cpu", weights="dense"))
     assert dense.threads is None
-    default = load(LoadSpec(dtype="float32", device="cpu"))
-    assert isinstance(default.threads, CpuThreads) and "dense" not in default.weights
+    assert "dense" not in embedded_default.weights
+    if len(os.sched_getaffinity(0)) < 2:
+        assert embedded_default.threads is None
+        return
+    ceiling = torch.get_num_threads()
+    verdict = thread_probe.probe(thread_probe.model_steps(embedded_default.model), ceiling)
+    assert (embedded_default.threads.counts if embedded_default.threads else (ceiling,)) == verdict
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: there is no other thread count to probe")
+def test_a_lookahead_answer_under_a_changing_count_is_plain_decodings(embedded_default):
+    """The product property on this CPU, with the default load: where the load gave the model a
+    governor, a greedy lookahead answer whose thread count changes at every step (among the counts
+    it allows) is plain decoding's on the full count, token for token."""
+    from ladechat import templates
+    from ladechat.engine import thread_probe
+
+    loaded = embedded_default
+    if loaded.threads is None:  # this CPU's probe allowed the full count alone: nothing changes the count
+        assert thread_probe.probe(thread_probe.model_steps(loaded.model), torch.get_num_threads()) == (
+            torch.get_num_threads(),)
+        return
+    counts = loaded.threads.counts
+    assert len(counts) > 1 and counts[-1] == loaded.threads.ceiling
+
+    class EveryStep(CpuThreads):
+        """Another allowed count at each step, as a machine whose load comes and goes would give."""
+
+        def adjust(self):
+            self.threads = counts[(counts.index(self.threads) + 1) % len(counts)]
+            torch.set_num_threads(self.threads)
+            return self.threads
+
+    prompt = templates.encode(loaded.tokenizer, [{"role": "user", "content": "Name three colours and a fruit."}], None)
+    sampling = SamplingConfig(max_new_tokens=48)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(loaded.threads.ceiling)
+        plain = list(generate(Session(loaded.model, LookaheadConfig(enabled=False)), prompt, sampling,
+                              loaded.eos_ids))[-1]
+        changing = EveryStep(ceiling=loaded.threads.ceiling, cpus=2, counts=counts)
+        ahead = list(generate(Session(loaded.model, LookaheadConfig(), threads=changing), prompt, sampling,
+                              loaded.eos_ids))[-1]
+    finally:
+        torch.set_num_threads(before)
+    assert ahead.text_tokens == plain.text_tokens and len(plain.text_tokens) > 10
 
 
 def test_the_step_cost_curves_are_kept_for_the_full_thread_count(tmp_path, monkeypatch):

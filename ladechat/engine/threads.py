@@ -9,7 +9,8 @@ busy, the embedded model's one-row step: 20 ms alone, 90 ms to 2.4 s on 2 thread
 So the thread count follows the cores other processes leave free: before a step, at most every
 `interval_s`, the CPU time the CPUs this process may run on spent outside it since the last look
 says how many of them are taken; the steps use the rest (at least one, at most torch's count when
-the model was loaded, which honours OMP_NUM_THREADS). A quiet machine keeps every thread.
+the model was loaded, which honours OMP_NUM_THREADS), and only counts whose steps give the full
+count's bits on this machine (thread_probe.py). A quiet machine keeps every thread.
 """
 
 from __future__ import annotations
@@ -67,9 +68,10 @@ class CpuThreads:
 
     def __init__(self, ceiling: int | None = None, cpus: int | None = None, interval_s: float = 0.5,
                  sample: Callable[[], CpuSample] = sample_cpu, get_threads: Callable[[], int] | None = None,
-                 set_threads: Callable[[int], None] | None = None, clock: Callable[[], float] = time.monotonic
-                 ) -> None:
-        """clock: the clock of sample()'s `wall` (read first: most steps need no look)."""
+                 set_threads: Callable[[int], None] | None = None, clock: Callable[[], float] = time.monotonic,
+                 counts: tuple[int, ...] | None = None) -> None:
+        """clock: the clock of sample()'s `wall` (read first: most steps need no look). counts: the
+        thread counts it may set (None: any from 1 to the ceiling); see restrict()."""
         import torch
 
         self.get_threads = get_threads or torch.get_num_threads
@@ -80,8 +82,18 @@ class CpuThreads:
         self.sample = sample
         self.clock = clock
         self.threads = self.ceiling
+        self.counts = tuple(range(1, self.ceiling + 1))
+        if counts is not None:
+            self.restrict(counts)
         self.others = 0.0  # cores the rest of the machine used over the last interval
         self.last = sample()
+
+    def restrict(self, counts: tuple[int, ...]) -> None:
+        """Set only these thread counts (the ceiling's own among them): those whose steps give the
+        ceiling's bits (thread_probe.py)."""
+        if self.ceiling not in counts:
+            raise ValueError(f"the counts {counts} must include the ceiling, {self.ceiling}")
+        self.counts = tuple(sorted(c for c in counts if 1 <= c <= self.ceiling))
 
     def adjust(self) -> int:
         """Look at the machine if the last look is `interval_s` old, and set the thread count for
@@ -101,9 +113,10 @@ class CpuThreads:
         return self.threads
 
     def wanted(self, others: float) -> int:
-        """Threads for a machine whose other processes keep `others` cores busy."""
+        """Threads for a machine whose other processes keep `others` cores busy: the largest allowed
+        count that fits the free cores, else the smallest allowed."""
         free = self.cpus - math.ceil(max(0.0, others - SLACK))
-        return max(1, min(self.ceiling, free))
+        return max([c for c in self.counts if c <= free], default=self.counts[0])
 
     def describe(self) -> str:
         return f"{self.threads} of {self.ceiling} threads (others used {self.others:.1f} of {self.cpus} cores)"

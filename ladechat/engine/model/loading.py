@@ -6,7 +6,7 @@ import functools
 import importlib.util
 import shutil
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,7 +64,7 @@ class LoadedModel:
     context_length: int
     notices: tuple[str, ...] = ()
     weights: str = ""  # the Linear weights' layouts and kernels in words (int4.describe); "" all as loaded
-    # On a CPU whose steps give the same results on any thread count (every Linear packed or int4),
+    # On a CPU where the steps give the same bits on fewer threads (probed: engine/thread_probe.py),
     # their thread count, which follows the machine's other load (engine/threads.py); else None.
     threads: object = None
 
@@ -283,14 +283,35 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
     # pack() itself leaves weights on devices and in dtypes it does not pack.
     if layouts and spec.weights != "dense":
         packing.pack(model)
-    # Packed (oneDNN) and int4 products, SDPA and the rest of a step give the same bits on 1 or 2
-    # threads; MKL's dense fp32 products do not (tests/test_threads.py), and a lookahead answer
-    # must equal plain decoding's whatever the load did meanwhile: those keep torch's count.
-    same_on_any_count = "dense" not in int4.weight_layout(model)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, device=model.device, dtype=model.dtype,
                        eos_ids=eos_ids(model, tokenizer), context_length=context_length(model.config),
                        notices=tuple(notices), weights=int4.describe(model),
-                       threads=threads if same_on_any_count else None)
+                       threads=_governed(threads, model, name, source, gguf_file, progress))
+
+
+def _governed(threads: CpuThreads | None, model, name: str, source: str, gguf_file: Path | None, progress
+              ) -> CpuThreads | None:
+    """The thread governor, allowed the counts whose steps give the full count's bits on this CPU
+    (thread_probe.py), or None where only the full count does: a lookahead answer must equal plain
+    decoding's whatever the machine's load did meanwhile. MKL's dense fp32 products split their sums
+    by the thread count by design, so a model with dense Linear weights is not probed."""
+    if threads is None or threads.ceiling == 1 or "dense" in int4.weight_layout(model):
+        return None
+    from ladechat.engine import thread_probe
+
+    folder = Path(source) if Path(source).is_dir() else None
+    what = None
+    if folder is not None:  # a model whose files can be named: its verdict is kept
+        files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.iterdir() if f.is_file())
+        origin = (str(gguf_file.resolve()), gguf_file.stat().st_size) if gguf_file is not None else None
+        what = [str(folder.resolve()), files, origin, int4.weight_layout(model)]
+    with progress("checking which thread counts give the same results") if progress else nullcontext():
+        counts = thread_probe.cached_counts(model, what, threads.ceiling,
+                                            cache_root() / "thread-probe" if what is not None else None)
+    if len(counts) < 2:
+        return None
+    threads.restrict(counts)
+    return threads
 
 
 def _checked(spec: LoadSpec) -> tuple[torch.device, torch.dtype]:

@@ -1,0 +1,122 @@
+"""Which thread counts give a model's CPU steps the same bits, on this machine.
+
+The thread governor (threads.py) changes torch's count mid-answer. A greedy lookahead answer stays
+plain decoding's only if a step's logits do not depend on that count, and whether they do is a fact
+of a kernel on a CPU, not of the code: oneDNN's packed fp32 products give the same bits on 1 and 2
+threads on one x86 CPU and other bits on another. So it is probed: the model's own steps (a prompt,
+then steps of every size a CPU plan uses) at each count the governor may pick, compared bit for bit
+with the full count's. Only counts that agree are used; if none but the full count does, the
+governor stays off and the steps keep torch's count. The verdict is kept per model files, weight
+layout, dtype, CPU, library versions and our kernels' sources, since the probe costs a few dozen
+steps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+PROMPT_TOKENS = 40
+STEP_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)  # a CPU plan's sizes (step_cost.SIZES)
+
+
+def candidate_counts(ceiling: int) -> list[int]:
+    """The counts the governor may use once probed: 1, 2, 4, ... below the ceiling, and the ceiling
+    (every count of a large machine would cost a probe each)."""
+    counts, count = [], 1
+    while count < ceiling:
+        counts.append(count)
+        count *= 2
+    return counts + [ceiling]
+
+
+def agreeing_counts(outputs: dict[int, Sequence[torch.Tensor]], ceiling: int) -> tuple[int, ...]:
+    """The counts whose outputs equal the ceiling's, bit for bit (NaNs in the same places count as
+    equal), in order; the ceiling always among them."""
+    reference = outputs[ceiling]
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.shape == b.shape and torch.equal(torch.nan_to_num(a, nan=0.0), torch.nan_to_num(b, nan=0.0)) \
+            and torch.equal(a.isnan(), b.isnan())
+
+    return tuple(count for count in sorted(outputs)
+                 if count == ceiling or all(same(a, b) for a, b in zip(outputs[count], reference)))
+
+
+def probe(steps: Callable[[], list[torch.Tensor]], ceiling: int) -> tuple[int, ...]:
+    """steps() at every candidate count (torch's count set for it, restored after); the agreeing ones."""
+    before = torch.get_num_threads()
+    outputs = {}
+    try:
+        for count in candidate_counts(ceiling):
+            torch.set_num_threads(count)
+            outputs[count] = steps()
+    finally:
+        torch.set_num_threads(before)
+    return agreeing_counts(outputs, ceiling)
+
+
+def model_steps(model) -> Callable[[], list[torch.Tensor]]:
+    """The model's steps as a chat runs them on a CPU (its default runner): a prompt's prefill,
+    then a chain of every STEP_SIZES size after it, each step's logits kept."""
+    from ladechat.engine.runner import default_runner  # the loader's caller already has it loaded
+    from ladechat.engine.step_cost import chain, prefill_random
+
+    def steps() -> list[torch.Tensor]:
+        runner = default_runner(model)
+        with torch.inference_mode():
+            prefill_random(runner, PROMPT_TOKENS)
+            logits = []
+            for size in STEP_SIZES:
+                logits.append(runner.step(chain(size), PROMPT_TOKENS).float().clone())
+                runner.truncate(PROMPT_TOKENS)
+        return logits
+
+    return steps
+
+
+def machine_key() -> str:
+    """The CPU as the kernels see it: its model name and feature flags (Linux), else what Python knows."""
+    import platform
+
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        first = text.split("\n\n", 1)[0]
+        fields = dict(line.split(":", 1) for line in first.splitlines() if ":" in line)
+        return json.dumps([fields.get(k, "").strip() for k in ("vendor_id", "model name", "flags")])
+    except OSError:
+        return json.dumps([platform.machine(), platform.processor()])
+
+
+def cached_counts(model, what: list, ceiling: int, cache: Path | None) -> tuple[int, ...]:
+    """probe(model_steps(model)), kept in `cache` (a folder) under a key of `what` (the model's files
+    and layout, as the caller knows them), this CPU, the ceiling, the library versions and our code
+    that a step runs. cache None: probed every time."""
+    path = None
+    if cache is not None:
+        import transformers
+
+        from ladechat.engine import lean, runner
+        from ladechat.engine.model import attention, gguf, norms, packing, q4, q8, step_ops
+
+        code = gguf.source_digest(attention.__file__, lean.__file__, runner.__file__, packing.__file__, norms.__file__,
+                                  q4.SOURCE, q8.__file__, step_ops.SOURCE, __file__)
+        key = json.dumps(["v1", what, machine_key(), ceiling, str(model.dtype), torch.__version__,
+                          transformers.__version__, code])
+        path = cache / hashlib.sha256(key.encode()).hexdigest()[:16]
+        try:
+            return tuple(json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            pass
+    counts = probe(model_steps(model), ceiling)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(list(counts)))
+        except OSError:  # a read-only cache only costs the probe next time
+            pass
+    return counts
