@@ -472,6 +472,7 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
     out = stdout_console()
     printer = StreamPrinter(out, err, debug=debug, markdown=markdown)
     done = None
+    interrupted = False  # Ctrl-C reached this loop (after the answer's Done too: still exit 130)
     events = bot.reply(conversation)
     try:
         for event in events:
@@ -487,6 +488,7 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
             out.print()
         raise Fail(message) from None
     except KeyboardInterrupt:  # while an event was printed: the stream ends as if it had landed there
+        interrupted = True
         done = interrupt(events) if done is None else done
         if done is None:
             err.print("\n[yellow]interrupted[/]")
@@ -502,7 +504,7 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
         if debug and bot.stats_reported:
             err.print(debug_panel(stats))
         err.print(f"[dim]{escape(footer(stats, bot))}[/]", highlight=False)
-    if stats.finish_reason == "interrupted":
+    if interrupted or stats.finish_reason == "interrupted":
         raise typer.Exit(130)
 
 

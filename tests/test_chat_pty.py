@@ -4,9 +4,11 @@ import json
 import os
 import re
 import signal
+import subprocess
 import time
 
 import pexpect
+import pytest
 from conftest import ladechat_bin
 
 from ladechat.ui.stream import MARKDOWN_BLOCKS
@@ -187,3 +189,43 @@ def test_leaving_while_the_model_loads_exits_cleanly_at_once(tmp_path):
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0 and child.signalstatus is None
+
+
+@pytest.mark.parametrize("path", ["in-process", "warm server", "--api"])
+def test_a_question_too_long_for_the_context_leaves_the_conversation_before_it(tmp_path, path):
+    """Through each path a chat can answer by, alike: the too-long question is one error line and is
+    not kept, and the exchange before it stays (what /save writes)."""
+    from serve_process import Server
+    from test_cli import tiny_model_folder
+    from tiny_models import tiny_tokenizer
+
+    folder = str(tiny_model_folder(tmp_path / "small", tiny_tokenizer()))  # a context of 512 tokens
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state"), "TERM": "xterm", "PROMPT_TOOLKIT_NO_CPR": "1",
+           "NO_COLOR": "1", "LADECHAT_RUNTIME_DIR": str(tmp_path / "run")}
+    args = ["--max-new-tokens", "8"]
+    server = None
+    if path == "in-process":
+        args += ["--model", folder, "--dtype", "float32", "--keep-alive", "0"]
+    elif path == "warm server":
+        args += ["--model", folder, "--dtype", "float32", "--keep-alive", "5m"]
+    else:
+        server = Server("--model", folder, "--dtype", "float32", "--no-store")
+        args += ["--api", server.url]
+    try:
+        child = pexpect.spawn(ladechat_bin(), args, env=env, encoding="utf-8", timeout=120, dimensions=(40, 200))
+        child.expect(PROMPT)
+        say(child, "Hi", "tokens/step")
+        saved = tmp_path / "c.json"
+        first = saved_messages(child, saved, 2)["messages"]
+        child.sendline("x" * 1000)  # one token a character: twice the model's context
+        child.expect(r"error: .*the prompt is \d+ tokens, more than the \d+ that fit in the model's context")
+        child.expect(PROMPT)
+        assert saved_messages(child, saved, 2)["messages"] == first
+        say(child, "And then?", "tokens/step")  # the chat goes on, the first exchange in its context
+        assert [m["content"] for m in saved_messages(child, saved, 4)["messages"][::2]] == ["Hi", "And then?"]
+        child.sendeof()
+        child.expect(pexpect.EOF)
+    finally:
+        if server is not None:
+            server.stop()
+        subprocess.run([ladechat_bin(), "stop", "--all"], env=env, capture_output=True, timeout=60, check=False)

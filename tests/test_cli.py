@@ -3,9 +3,12 @@
 import importlib.util
 import json
 import os
+import platform
 import re
 import signal
 import subprocess
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -186,18 +189,48 @@ def test_stop_string_ends_the_answer():
     assert record["text"] == whole[:whole.index(stop) + len(stop)]  # up to and with the stop string, as asked
 
 
-def test_ctrl_c_ends_ask_with_the_partial_answer_and_its_statistics():
+def test_ctrl_c_ends_ask_with_the_partial_answer_and_its_statistics(tmp_path):
     """Ctrl-C mid-answer: what was answered stays on stdout, the footer says "(interrupted)" wherever
-    the signal landed (in a step or while a word was printed), and the exit status is 130."""
-    proc = subprocess.Popen([ladechat_bin(), "ask", "--keep-alive", "0", "--dtype", "float32", "--max-new-tokens",
-                             "1000", "Write a very long story about a dragon who learns to bake bread."],
+    the signal landed (in a step or while a word was printed), and the exit status is 130. The
+    model has no end-of-text token and the answer may run for minutes: it cannot end first."""
+    from tiny_models import endless_model_folder
+
+    folder = endless_model_folder(tmp_path / "endless")
+    proc = subprocess.Popen([ladechat_bin(), "ask", "--keep-alive", "0", "--model", str(folder), "--dtype", "float32",
+                             "--max-new-tokens", "200000", "Tell me a story."],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "NO_COLOR": ""})
     first = proc.stdout.read(20)  # it is answering
     proc.send_signal(signal.SIGINT)
     assert proc.wait(60) == 130
     out, err = first + proc.stdout.read(), proc.stderr.read().decode()
     assert re.search(r"\d+ tokens, .* tokens/step, lookahead W=\d+ N=\d+ G=\d+ \(interrupted\)\n", err), err
-    assert "Traceback" not in err and len(out.decode().split()) >= 3
+    assert "Traceback" not in err and len(out.decode().rstrip("\n")) >= 20  # the answer so far stays
+
+
+def _blocked_reading_stdin(pid: int, timeout: float = 60.0) -> None:
+    """Wait until process `pid` sits in read(0, ...): a known point to send a signal at."""
+    read = {"x86_64": "0", "aarch64": "63"}[platform.machine()]  # the read system call's number
+    deadline = time.monotonic() + timeout
+    while True:
+        fields = Path(f"/proc/{pid}/syscall").read_text().split()
+        if fields[:2] == [read, "0x0"]:
+            return
+        assert time.monotonic() < deadline, f"never blocked reading stdin: {fields[:2]}"
+        time.sleep(0.02)
+
+
+def test_ctrl_c_while_ask_waits_for_its_prompt_exits_130():
+    """Ctrl-C before any model is loaded (ask waiting for its prompt on stdin): 130, no traceback."""
+    proc = subprocess.Popen([ladechat_bin(), "ask", "--keep-alive", "0"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "NO_COLOR": ""})
+    try:
+        _blocked_reading_stdin(proc.pid)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 130
+    finally:
+        proc.kill()
+        proc.stdin.close()
+    assert "Traceback" not in proc.stderr.read().decode() and proc.stdout.read() == b""
 
 
 def test_chat_rejects_bad_flags_before_loading():

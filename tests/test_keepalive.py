@@ -223,22 +223,32 @@ def test_settings_stop_strings_and_the_store_travel_with_each_request(warm):
     assert len(warm.daemons()) == 1
 
 
-def test_ctrl_c_stops_the_answer_and_the_server_keeps_serving(warm):
-    pid = warm.pid()
-    proc = warm.popen("ask", "--dtype", "float32", "--max-new-tokens", "1000", LONG)
-    assert proc.stdout.read(20)  # it is answering
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(60) == 130
-    assert "interrupted" in proc.stderr.read()
-    deadline = time.monotonic() + 30
-    while warm.health()["running"] or "client gone: stopped after" not in warm.log():
-        assert time.monotonic() < deadline, warm.log()
-        time.sleep(0.1)
-    stopped = int(re.findall(r"client gone: stopped after (\d+) new tokens", warm.log())[-1])
-    assert stopped < 1000
-    again = warm("ask", "--dtype", "float32", "--max-new-tokens", "8", QUESTION)
-    assert again.returncode == 0 and again.stdout.strip(), again.stderr
-    assert warm.daemons() == [pid]
+def test_ctrl_c_stops_the_answer_and_the_server_keeps_serving(snapshot, tmp_path):
+    """A model with no end-of-text token asked for a long answer, in a runtime folder of its own:
+    the answer cannot end before the signal."""
+    from tiny_models import endless_model_folder
+
+    folder = str(endless_model_folder(tmp_path / "endless"))
+    run = Run(snapshot)
+    try:
+        proc = run.popen("ask", "--model", folder, "--dtype", "float32", "--max-new-tokens", "200000",
+                         "Tell me a story.")
+        assert proc.stdout.read(20)  # it is answering
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 130
+        assert "interrupted" in proc.stderr.read()
+        pid = run.pid()
+        deadline = time.monotonic() + 30
+        while run.health()["running"] or "client gone: stopped after" not in run.log():
+            assert time.monotonic() < deadline, run.log()
+            time.sleep(0.1)
+        stopped = int(re.findall(r"client gone: stopped after (\d+) new tokens", run.log())[-1])
+        assert stopped < 200000
+        again = run("ask", "--model", folder, "--dtype", "float32", "--max-new-tokens", "8", "Hi")
+        assert again.returncode == 0 and again.stdout.strip(), again.stderr
+        assert run.daemons() == [pid]
+    finally:
+        run.close()
 
 
 def test_the_chat_answers_through_the_warm_server_without_torch(warm, tmp_path):

@@ -64,3 +64,22 @@ def tiny_loaded(context_length: int = 1024):
     model.generation_config.eos_token_id = None
     return LoadedModel(model=model, tokenizer=tokenizer, name="tiny", device=model.device, dtype=model.dtype,
                        eos_ids=frozenset(), context_length=context_length)
+
+
+def endless_model_folder(path):
+    """A tiny random Llama folder whose answers end only at max_new_tokens: no end-of-text token at
+    all (neither its config nor its tokenizer names one) and a context of a million positions. A
+    test that interrupts an answer asks for a long one of it, which then cannot end first."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = tiny_tokenizer()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, unk_token="<unk>")
+    tokenizer.chat_template = tiny_tokenizer().chat_template
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**COMMON, "vocab_size": len(tokenizer), "num_hidden_layers": 1,
+                            "max_position_embeddings": 1_000_000})
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -11,6 +11,8 @@ No torch or transformers here: httpx speaks HTTP and reads the server-sent event
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import time
 from collections.abc import Iterator
@@ -116,17 +118,20 @@ class RemoteBot:
     # -- answering ----------------------------------------------------------------------------
     def reply(self, conversation: Conversation) -> Iterator[Notice | Piece | Done]:
         """Stream the answer. A conversation the server's context cannot hold loses its oldest
-        exchanges, as locally (with a Notice), until it fits or only the last question is left."""
-        dropped = 0
+        exchanges, as locally (with a Notice), once what is left fits; when even the last question
+        alone does not, ConversationError leaves the conversation as it was."""
+        trial = dataclasses.replace(conversation, messages=list(conversation.messages))
         while True:
             try:
-                stream = self._open(conversation)
+                stream = self._open(trial)
                 break
             except _TooLong as exc:
-                if len(conversation.messages) <= 1:
+                if len(trial.messages) <= 1:
                     raise ConversationError(str(exc)) from None
-                dropped += conversation.drop_oldest_exchange()
+                trial.drop_oldest_exchange()
+        dropped = len(conversation.messages) - len(trial.messages)
         if dropped:
+            del conversation.messages[:dropped]
             yield Notice(dropped_notice(dropped, "server's"))
         yield from self._events(stream)
 
