@@ -258,10 +258,8 @@ def test_the_chat_answers_through_the_warm_server_without_torch(warm, tmp_path):
                           encoding="utf-8", timeout=60, dimensions=(40, 200), cwd=str(warm.base))
     child.expect("kept loaded")
     child.expect(">>>")
-    started = time.monotonic()
     child.sendline(QUESTION)
     child.expect(r"tokens/step, lookahead W=")
-    assert time.monotonic() - started < 30
     child.expect(">>>")
     child.sendline("/store off")
     child.expect("store of past answers off")
@@ -289,45 +287,57 @@ def test_the_chat_answers_through_the_warm_server_without_torch(warm, tmp_path):
     assert warm.daemons() == [pid]
 
 
-def test_a_server_killed_mid_answer(warm, tmp_path):
-    """Last of the shared server's tests: it kills it, twice."""
-    pid = warm.pid()
-    proc = warm.popen("ask", "--dtype", "float32", "--max-new-tokens", "1000", LONG)
-    assert proc.stdout.read(20)
-    os.kill(pid, signal.SIGKILL)
-    assert proc.wait(60) == 1
-    stderr = proc.stderr.read()
-    error = stderr.strip().splitlines()[-1]
-    assert error.startswith("ladechat: error: the warm server of SmolLM2-135M-Instruct") and "stopped mid-answer" in error
-    assert "Traceback" not in stderr
-    assert list(warm.dir.glob("*.sock"))  # its socket is left behind, stale
-    # the next command (a chat) loads it again; killed mid-answer there, the question stays for /retry
-    env = warm.env(XDG_STATE_HOME=str(tmp_path / "state"), TERM="xterm", PROMPT_TOOLKIT_NO_CPR="1")
-    child = pexpect.spawn(sys.executable, ["-m", "ladechat", "--dtype", "float32", "--max-new-tokens", "300"], env=env,
-                          encoding="utf-8", timeout=180, dimensions=(40, 200), cwd=str(warm.base))
-    child.expect(">>>")
-    child.sendline(QUESTION)
-    child.expect("stays loaded for 5m")
-    child.expect("tokens/step")
-    child.expect(">>>")
-    pid = warm.pid()
-    child.sendline(LONG)
-    deadline = time.monotonic() + 60
-    while not warm.health()["running"]:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    time.sleep(1.0)
-    os.kill(pid, signal.SIGKILL)
-    child.expect("stopped mid-answer")
-    child.expect("/retry")
-    child.expect(">>>")
-    child.sendline("/retry")
-    child.expect("stays loaded for 5m")  # started again
-    child.expect("tokens/step")
-    child.expect(">>>")
-    child.sendeof()
-    child.expect(pexpect.EOF)
-    assert warm.pid() != pid
+def test_a_server_killed_mid_answer(snapshot, tmp_path):
+    """A model with no end-of-text token asked for long answers, in a runtime folder of its own: each
+    answer is still running when its server is killed."""
+    from tiny_models import endless_model_folder
+
+    folder = str(endless_model_folder(tmp_path / "endless"))
+    run = Run(snapshot)
+    try:
+        proc = run.popen("ask", "--model", folder, "--dtype", "float32", "--max-new-tokens", "200000", "Tell me.")
+        assert proc.stdout.read(20)
+        os.kill(run.pid(), signal.SIGKILL)
+        assert proc.wait(60) == 1
+        stderr = proc.stderr.read()
+        error = stderr.strip().splitlines()[-1]
+        assert error.startswith(f"ladechat: error: the warm server of {folder}") and "stopped mid-answer" in error
+        assert "Traceback" not in stderr
+        assert list(run.dir.glob("*.sock"))  # its socket is left behind, stale
+        # the next command (a chat) loads it again; killed mid-answer there, the question stays for /retry
+        env = run.env(XDG_STATE_HOME=str(tmp_path / "state"), TERM="xterm", PROMPT_TOOLKIT_NO_CPR="1")
+        child = pexpect.spawn(sys.executable, ["-m", "ladechat", "--model", folder, "--dtype", "float32",
+                                               "--max-new-tokens", "4", "--no-lookahead"], env=env, encoding="utf-8",
+                              timeout=180, dimensions=(40, 200), cwd=str(run.base))
+        child.expect(">>>")
+        child.sendline("Hi")
+        child.expect("stays loaded for 5m")
+        child.expect("tokens/step")
+        child.expect(">>>")
+        child.sendline("/set max_new_tokens=200000")
+        child.expect("max_new_tokens=200000")
+        child.expect(">>>")
+        pid = run.pid()
+        child.sendline("Tell me a story.")
+        # killed once the answer shows (before it began, the chat would start a server and ask again)
+        child.expect_exact("\x1b[?2004l")  # the question sent: what the screen shows next is the answer
+        child.expect(r"[!-~]{20}")  # twenty printable characters of it in a row
+        os.kill(pid, signal.SIGKILL)
+        child.expect("stopped mid-answer")
+        child.expect("/retry")
+        child.expect(">>>")
+        child.sendline("/set max_new_tokens=4")
+        child.expect("max_new_tokens=4")
+        child.expect(">>>")
+        child.sendline("/retry")
+        child.expect("stays loaded for 5m")  # started again
+        child.expect("tokens/step")
+        child.expect(">>>")
+        child.sendeof()
+        child.expect(pexpect.EOF)
+        assert run.pid() != pid
+    finally:
+        run.close()
 
 
 # -- servers of their own -----------------------------------------------------------------------
@@ -380,8 +390,7 @@ def test_a_server_killed_while_loading_and_a_model_that_does_not_load(fresh, tmp
     while not run.daemons():
         assert time.monotonic() < deadline and proc.poll() is None
         time.sleep(0.05)
-    time.sleep(1.0)  # importing torch
-    os.kill(run.pid(), signal.SIGKILL)
+    os.kill(run.pid(), signal.SIGKILL)  # as soon as it exists: it cannot have loaded the model yet
     assert proc.wait(60) == 1
     lines = proc.stderr.read().strip().splitlines()
     assert lines[-1].startswith("ladechat: error: the warm server for the embedded model ended while loading it "
