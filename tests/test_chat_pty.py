@@ -76,7 +76,7 @@ def test_ctrl_c_mid_answer_keeps_the_partial_answer_marked_interrupted(tmp_path)
                           dimensions=(40, 200), preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     child.expect(PROMPT)
     say(child, "Hi", "tokens/step")  # the model has loaded: what the screen shows next is the answer
-    say(child, "/set max_new_tokens=200000", "max_new_tokens=200000")
+    say(child, "/set max_new_tokens=200000", "lookahead off: W=")  # what /set says: not the typed line's echo
     child.sendline("Tell me a story.")
     # Ctrl-C is a signal only once prompt-toolkit has given the terminal back (it turns bracketed
     # paste off as it does); before that it would be a key press at the prompt. So: wait for that,

@@ -189,7 +189,7 @@ def test_chat_against_a_killed_server_keeps_everything_and_retries_once_it_is_ba
         # a server is back where the chat expects it: /retry answers the question again
         second = Server(*serving, port=first.port)
         child.sendline("/set max_new_tokens=24")
-        child.expect("max_new_tokens=24")
+        child.expect("lookahead off: W=")  # what /set says: not the typed line's echo
         child.expect(PROMPT)
         child.sendline("/retry")
         child.expect(r"tokens/step, lookahead off")
