@@ -1,5 +1,5 @@
-"""Where ladechat keeps its files, by the XDG base directories: the cache folder (converted models,
-the stores of past answers, measured step costs, mask-probe verdicts, layers offloaded to disk)
+"""Where ladechat keeps its files, by the XDG base directories: the cache folder (GGUF files'
+configs and kernel layouts, the stores of past answers, measured step costs, mask-probe verdicts, layers offloaded to disk)
 and the state folder (the chat's input history). Keep-alive's runtime folder falls back to the
 cache folder (keepalive/runtime.py)."""
 

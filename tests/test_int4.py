@@ -250,32 +250,38 @@ def test_without_a_compiler_the_4bit_weights_run_on_torchs_kernel(tiny_gguf, tmp
         "the 4-bit weights of tiny.gguf run on torch's int4 kernel: no C++ compiler (no-such-c++) to build blocks.cpp"]
 
 
-def test_a_lean_load_reads_only_the_tensors_that_stay_dense(tiny_gguf, tmp_path):
-    """Once the 4-bit form is kept, the model is built empty and only its other tensors are read
-    (the peak memory of a chat): the same model, bit for bit, as the full load then int4.apply."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def test_a_gguf_is_built_from_its_blocks_with_no_dense_copy_kept(tiny_gguf, tmp_path):
+    """load() of a GGUF builds the model from the file as it is: the same tensors, bit for bit, as
+    transformers' own GGUF load (every tensor dequantized) then int4.apply; the cache holds its config,
+    tokenizer, where its tensors lie and the kernels' layout, never a dense copy of the weights; a
+    second load, from what is kept, gives the same logits."""
+    from ladechat.engine.model import gguf as gguf_files
 
-    from ladechat.engine.model.gguf import ensure_converted
-
-    copy = tmp_path / "tiny.gguf"  # a file of its own: its own converted folder
+    copy = tmp_path / "tiny.gguf"  # a file of its own: its own cache folder
     shutil.copyfile(tiny_gguf, copy)
-    folder = ensure_converted(copy)
-    kwargs = {"dtype": torch.float32, "attn_implementation": "sdpa"}
-    config = AutoConfig.from_pretrained(folder)
-    kernels = cache_root() / "kernels" if HAS_COMPILER else None
-    assert int4.load_lean(folder, copy, kwargs, config, kernels) is None  # no kept form yet: the first load reads the GGUF
-    full = AutoModelForCausalLM.from_pretrained(folder, **kwargs).eval()
-    int4.apply(full, copy, folder, kernels)
-    lean, applied = int4.load_lean(folder, copy, kwargs, config, kernels)
-    assert applied.replaced == 6 * LAYERS and int4.weight_layout(lean) == int4.weight_layout(full)
-    assert not any(t.is_meta for t in (*lean.parameters(), *lean.buffers()))
-    assert set(lean.state_dict()) == set(full.state_dict())
     ids = torch.randint(3, VOCAB, (1, 24), generator=torch.Generator().manual_seed(1))
+    weights = "int4" if HAS_COMPILER else "auto"
+    first = load(LoadSpec(model=str(copy), dtype="float32", device="cpu", weights=weights))
+    folder = gguf_files.prepared_dir(copy)
+    full = dense_from_gguf(copy)
+    int4.apply(full, copy, folder, cache_root() / "kernels" if HAS_COMPILER else None)
+    kept = sorted(f.name for f in folder.iterdir())
+    assert all(name.startswith(("int4-", "q8-")) or name in ("config.json", "generation_config.json", "tokenizer.json",
+                                                            "tokenizer_config.json", "tensors.json", "complete")
+               for name in kept), kept
+    assert sum(f.stat().st_size for f in folder.glob("*.safetensors")) < copy.stat().st_size
+    second = load(LoadSpec(model=str(copy), dtype="float32", device="cpu", weights=weights))
+    compared = [name for name in full.state_dict() if not name.startswith("lm_head.")]  # there: the Q8_0 kernel
+    for built in (first.model, second.model):
+        assert not any(t.is_meta for t in (*built.parameters(), *built.buffers()))
+        assert int4.weight_layout(built).split(",")[0] == int4.weight_layout(full).split(",")[0]
+        state = built.state_dict()
+        assert all(torch.equal(state[name], full.state_dict()[name]) for name in compared)
     with torch.no_grad():
-        assert torch.equal(lean(ids).logits, full(ids).logits)
+        assert torch.equal(first.model(ids).logits, second.model(ids).logits)
     # bf16: the dense tensors read in the model's dtype
-    lean16, _ = int4.load_lean(folder, copy, {**kwargs, "dtype": torch.bfloat16}, config, kernels)
-    assert lean16.model.embed_tokens.weight.dtype == torch.bfloat16
+    bf16 = load(LoadSpec(model=str(copy), dtype="bfloat16", device="cpu", weights="dense"))
+    assert bf16.model.model.embed_tokens.weight.dtype == torch.bfloat16
 
 
 def corrupt_copy(source: Path, target: Path, tensor_name: str, offset: int, value: bytes) -> Path:
@@ -300,13 +306,8 @@ def test_a_corrupt_block_keeps_its_tensor_dense_with_a_notice(tiny_gguf, tmp_pat
     assert applied.notices == (("blk.1.ffn_up.weight (Q4_1) runs dense: some of its scales are not finite "
                                "numbers (a corrupt block)"),)
     assert type(model.get_submodule("model.layers.1.mlp.up_proj")) is torch.nn.Linear
-    # codes that differ from the weights the model was converted from (a file changed since)
-    changed = corrupt_copy(tiny_gguf, tmp_path / "changed.gguf", "blk.0.ffn_down.weight", 2, b"\x00\x00\x00\x00")
-    applied = int4.apply(dense_from_gguf(tiny_gguf), changed, changed.with_suffix(""), None)
-    assert applied.notices == (("blk.0.ffn_down.weight (Q4_0) runs dense: its blocks do not match the converted "
-                               "weights (row 0)"),)
     # the notices come again with every load of the kept 4-bit form
-    again = int4.apply(dense_from_gguf(tiny_gguf), changed, changed.with_suffix(""), None)
+    again = int4.apply(dense_from_gguf(tiny_gguf), broken, broken.with_suffix(""), None)
     assert again.notices == applied.notices and again.replaced == applied.replaced
 
 
@@ -351,25 +352,21 @@ def test_auto_runs_the_embedded_model_as_int4(embedded_int4):
     assert auto.dtype == (torch.float32 if HAS_COMPILER else resolve_dtype("auto", torch.device("cpu")))
 
 
-def test_the_embedded_model_loads_lean_and_equals_the_full_load(embedded_int4):
-    """load() of a GGUF whose 4-bit form is kept (the fixture's load made it) builds the model empty
-    and reads only the dense tensors: the same logits as from_pretrained then int4.apply, with the
-    output layer still tied to the embedding."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def test_the_embedded_model_is_built_with_the_weights_of_transformers_own_gguf_load(embedded_int4):
+    """load() builds the embedded model from its file's blocks (the fixture's load): every tensor
+    transformers' own GGUF load (every tensor dequantized) then int4.apply gives, bit for bit, its
+    output layer on the Q8_0 kernel; a second load, from what is kept, the same logits."""
+    from ladechat.engine.model import gguf as gguf_files
 
-    from ladechat.engine.model.gguf import ensure_converted
-
-    folder = ensure_converted(gguf_path())
-    kernels = cache_root() / "kernels" if HAS_COMPILER else None
-    lean, _ = int4.load_lean(folder, gguf_path(), {"dtype": torch.float32, "attn_implementation": "sdpa"},
-                             AutoConfig.from_pretrained(folder), kernels)
-    full = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
-    int4.apply(full, gguf_path(), folder, kernels)
-    assert lean.lm_head.weight is lean.model.embed_tokens.weight
-    assert lean.generation_config.eos_token_id == full.generation_config.eos_token_id
+    folder = gguf_files.prepared_dir(gguf_path())
+    full = dense_from_gguf(gguf_path())
+    int4.apply(full, gguf_path(), folder, cache_root() / "kernels" if HAS_COMPILER else None)
+    built = embedded_int4.model.state_dict()
+    compared = [name for name in full.state_dict() if not name.startswith("lm_head.")]
+    assert compared and all(torch.equal(built[name], full.state_dict()[name]) for name in compared)
+    assert embedded_int4.model.generation_config.eos_token_id == full.generation_config.eos_token_id
     ids = torch.randint(0, 49152, (1, 20), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        assert torch.equal(lean(ids).logits, full(ids).logits)
         again = load(LoadSpec(dtype="float32", device="cpu", weights="int4")).model
         assert torch.equal(again(ids).logits, embedded_int4.model(ids).logits)
 

@@ -158,11 +158,11 @@ def test_without_a_compiler_the_output_layer_stays_as_it_was(tmp_path):
         "from pathlib import Path\n"
         "import torch\n"
         "from ladechat.engine.model import q8\n"
-        "from ladechat.engine.model.gguf import embedded_gguf, ensure_converted\n"
+        "from ladechat.engine.model.gguf import embedded_gguf\n"
         "from transformers import AutoModelForCausalLM\n"
-        "folder = ensure_converted(embedded_gguf())\n"
-        "model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)\n"
-        f"applied = q8.apply(model, embedded_gguf(), folder, Path({str(tmp_path)!r}), compiler='no-such-c++')\n"
+        "gguf = embedded_gguf()\n"
+        "model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)\n"
+        f"applied = q8.apply(model, gguf, Path({str(tmp_path)!r}), Path({str(tmp_path)!r}), compiler='no-such-c++')\n"
         "print(applied.replaced, type(model.lm_head).__name__)\n"
         "print(*applied.notices, sep='\\n')\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)

@@ -1,6 +1,7 @@
 """bitsandbytes 4-bit / 8-bit weights and accelerate disk offload on the CPU: lookahead unchanged."""
 
 import pytest
+import torch
 
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
@@ -14,8 +15,21 @@ LOOKAHEAD = LookaheadConfig(window=4, ngram=4, candidates=4)
 
 
 @pytest.fixture(scope="module")
-def folder(embedded_fp32):
-    return str(gguf.ensure_converted(gguf.embedded_gguf(), None))  # the embedded model as safetensors
+def folder(tmp_path_factory):
+    """The embedded model as a Hugging Face folder (bitsandbytes quantizes a checkpoint's floats, not
+    a GGUF's blocks): transformers' own GGUF load, saved."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path, target = gguf.embedded_gguf(), tmp_path_factory.mktemp("embedded-hf")
+    loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    config = loaded.config.to_dict()
+    config.pop("quantization_config", None)  # transformers saves no model it calls quantized with gguf
+    plain = type(loaded)(type(loaded.config).from_dict(config))
+    plain.load_state_dict(loaded.state_dict())
+    plain.generation_config = loaded.generation_config
+    plain.save_pretrained(target)
+    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(target)
+    return str(target)
 
 
 def answer(lm, prompt, la, max_new=40):

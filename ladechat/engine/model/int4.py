@@ -31,8 +31,8 @@ it can part after a near tie (tests/test_int4.py checks both).
 
 Reading a GGUF's metadata takes seconds on a small CPU, so the first load writes the blocks in the
 kernel's layout (in the model's own row order: llama.cpp permutes the rows of q and k, and
-transformers' GGUF tensor processor says how) into one safetensors file next to the converted
-model, named for this module's code; later loads only read it. The model's code is untouched:
+transformers' GGUF tensor processor says how) into one safetensors file in the GGUF's cache folder
+(gguf.py), named for this module's code; later loads only read it. The model's code is untouched:
 Linear modules are replaced, as transformers' quantizers do.
 """
 
@@ -207,17 +207,18 @@ class Int4Linear(torch.nn.Module):
 # -- reading a GGUF file once ------------------------------------------------------------------
 
 def cache_path(folder: Path) -> Path:
-    """The file of a converted GGUF's 4-bit weights in q4.py's layout, named for the code that
+    """The file of a GGUF's 4-bit weights in q4.py's layout (in its cache folder), named for the code that
     reads and lays them out (a change to either is read afresh)."""
     from ladechat.engine.model.gguf import source_digest
 
     return Path(folder) / f"{CACHE_PREFIX}{source_digest(__file__, q4.__file__)}.safetensors"
 
 
-def row_order(processor, name: str, rows: int, cols: int) -> np.ndarray | None:
+def row_order(processor, name: str, rows: int, cols: int = 2) -> np.ndarray | None:
     """The GGUF row each of the model's rows comes from, as transformers' GGUF tensor processor
-    reorders a tensor (llama.cpp permutes q and k for its rotary layout); None when the
-    processor does more than reorder rows (then the tensor stays dense)."""
+    reorders a tensor (llama.cpp permutes q and k for its rotary layout), found by processing a
+    matrix of row numbers `cols` wide; None when the processor does more than reorder rows (then
+    the tensor stays dense)."""
     index = np.repeat(np.arange(rows, dtype=np.float32)[:, None], cols, axis=1)
     try:
         result = processor.process(weights=index, name=name, tensor_key_mapping={}, parsed_parameters={"tensors": {}})
@@ -232,14 +233,14 @@ def row_order(processor, name: str, rows: int, cols: int) -> np.ndarray | None:
 
 def read_gguf(gguf_path: Path, model) -> tuple[dict[str, torch.Tensor], list[str], dict[str, str]]:
     """The 4-bit form of every 4-bit tensor of `gguf_path` that is a plain Linear weight of `model`
-    (a model loaded from its converted copy): ({module.tiles|scales|lows: q4.layout's buffers},
-    notices, {module: block type}). A tensor that cannot run as int4 keeps its dense weight, with a notice
-    when that is a surprise (a corrupt block, a mismatch with the converted weights), none for
-    the types that have no int4 form."""
-    from gguf import GGUFReader, dequantize
+    (built from the file's config, its weights empty or not): ({module.tiles|scales|lows:
+    q4.layout's buffers}, notices, {module: block type}). A tensor that cannot run as int4 keeps
+    its dense weight, with a notice when that is a surprise (a corrupt block, rows transformed on
+    loading), none for the types that have no int4 form."""
+    from ladechat.engine.model import gguf as gguf_files
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-    reader = GGUFReader(gguf_path)
+    reader = gguf_files.read(gguf_path)
     arch = str(reader.fields["general.architecture"].contents())
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=model.config.to_dict())
     names = get_gguf_hf_weights_map(model, processor)
@@ -264,16 +265,10 @@ def read_gguf(gguf_path: Path, model) -> tuple[dict[str, torch.Tensor], list[str
             q, scale, low = decode(kind, np.asarray(tensor.data), rows, cols)
             if not (np.isfinite(scale).all() and np.isfinite(low).all()):
                 raise Int4Error("some of its scales are not finite numbers (a corrupt block)")
-            order = row_order(processor, tensor.name, rows, cols)
+            order = row_order(processor, tensor.name, rows)
             if order is None:
                 raise Int4Error("its rows are transformed on loading, not only reordered")
             q, scale, low = q[order], scale[order], low[order]
-            # the converted model's weight must be these blocks: a few of its rows, compared exactly
-            dense = linear.weight.detach()
-            for row in sorted({0, rows // 2, rows - 1}):
-                expected = torch.from_numpy(dequantize(np.asarray(tensor.data)[order[row]][None], tensor.tensor_type))
-                if not torch.equal(dense[row].float(), expected[0].to(dense.dtype).float()):
-                    raise Int4Error(f"its blocks do not match the converted weights (row {row})")
         except Int4Error as exc:
             notices.append(f"{tensor.name} ({kind}) runs dense: {exc}")
             continue
@@ -292,8 +287,8 @@ class Applied:
 
 def apply(model, gguf_path: Path, folder: Path, kernels: Path | None,
           progress: Callable[[str], AbstractContextManager] | None = None, compiler: str = native.COMPILER) -> Applied:
-    """Replace every plain Linear of `model` (loaded from `folder`, the converted copy of
-    `gguf_path`) whose GGUF weight is Q4_0, Q4_1 or Q4_K by a module of the same blocks: a
+    """Replace every plain Linear of `model` (built from `gguf_path`'s config; `folder`: its cache
+    folder) whose GGUF weight is Q4_0, Q4_1 or Q4_K by a module of the same blocks: a
     q4.Q4Linear, its kernel compiled into `kernels` if not yet, or an Int4Linear (torch's kernel)
     where it cannot be built (a one-line notice) or `kernels` is None. The first time reads the
     GGUF (seconds) and keeps the 4-bit form in `folder`. A file that cannot be read leaves the
@@ -336,48 +331,6 @@ def _kernel(gguf_path: Path, kernels: Path | None, progress, compiler: str) -> t
     if q4.best_path() < 1:  # an x86-64 CPU without AVX2: the kernel's portable loops are slower than torch's
         return [], None
     return [], q4.best_path()
-
-
-def load_lean(folder: Path, gguf_path: Path, kwargs: dict, config, kernels: Path | None = None):
-    """The model of `folder` (the converted copy of `gguf_path`; `config`: its config, as read)
-    with its 4-bit Linear weights never made dense: built empty (parameters on the meta device,
-    buffers as usual), its int4 modules put in from the kept 4-bit form, only the other tensors
-    read from the converted files, in kwargs["dtype"]. A load through from_pretrained reads every
-    weight and casts it (a bf16 load of the embedded model: its 540 MB of fp32 pages touched, 270
-    MB of bf16 made, then dropped for the int4 modules), which set the chat's peak memory. Returns (model in eval mode,
-    Applied), or None where this does not apply (no kept 4-bit form yet: the first load reads the
-    GGUF against the dense weights; no int4 module; a tensor left unread): then load as usual.
-    kernels: as for apply()."""
-    from accelerate import init_empty_weights
-    from safetensors import safe_open
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    folder = Path(folder)
-    if not cache_path(folder).is_file():
-        return None
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, **kwargs)
-    applied = apply(model, gguf_path, folder, kernels)
-    if not applied.replaced:
-        return None
-    int4_weights = {f"{name}.weight" for name, module in model.named_modules() if type(module) in (Int4Linear, q4.Q4Linear)}
-    dtype = kwargs["dtype"]
-    state = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        if file.name.startswith(CACHE_PREFIX):
-            continue
-        with safe_open(str(file), framework="pt") as fh:
-            for key in fh.keys():
-                if key not in int4_weights:
-                    tensor = fh.get_tensor(key)
-                    state[key] = tensor.to(dtype) if tensor.is_floating_point() else tensor
-    loaded = model.load_state_dict(state, strict=False, assign=True)
-    model.tie_weights(missing_keys=set(loaded.missing_keys))  # as from_pretrained ties: only what the files lack
-    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
-        return None
-    if (folder / "generation_config.json").is_file():
-        model.generation_config = GenerationConfig.from_pretrained(folder)
-    return model.eval(), applied
 
 
 def _replace(model, read: q4.KeptReader, kinds: dict[str, str], notices: list[str],

@@ -185,16 +185,17 @@ def placement(spec: LoadSpec, device: torch.device) -> dict:
 
 
 def _source(model: str | None, progress) -> tuple[str, str, Path | None]:
-    """(folder or hub id to load, display name, the GGUF file it was converted from or None)."""
+    """(folder or hub id to load, display name, the GGUF file or None); a GGUF's folder holds its
+    config and tokenizer (gguf.ensure_prepared)."""
     if model is None:
         path = gguf.embedded_gguf()
-        return str(gguf.ensure_converted(path, progress)), gguf.EMBEDDED_NAME, path
+        return str(gguf.ensure_prepared(path, progress)), gguf.EMBEDDED_NAME, path
     path = Path(model).expanduser()
     if model.endswith(".gguf"):
         if not path.is_file():
             raise ModelNotFound(f"GGUF file not found: {model}")
         try:
-            return str(gguf.ensure_converted(path, progress)), path.name, path
+            return str(gguf.ensure_prepared(path, progress)), path.name, path
         except gguf.BadGGUF as exc:
             raise LoadError(str(exc)) from None
     if path.exists():
@@ -229,12 +230,16 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
     the attention function, a checked tree mask); progress(message) is shown during slow phases.
     LoadError (or ModelNotFound) with one line for whatever the user can fix."""
     device, dtype = _checked(spec)
+    if (spec.load_in_4bit or spec.load_in_8bit) and (spec.model is None or spec.model.endswith(".gguf")):
+        name = Path(spec.model).name if spec.model else gguf.EMBEDDED_NAME
+        raise LoadError(f"{name} is a GGUF file, already quantized: --load-in-4bit and --load-in-8bit take a "
+                        "Hugging Face model (its own blocks run at their bits here)")
     # its first look at the machine now: the load's seconds are the first interval it measures
     threads = CpuThreads() if device.type == "cpu" else None
     notices: list[str] = []
     attn = _attention(spec.attn, notices)
     kernels = cache_root() / "kernels"
-    if device.type == "cpu":  # compiled (a first run) while the model converts and loads
+    if device.type == "cpu":  # compiled (a first run) while the model is read
         native.prebuild([step_ops.SOURCE], kernels)
     source, name, gguf_file = _source(spec.model, progress)
     if spec.weights == "int4" and gguf_file is None:
@@ -252,26 +257,24 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
         # nothing there (fp32 steps of the embedded model were as fast or faster, BENCHMARKS.md)
         # while fp32 keeps the rest of the step (norms, attention, residuals) exact: auto picks it
         dtype = kwargs["dtype"] = torch.float32
-    lean = (lambda config: int4.load_lean(Path(source), gguf_file, kwargs, config, kernels)) if to_int4 else None
     if to_int4:
         native.prebuild([q4.SOURCE], kernels)  # q8's kernel too: one library
-    tokenizer, model, lean_applied = _read(spec.model or source, source, name, device, kwargs, lean)
+    build = None
+    if gguf_file is not None and not spec.device_map:  # else transformers' own GGUF load spreads it
+        def build(config):
+            return _from_gguf(Path(source), gguf_file, config, kwargs, device, kernels if to_int4 else None, progress)
+    tokenizer, model, applied = _read(spec.model or source, source, name, device, kwargs, build, gguf_file)
     layouts = layouts and getattr(model, "hf_quantizer", None) is None
-    # 4-bit blocks first (here, or already by the lean load): the mask probe below runs on what
-    # will answer.
-    if layouts and to_int4:
-        applied = lean_applied or int4.apply(model, gguf_file, Path(source), kernels, progress)
+    if applied is not None:  # the GGUF's 4-bit blocks and Q8_0 output layer, put in as the model was built
         notices.extend(applied.notices)
         if spec.weights == "int4" and not applied.replaced:
             notices.append(f"{name} has no 4-bit (Q4_0, Q4_1, Q4_K) Linear weights the int4 kernel takes; "
                            "running them as --weights packed")
-        # its Q8_0 output layer at 8 bits too (before packing: else a packed copy of it is made)
-        notices.extend(q8.apply(model, gguf_file, Path(source), kernels, progress).notices)
     # a step's small ops by ladechat's kernels (step_ops.py)
     unbuilt = step_ops.load(kernels, progress) if model.device.type == "cpu" else None
     # where the weights are a GGUF's blocks, not the checkpoint's floats: the norms by the kernel too
     # (norms.py), and attention row by row, so a lookahead step's rows are plain decoding's (attention.py)
-    four_bit = layouts and to_int4 and applied.replaced and model.device.type == "cpu"
+    four_bit = layouts and to_int4 and applied is not None and applied.replaced > 0 and model.device.type == "cpu"
     if four_bit and unbuilt:
         notices.append(f"the RMSNorm layers run as transformers' modules: {unbuilt}")
     elif four_bit:
@@ -364,10 +367,12 @@ def _quantization(spec: LoadSpec, dtype: torch.dtype, notices: list[str]) -> dic
                                                       bnb_4bit_compute_dtype=dtype if spec.load_in_4bit else None)}
 
 
-def _read(asked: str, source: str, name: str, device: torch.device, kwargs: dict, lean=None):
-    """(tokenizer, model in eval mode on its device, what `lean` applied) from `source` (a folder or
-    hub id; `asked`: what the user gave, for messages), loaded with from_pretrained's `kwargs`, or
-    by `lean(config)` (int4.load_lean: (model, Applied), or None where it does not apply) first."""
+def _read(asked: str, source: str, name: str, device: torch.device, kwargs: dict, build=None,
+          gguf_file: Path | None = None):
+    """(tokenizer, model in eval mode on its device, what `build` applied) from `source` (a folder or
+    hub id; `asked`: what the user gave, for messages): built by `build(config)` (_from_gguf: (model,
+    int4.Applied or None)) where given, else loaded with from_pretrained's `kwargs` (from `gguf_file`
+    by transformers' own GGUF reader, where given)."""
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -389,12 +394,16 @@ def _read(asked: str, source: str, name: str, device: torch.device, kwargs: dict
         raise LoadError(f"cannot load the tokenizer of {name}: {_one_line(exc)}" if local
                         else _not_found(asked, exc)) from None
     try:
-        built = _lean(lean, config)
-        if built is not None:
-            return tokenizer, *built
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        if build is not None:
+            return tokenizer, *build(config)
+        if gguf_file is not None:
+            model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, **kwargs)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
         if "device_map" not in kwargs:  # on the CPU, where it was loaded
             model = model.to(device)
+    except gguf.BadGGUF as exc:
+        raise LoadError(str(exc)) from None
     except (OSError, ValueError) as exc:
         raise LoadError(_not_found(asked, exc) if not local else f"cannot load model {name}: {_one_line(exc)}") from None
     except (torch.OutOfMemoryError, MemoryError) as exc:
@@ -409,15 +418,50 @@ def _read(asked: str, source: str, name: str, device: torch.device, kwargs: dict
     return tokenizer, model.eval(), None
 
 
-def _lean(lean, config):
-    """lean(config)'s model, or None to load as usual: also when it fails on files that from_pretrained
-    then reports in its own words (a lean load is an optimization, never a new way to fail)."""
-    if lean is None:
-        return None
+def _from_gguf(folder: Path, gguf_file: Path, config, kwargs: dict, device: torch.device, kernels: Path | None,
+               progress) -> tuple:
+    """(the model of `gguf_file`, built from its blocks as they are, in eval mode on `device`;
+    int4.Applied or None). Built empty (parameters on the meta device); with `kernels` (a CPU that
+    runs them), its Q4_0/Q4_1/Q4_K Linear weights and its Q8_0 output layer go into the kernels'
+    layout first (int4.py, q8.py: read from the file once and kept in `folder`); then every other
+    tensor is dequantized on its own into the model's dtype on `device` (gguf.read_tensors). No
+    dense copy of the weights is made at any point."""
     try:
-        return lean(config)
-    except Exception:  # noqa: BLE001 -- any failure (safetensors' own errors included) loads as usual
-        return None
+        return _build_from_gguf(folder, gguf_file, config, kwargs, device, kernels, progress)
+    finally:
+        gguf.reader.cache_clear()  # the first load's parsed metadata: not kept with the model
+
+
+def _build_from_gguf(folder: Path, gguf_file: Path, config, kwargs: dict, device: torch.device, kernels: Path | None,
+                     progress) -> tuple:
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    dtype = kwargs["dtype"]
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=kwargs["attn_implementation"])
+    index = gguf.tensor_index(model, gguf_file, folder)  # before any module is replaced
+    applied = None
+    if kernels is not None:
+        four_bit = int4.apply(model, gguf_file, folder, kernels, progress)
+        # its Q8_0 output layer at 8 bits too
+        applied = int4.Applied(four_bit.replaced, four_bit.kinds,
+                               four_bit.notices + q8.apply(model, gguf_file, folder, kernels, progress).notices)
+    empty = {name for name, tensor in (*model.named_parameters(), *model.named_buffers()) if tensor.is_meta}
+    state = gguf.read_tensors(model, gguf_file, index, dtype, device, empty, progress)
+    loaded = model.load_state_dict(state, strict=False, assign=True)
+    if isinstance(getattr(model.get_output_embeddings(), "weight", None), torch.nn.Parameter):
+        # as from_pretrained ties: only what the file lacks (an output layer on the Q8_0 kernel is its own)
+        model.tie_weights(missing_keys=set(loaded.missing_keys))
+    empty = [name for name, tensor in (*model.named_parameters(), *model.named_buffers()) if tensor.is_meta]
+    if empty:
+        raise LoadError(f"cannot load {gguf_file.name}: it has no weights for {', '.join(empty[:3])}"
+                        + (f" and {len(empty) - 3} more" if len(empty) > 3 else ""))
+    if device.type != "cpu":
+        model = model.to(device)  # the buffers (rotary tables), made on the CPU
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    return model.eval(), applied
 
 
 def _check_tree_mask(model, name: str, attn: str, folder: str | None, notices: list[str]) -> None:

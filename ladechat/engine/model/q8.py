@@ -4,7 +4,7 @@
 The output layer is the largest product of a small model's step: the embedded model's is
 49152 x 576, 28 M weights, read whole on every step for every row's logits (lookahead reads them
 all). The GGUF stores it (tied to the input embedding) as Q8_0 blocks, w = d * q with an int8
-code q per weight and an fp16 scale d per 32 weights, and the converted model holds it dense: 57
+code q per weight and an fp16 scale d per 32 weights; dense it would be 57
 MB a step in bf16, 113 MB in fp32 (the dtype of CPUs without native bf16, ~9 ms a step at their
 ~12.6 GB/s), plus a packed copy of the tied embedding. At 8 bits it is 30 MB, read once a step
 whatever its rows. torch has no kernel for blocks of 32 with their own scales (its int8 weight
@@ -15,7 +15,7 @@ in integer dot products, as llama.cpp multiplies these blocks: a float kernel sp
 multiply-add per weight and row, ~0.23 ms a row of a step on the 2-core AVX-512 machine. The
 exact integer sums times the scales, in one fixed order: a row gives the same bits alone or among
 a step's rows, on one thread or two, on every path of the kernel. The codes and scales, in the
-kernel's layout, are kept next to the converted model after the first read (the GGUF's metadata
+kernel's layout, are kept in the GGUF's cache folder after the first read (the GGUF's metadata
 takes seconds to read); the model's code is untouched, its output module is replaced. Anything
 it cannot take (no Q8_0 output tensor, a shape the kernel does not fit, no compiler, a CPU
 without AVX2) leaves the layer as it was, with a one-line notice where that is a surprise.
@@ -148,11 +148,11 @@ def output_tensor(reader, config):
 
 
 def read_gguf(gguf_path: Path, model) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The kernel's codes and scales of the output layer of `gguf_path` (a model loaded from its
-    converted copy), None when it is not Q8_0 blocks. Q8Error when they cannot run."""
-    from gguf import GGUFReader, dequantize
+    """The kernel's codes and scales of the output layer of `gguf_path` (`model`: built from the
+    file's config), None when it is not Q8_0 blocks. Q8Error when they cannot run."""
+    from ladechat.engine.model import gguf as gguf_files
 
-    reader = GGUFReader(gguf_path)
+    reader = gguf_files.read(gguf_path)
     tensor = output_tensor(reader, model.config)
     if tensor is None or tensor.tensor_type.name != "Q8_0":
         return None
@@ -165,16 +165,11 @@ def read_gguf(gguf_path: Path, model) -> tuple[torch.Tensor, torch.Tensor, torch
     codes, scales = decode(blocks, rows, cols)
     if not np.isfinite(scales).all():
         raise Q8Error("some of its scales are not finite numbers (a corrupt block)")
-    dense = head.weight.detach()
-    for row in sorted({0, rows // 2, rows - 1}):  # the converted weights must be these blocks
-        expected = torch.from_numpy(dequantize(blocks[row][None], tensor.tensor_type))
-        if not torch.equal(dense[row].float(), expected[0].to(dense.dtype).float()):
-            raise Q8Error(f"its blocks do not match the converted weights (row {row})")
     return kernel_layout(torch.from_numpy(codes), torch.from_numpy(scales))
 
 
 def cache_path(folder: Path) -> Path:
-    """The file of a converted GGUF's Q8_0 output layer in the kernel's layout, named for this
+    """The file of a GGUF's Q8_0 output layer in the kernel's layout (in its cache folder), named for this
     module's code (a change to how blocks are read is read afresh)."""
     from ladechat.engine.model.gguf import source_digest
 
@@ -189,8 +184,8 @@ class Applied:
 
 def apply(model, gguf_path: Path, folder: Path, kernels: Path,
           progress: Callable[[str], AbstractContextManager] | None = None, compiler: str = native.COMPILER) -> Applied:
-    """Replace the output layer of `model` (loaded from `folder`, the converted copy of
-    `gguf_path`) by a Q8Linear of its Q8_0 blocks, the kernel compiled into `kernels` if not yet.
+    """Replace the output layer of `model` (built from `gguf_path`'s config; `folder`: its cache
+    folder) by a Q8Linear of its Q8_0 blocks, the kernel compiled into `kernels` if not yet.
     The first time reads the GGUF and keeps the blocks in `folder`."""
     from safetensors import safe_open
 
