@@ -1,6 +1,7 @@
 import atexit
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -28,6 +29,12 @@ def _test_cache_home() -> Path:
 
 # Set before any test runs: in-process code and every `ladechat` subprocess read it.
 os.environ["XDG_CACHE_HOME"] = str(_test_cache_home())
+# The children the suite sends SIGINT (ask, serve) get it as a command typed at a terminal does. A
+# suite started as a script's background job inherits SIGINT ignored, and so would they (a
+# non-interactive child keeps it so, as such a job should; the chat takes it back itself); a
+# handler here is reset to the default in every child.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 # Every `ladechat ask` and chat of the suite loads its model itself and keeps nothing (a warm server
 # would outlive the test that started it); tests/test_keepalive.py opts in, in folders of its own.
 os.environ["LADECHAT_KEEP_ALIVE"] = "0"
