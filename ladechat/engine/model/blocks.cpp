@@ -1,10 +1,12 @@
 // y = x W^T for W as a GGUF's blocks, the activations quantized to int8 as llama.cpp does for
-// these blocks: ladechat's kernels for a GGUF's 4-bit Linear weights (engine/model/q4.py) and its
-// Q8_0 output layer (engine/model/q8.py). One library, so one compile.
+// these blocks: ladechat's kernels for a GGUF's 4-bit and Q6_K Linear weights (engine/model/q4.py,
+// q6.py) and its Q8_0 output layer (engine/model/q8.py). One library, so one compile.
 //
 //   q4_mm  Q4_0 / Q4_1 / Q4_K: w = scale * q + low, a code q in 0..15 per weight, an fp32 scale
 //          and low per 32 weights along a row
 //   q8_mm  Q8_0: w = scale * q, a code q in -128..127 per weight, an fp32 scale per 32 weights
+//   q6_mm  Q6_K: w = d * sc * (q - 32), a code q in 0..63 per weight, an int8 sc per 16 weights and
+//          an fp32 d per 256 weights along a row (the file's own bits: ~0.83 bytes a weight)
 //
 // Why: torch's int4 kernel widens every code to floats for every 4 rows and multiplies in fp32
 // (its vectorized path takes bf16 activations), and a float kernel for Q8_0 spends a multiply-add
@@ -16,10 +18,13 @@
 //
 //   Q4:  sum_k w_k a_k = da * (scale * sum_k q_k qa_k + low * sum_k qa_k)
 //   Q8:  sum_k w_k a_k = da * scale * sum_k q_k qa_k
+//   Q6:  sum_k w_k a_k = da * d * (sc_0 * (S_0 - 32 A_0) + sc_1 * (S_1 - 32 A_1))
+//        S_h = sum of q_k qa_k and A_h = sum of qa_k over inputs 16 h .. 16 h + 15
 //
 // The integer sums are exact whatever the order, and the float steps around them are the same
 // fixed sequence on every path: t = scale * isum; (Q4: t = fma(low, asum, t);) y = fma(t, da, y),
-// group after group. So a row gives the same bits alone or among a step's rows, on one thread or
+// group after group (Q6: the bracket is an exact int32, |.| < 2^24 so exact as a float too, then
+// t = d * float(bracket); y = fma(t, da, y)). So a row gives the same bits alone or among a step's rows, on one thread or
 // two, and on the VNNI, AVX2 and portable paths alike (tests/test_q4.py, tests/test_q8.py).
 //
 // Layout (q4.layout and q8.kernel_layout make it), one tile per 16 outputs x 32 inputs, and per
@@ -32,6 +37,11 @@
 //   Q8 codes (N / 16, K / 32, 512) int8
 //     tile byte 64 c + 4 j + i    (c 0..7) = q[j][4 c + i]
 //     and sums (N / 16, K / 32, 16) int32: each output's 32 codes added (the VNNI path's offset)
+//   Q6 codes (N / 16, K / 32, 416) uint8
+//     tile bytes 0..255 as Q4's, holding the low 4 bits of each code
+//     tile byte 256 + 64 v + 4 j + i (v 0..1): bits 2 p..2 p + 1 = the top 2 bits of q[j][4 (4 v + p) + i]
+//     tile byte 384 + 16 h + j: sc of output j for inputs 16 h .. 16 h + 15 (int8)
+//     and d (N / 16, K / 256, 16) fp32
 //
 //   so one 64-byte load (for Q4 masked or shifted) holds for 4 consecutive inputs the 4 codes of
 //   each of the 16 outputs in that output's 32-bit lane:
@@ -67,6 +77,8 @@ constexpr int OUT = 16;                      // outputs per tile
 constexpr int GROUP = 32;                    // inputs per scale and low
 constexpr int Q4_TILE = OUT * GROUP / 2;  // bytes: 256
 constexpr int Q8_TILE = OUT * GROUP;      // bytes: 512
+constexpr int Q6_TILE = Q4_TILE + OUT * GROUP / 4 + 2 * OUT;  // bytes: 416
+constexpr int Q6_SUPER = 8;                  // groups per d (256 inputs)
 constexpr int64_t QUANTIZE_GRAIN = 16;       // rows quantized per thread: a step's few rows on one
 constexpr int ROWS_AT_ONCE = 4;              // rows of a tile in registers at once (by_rows)
 constexpr int64_t PREFETCH_BYTES = 4096;     // how far ahead of its reads a kernel asks for the codes
@@ -185,6 +197,7 @@ struct Rows {
   const float* scale;   // (M, K / 32)
   const float* sum;     // (M, K / 32)
   int64_t M, K;
+  const int32_t* halves = nullptr;  // Q6: (M, K / 32, 2) the codes' sums over inputs 0..15 and 16..31
 };
 
 // Asks the caches for the codes, scales and lows (Q4) or sums (Q8) of the group PREFETCH_BYTES of
@@ -204,6 +217,13 @@ inline void prefetch_group(const Tile& w, const void* per_output, int64_t g) {
   for (int line = 0; line < TILE_BYTES; line += 64) _mm_prefetch(at(w.codes, (g + ahead) * TILE_BYTES + line), _MM_HINT_T0);
   _mm_prefetch(at(w.scales, (g + ahead) * group_bytes), _MM_HINT_T0);
   _mm_prefetch(at(per_output, (g + ahead) * group_bytes), _MM_HINT_T0);
+}
+
+// The codes alone PREFETCH_BYTES ahead (Q6: its d, one per 8 groups, is left to the hardware).
+template <int TILE_BYTES>
+inline void prefetch_codes(const Tile& w, int64_t g) {
+  const uintptr_t ahead = reinterpret_cast<uintptr_t>(w.codes) + g * TILE_BYTES + PREFETCH_BYTES;
+  for (int line = 0; line < TILE_BYTES; line += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
 }
 
 // The kernels take R rows of a tile at once (R = ROWS_AT_ONCE, then what is left), each row's 16
@@ -394,6 +414,133 @@ void q8_tile_portable(const Rows& x, const Tile& w, float* acc) {
   }
 }
 
+// Q6: the 6-bit codes from a tile's nibbles and top bits, per 4 inputs c (0..7), as Q4's q[c].
+struct Q6Vnni {
+  template <int R>
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni")))
+  static void rows(const Rows& x, const Tile& w, int64_t m0, float* acc) {
+    const int64_t K = x.K, G = K / GROUP;
+    const int8_t* codes = x.codes + m0 * K;
+    const float* da = x.scale + m0 * G;
+    const int32_t* halves = x.halves + m0 * G * 2;
+    const __m512i nibble = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+    __m512 y[R];
+    for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
+    __m512 d = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      prefetch_codes<Q6_TILE>(w, g);
+      const uint8_t* c = w.codes + g * Q6_TILE;
+      __m512i q[8];
+      for (int p = 0; p < 4; ++p) {
+        const __m512i v = _mm512_loadu_si512(c + 64 * p);
+        q[p] = _mm512_and_si512(v, nibble);
+        q[p + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      }
+      for (int v = 0; v < 2; ++v) {  // bits 2p..2p+1 of each byte to bits 4..5 (16-bit shifts: the mask drops what crosses)
+        const __m512i h = _mm512_loadu_si512(c + Q4_TILE + 64 * v);
+        q[4 * v] = _mm512_or_si512(q[4 * v], _mm512_and_si512(_mm512_slli_epi16(h, 4), top));
+        q[4 * v + 1] = _mm512_or_si512(q[4 * v + 1], _mm512_and_si512(_mm512_slli_epi16(h, 2), top));
+        q[4 * v + 2] = _mm512_or_si512(q[4 * v + 2], _mm512_and_si512(h, top));
+        q[4 * v + 3] = _mm512_or_si512(q[4 * v + 3], _mm512_and_si512(_mm512_srli_epi16(h, 2), top));
+      }
+      const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + Q6_TILE - 32)));
+      const __m512i sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + Q6_TILE - 16)));
+      if (g % Q6_SUPER == 0) d = _mm512_loadu_ps(w.scales + g / Q6_SUPER * OUT);
+      for (int r = 0; r < R; ++r) {
+        const Quad a{codes + r * K + g * GROUP};
+        __m512i s0 = _mm512_setzero_si512(), s1 = s0;
+        for (int k = 0; k < 4; ++k) {
+          s0 = _mm512_dpbusd_epi32(s0, q[k], _mm512_set1_epi32(a[k]));
+          s1 = _mm512_dpbusd_epi32(s1, q[k + 4], _mm512_set1_epi32(a[k + 4]));
+        }
+        s0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(32 * halves[(r * G + g) * 2]));
+        s1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(32 * halves[(r * G + g) * 2 + 1]));
+        const __m512i isum = _mm512_add_epi32(_mm512_mullo_epi32(sc0, s0), _mm512_mullo_epi32(sc1, s1));
+        y[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(isum)), _mm512_set1_ps(da[r * G + g]), y[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + (m0 + r) * OUT, y[r]);
+  }
+};
+
+struct Q6Avx2 {
+  template <int R>
+  __attribute__((target("avx2,fma")))
+  static void rows(const Rows& x, const Tile& w, int64_t m0, float* acc) {
+    const int64_t K = x.K, G = K / GROUP;
+    const int8_t* codes = x.codes + m0 * K;
+    const float* da = x.scale + m0 * G;
+    const int32_t* halves = x.halves + m0 * G * 2;
+    const __m256i nibble = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
+    __m256 y[R][2];
+    for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      prefetch_codes<Q6_TILE>(w, g);
+      const uint8_t* c = w.codes + g * Q6_TILE;
+      for (int h = 0; h < 2; ++h) {
+        __m256i q[8];
+        for (int p = 0; p < 4; ++p) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * p + 32 * h));
+          q[p] = _mm256_and_si256(v, nibble);
+          q[p + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        }
+        for (int v = 0; v < 2; ++v) {
+          const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + Q4_TILE + 64 * v + 32 * h));
+          q[4 * v] = _mm256_or_si256(q[4 * v], _mm256_and_si256(_mm256_slli_epi16(b, 4), top));
+          q[4 * v + 1] = _mm256_or_si256(q[4 * v + 1], _mm256_and_si256(_mm256_slli_epi16(b, 2), top));
+          q[4 * v + 2] = _mm256_or_si256(q[4 * v + 2], _mm256_and_si256(b, top));
+          q[4 * v + 3] = _mm256_or_si256(q[4 * v + 3], _mm256_and_si256(_mm256_srli_epi16(b, 2), top));
+        }
+        const __m256i sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + Q6_TILE - 32 + 8 * h)));
+        const __m256i sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + Q6_TILE - 16 + 8 * h)));
+        const __m256 d = _mm256_loadu_ps(w.scales + g / Q6_SUPER * OUT + 8 * h);
+        for (int r = 0; r < R; ++r) {
+          const Quad a{codes + r * K + g * GROUP};
+          // a 16-bit pair sum is 2 products of at most 63 * 127, and two such added: within 16 bits
+          __m256i p[4];
+          for (int k = 0; k < 4; ++k)
+            p[k] = _mm256_add_epi16(_mm256_maddubs_epi16(q[2 * k], _mm256_set1_epi32(a[2 * k])),
+                                    _mm256_maddubs_epi16(q[2 * k + 1], _mm256_set1_epi32(a[2 * k + 1])));
+          __m256i s0 = _mm256_add_epi32(_mm256_madd_epi16(p[0], ones), _mm256_madd_epi16(p[1], ones));
+          __m256i s1 = _mm256_add_epi32(_mm256_madd_epi16(p[2], ones), _mm256_madd_epi16(p[3], ones));
+          s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(32 * halves[(r * G + g) * 2]));
+          s1 = _mm256_sub_epi32(s1, _mm256_set1_epi32(32 * halves[(r * G + g) * 2 + 1]));
+          const __m256i isum = _mm256_add_epi32(_mm256_mullo_epi32(sc0, s0), _mm256_mullo_epi32(sc1, s1));
+          y[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(isum)), _mm256_set1_ps(da[r * G + g]), y[r][h]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc + (m0 + r) * OUT + 8 * h, y[r][h]);
+  }
+};
+
+void q6_tile_portable(const Rows& x, const Tile& w, float* acc) {
+  const int64_t G = x.K / GROUP;
+  std::fill(acc, acc + x.M * OUT, 0.f);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* c = w.codes + g * Q6_TILE;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(c + Q6_TILE - 32);
+    for (int64_t m = 0; m < x.M; ++m) {
+      const int8_t* a = x.codes + m * x.K + g * GROUP;
+      for (int j = 0; j < OUT; ++j) {
+        int32_t half[2] = {0, 0};
+        for (int k = 0; k < GROUP; ++k) {
+          const int chunk = k / 4, i = k % 4;
+          const uint8_t byte = c[64 * (chunk % 4) + 4 * j + i];
+          const uint8_t bits = c[Q4_TILE + 64 * (chunk / 4) + 4 * j + i];
+          const int q = (chunk < 4 ? byte & 0x0F : byte >> 4) | (((bits >> (2 * (chunk % 4))) & 3) << 4);
+          half[k / 16] += q * a[k];
+        }
+        for (int h = 0; h < 2; ++h) half[h] -= 32 * x.halves[(m * G + g) * 2 + h];
+        const int32_t isum = sc[j] * half[0] + sc[OUT + j] * half[1];
+        const float t = w.scales[g / Q6_SUPER * OUT + j] * static_cast<float>(isum);
+        acc[m * OUT + j] = std::fma(t, x.scale[m * G + g], acc[m * OUT + j]);
+      }
+    }
+  }
+}
+
 // A tile for all M rows: ROWS_AT_ONCE at a time, then the 1-3 left.
 template <typename Kernel>
 void by_rows(const Rows& x, const Tile& w, float* acc) {
@@ -447,7 +594,8 @@ void check_per_tile(const at::Tensor& t, int64_t tiles, int64_t groups, at::Scal
 // The common part of q4_mm and q8_mm: the rows quantized, then tiles of outputs split between
 // threads (each output computed by one thread, in one order), each tile by `kernel`.
 at::Tensor run(const at::Tensor& x, const at::Tensor& codes, int64_t tile_bytes, const at::Tensor& scales,
-               const float* lows, const int32_t* sums, int64_t path, const TileKernel kernels[3]) {
+               const float* lows, const int32_t* sums, int64_t path, const TileKernel kernels[3],
+               int64_t groups_per_scale = 1) {
   TORCH_CHECK(path == PORTABLE || (path == AVX2 && has_avx2()) || (path == VNNI && has_vnni()),
               "blocks: this CPU lacks the instructions of the path asked for");
   const int64_t M = x.size(0), K = x.size(1), G = K / GROUP, NB = codes.size(0), N = NB * OUT;
@@ -457,7 +605,16 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& codes, int64_t tile_bytes,
   std::vector<float> da(M * G), sa(M * G);
   if (x.scalar_type() == at::kFloat) quantize_rows(x.data_ptr<float>(), M, K, path, qa.data(), da.data(), sa.data());
   else quantize_rows(x.data_ptr<c10::BFloat16>(), M, K, path, qa.data(), da.data(), sa.data());
-  const Rows rows{qa.data(), da.data(), sa.data(), M, K};
+  std::vector<int32_t> halves;
+  if (tile_bytes == Q6_TILE) {  // each group's two halves' code sums
+    halves.resize(M * G * 2);
+    for (int64_t i = 0; i < M * G * 2; ++i) {
+      int32_t total = 0;
+      for (int k = 0; k < GROUP / 2; ++k) total += qa[i * (GROUP / 2) + k];
+      halves[i] = total;
+    }
+  }
+  const Rows rows{qa.data(), da.data(), sa.data(), M, K, halves.data()};
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
   const float* sp = scales.data_ptr<float>();
   const TileKernel kernel = kernels[path];
@@ -465,7 +622,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& codes, int64_t tile_bytes,
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> acc(M * OUT);
     for (int64_t b = b0; b < b1; ++b) {
-      const Tile tile{cp + b * G * tile_bytes, sp + b * G * OUT, lows ? lows + b * G * OUT : nullptr,
+      const Tile tile{cp + b * G * tile_bytes, sp + b * (G / groups_per_scale) * OUT, lows ? lows + b * G * OUT : nullptr,
                       sums ? sums + b * G * OUT : nullptr};
       kernel(rows, tile, acc.data());
       if (bf16) {
@@ -511,10 +668,25 @@ at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
   return run(x, codes, Q8_TILE, scales, nullptr, sums.data_ptr<int32_t>(), path, kernels);
 }
 
+// d: (out / 16, in / 256, 16) fp32; the inputs a multiple of 256.
+at::Tensor q6_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, int64_t path) {
+  check_rows(x, "q6_mm");
+  TORCH_CHECK(x.size(1) % (GROUP * Q6_SUPER) == 0, "q6_mm: the inputs must be a multiple of 256");
+  const int64_t G = x.size(1) / GROUP;
+  TORCH_CHECK(codes.dim() == 3 && codes.size(1) == G && codes.size(2) == Q6_TILE
+              && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.device().is_cpu(),
+              "q6_mm: codes must be (out / 16, in / 32, 416) uint8, contiguous, on the CPU");
+  check_per_tile(d, codes.size(0), G / Q6_SUPER, at::kFloat,
+                 "q6_mm: d must be (out / 16, in / 256, 16) fp32, contiguous, on the CPU");
+  static const TileKernel kernels[3] = {q6_tile_portable, by_rows<Q6Avx2>, by_rows<Q6Vnni>};
+  return run(x, codes, Q6_TILE, d, nullptr, nullptr, path, kernels, Q6_SUPER);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(ladechat_blocks, m) {
   m.def("q4_mm(Tensor x, Tensor codes, Tensor scales, Tensor lows, int path) -> Tensor", &q4_mm);
   m.def("q8_mm(Tensor x, Tensor codes, Tensor scales, Tensor sums, int path) -> Tensor", &q8_mm);
+  m.def("q6_mm(Tensor x, Tensor codes, Tensor d, int path) -> Tensor", &q6_mm);
   m.def("best_path() -> int", &best_path);
 }

@@ -15,10 +15,12 @@ same blocks are torch's int4 packed format with groups of 32 ("tinygemm": w = (q
 zero, zero = low + 8 scale), packed once at load (`_convert_weight_to_int4pack_for_cpu`) and
 multiplied by `_weight_int4pack_mm_for_cpu`, whose scales and zeros are bf16 and whose vectorized
 path takes bf16 activations, so `Int4Linear` casts a step's activations to bf16 at the product.
-Everything else (norms, attention, the residual stream) stays in the model's dtype, and tensors of
-other types (the embedded model's Q8_0 embedding; Q5/Q6/Q8/F16 tensors) keep the path they had:
-dense, packed for oneDNN where that applies; a Q8_0 output layer runs its blocks on ladechat's
-own kernel (q8.py).
+Q6_K Linear weights (and an output layer tied to a Q6_K embedding) are read here too and run at
+their own 6 bits on ladechat's kernel (q6.py; torch has none for them: without ladechat's they are
+dense). Everything else (norms, attention, the residual stream) stays in the model's dtype, and
+tensors of other types (the embedded model's Q8_0 embedding; Q5/Q8/F16 tensors) keep the path they
+had: dense, packed for oneDNN where that applies; a Q8_0 output layer runs its blocks on
+ladechat's own kernel (q8.py).
 
 Both kernels compute each row on its own, in the same order whatever the step's size. SDPA's rows
 depend in fp32's last bits on how many rows and masked keys a step has, and the rounding of the
@@ -48,10 +50,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ladechat.engine.model import attention, native, q4
+from ladechat.engine.model import attention, native, q4, q6
 
 GROUP = 32  # weights per scale and low
 KINDS = ("Q4_0", "Q4_1", "Q4_K")  # GGUF block types with an exact int4 form
+BLOCK_KINDS = (*KINDS, "Q6_K")  # those ladechat's kernels run at their own bits (Q6_K: q6.py)
 CACHE_PREFIX = "int4-"
 KERNEL = "_weight_int4pack_mm_for_cpu"
 
@@ -211,7 +214,7 @@ def cache_path(folder: Path) -> Path:
     reads and lays them out (a change to either is read afresh)."""
     from ladechat.engine.model.gguf import source_digest
 
-    return Path(folder) / f"{CACHE_PREFIX}{source_digest(__file__, q4.__file__)}.safetensors"
+    return Path(folder) / f"{CACHE_PREFIX}{source_digest(__file__, q4.__file__, q6.__file__)}.safetensors"
 
 
 def row_order(processor, name: str, rows: int, cols: int = 2) -> np.ndarray | None:
@@ -232,13 +235,14 @@ def row_order(processor, name: str, rows: int, cols: int = 2) -> np.ndarray | No
 
 
 def read_gguf(gguf_path: Path, model) -> tuple[dict[str, torch.Tensor], list[str], dict[str, str]]:
-    """The 4-bit form of every 4-bit tensor of `gguf_path` that is a plain Linear weight of `model`
-    (built from the file's config, its weights empty or not): ({module.tiles|scales|lows:
-    q4.layout's buffers}, notices, {module: block type}). A tensor that cannot run as int4 keeps
-    its dense weight, with a notice when that is a surprise (a corrupt block, rows transformed on
-    loading), none for the types that have no int4 form."""
-    from ladechat.engine.model import gguf as gguf_files
+    """The kernels' form of every Q4_0/Q4_1/Q4_K/Q6_K tensor of `gguf_path` that is a plain Linear
+    weight of `model` (built from the file's config, its weights empty or not): ({module.buffer:
+    q4.layout's tiles/scales/lows, or q6.layout's tiles/d}, notices, {module: block type}). A tensor
+    that cannot run so keeps its dense weight, with a notice when that is a surprise (a corrupt
+    block, rows transformed on loading), none for the types that have no kernel."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    from ladechat.engine.model import gguf as gguf_files
 
     reader = gguf_files.read(gguf_path)
     arch = str(reader.fields["general.architecture"].contents())
@@ -247,10 +251,18 @@ def read_gguf(gguf_path: Path, model) -> tuple[dict[str, torch.Tensor], list[str
     arrays: dict[str, torch.Tensor] = {}
     kinds: dict[str, str] = {}
     notices: list[str] = []
-    for tensor in reader.tensors:
+    head = model.get_output_embeddings()
+    by_name = {tensor.name: tensor for tensor in reader.tensors}
+    if "output.weight" not in by_name and "token_embd.weight" in by_name \
+            and getattr(model.config, "tie_word_embeddings", False) and type(head) is torch.nn.Linear:
+        # the output layer is the input embedding's blocks (q8.py takes a Q8_0 one)
+        names = {**names, "output.weight": next(key for key, module in model.named_modules() if module is head)
+                 + ".weight"}
+        by_name["output.weight"] = by_name["token_embd.weight"]
+    for name, tensor in by_name.items():
         kind = tensor.tensor_type.name
-        target = names.get(tensor.name, "")
-        if kind not in KINDS or not target.endswith(".weight"):
+        target = names.get(name, "")
+        if kind not in BLOCK_KINDS or not target.endswith(".weight"):
             continue
         module_name = target.removesuffix(".weight")
         try:
@@ -261,21 +273,36 @@ def read_gguf(gguf_path: Path, model) -> tuple[dict[str, torch.Tensor], list[str
             continue
         rows, cols = linear.out_features, linear.in_features
         try:
-            check_shape(rows, cols)
-            q, scale, low = decode(kind, np.asarray(tensor.data), rows, cols)
-            if not (np.isfinite(scale).all() and np.isfinite(low).all()):
-                raise Int4Error("some of its scales are not finite numbers (a corrupt block)")
-            order = row_order(processor, tensor.name, rows)
-            if order is None:
-                raise Int4Error("its rows are transformed on loading, not only reordered")
-            q, scale, low = q[order], scale[order], low[order]
-        except Int4Error as exc:
-            notices.append(f"{tensor.name} ({kind}) runs dense: {exc}")
+            buffers = _kernel_form(kind, np.asarray(tensor.data), rows, cols,
+                                   lambda: row_order(processor, tensor.name, rows))  # noqa: B023 (called at once)
+        except (Int4Error, q6.Q6Error) as exc:
+            notices.append(f"{name} ({kind}) runs dense: {exc}")
             continue
-        tiles, scales, lows = q4.layout(torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(low))
-        arrays.update({f"{module_name}.tiles": tiles, f"{module_name}.scales": scales, f"{module_name}.lows": lows})
+        arrays.update({f"{module_name}.{buffer}": value for buffer, value in buffers.items()})
         kinds[module_name] = kind
     return arrays, notices, kinds
+
+
+def _kernel_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of) -> dict[str, torch.Tensor]:
+    """A tensor's blocks in its kernel's layout, its rows in the model's order (order_of(): the GGUF
+    row of each, or None when loading does more than reorder them)."""
+    if kind == "Q6_K":
+        q6.check_shape(rows, cols)
+        parts = q6.decode(data, rows, cols)
+        finite = np.isfinite(parts[2]).all()
+    else:
+        check_shape(rows, cols)
+        parts = decode(kind, data, rows, cols)
+        finite = np.isfinite(parts[1]).all() and np.isfinite(parts[2]).all()
+    if not finite:
+        raise Int4Error("some of its scales are not finite numbers (a corrupt block)")
+    order = order_of()
+    if order is None:
+        raise Int4Error("its rows are transformed on loading, not only reordered")
+    parts = [torch.from_numpy(np.ascontiguousarray(part[order])) for part in parts]
+    if kind == "Q6_K":
+        return dict(zip(q6.BUFFERS, q6.layout(*parts), strict=True))
+    return dict(zip(q4.BUFFERS, q4.layout(*parts), strict=True))
 
 
 @dataclass(frozen=True)
@@ -343,6 +370,14 @@ def _replace(model, read: q4.KeptReader, kinds: dict[str, str], notices: list[st
             linear = model.get_submodule(name)
             if type(linear) is not torch.nn.Linear:
                 continue
+            if kind == "Q6_K":
+                if path is None:  # torch has no kernel for these blocks: the tensor is read dense
+                    continue
+                module = q6.Q6Linear(read(name, "tiles"), read(name, "d"), linear.bias, path)
+                if (module.out_features, module.in_features) == (linear.out_features, linear.in_features):
+                    model.set_submodule(name, module)
+                    count += 1
+                continue
             tiles, scales, lows = (read(name, buffer) for buffer in q4.BUFFERS)
             if path is not None:
                 module = q4.Q4Linear(tiles, scales, lows, linear.bias, kind, path)
@@ -353,7 +388,9 @@ def _replace(model, read: q4.KeptReader, kinds: dict[str, str], notices: list[st
                 continue
             model.set_submodule(name, module)
             count += 1
-    return Applied(count, tuple(sorted(set(kinds.values()))), tuple(notices + (kernel_notices if count else [])))
+    return Applied(count, tuple(sorted({kind for name, kind in kinds.items()
+                                        if type(model.get_submodule(name)) is not torch.nn.Linear})),
+                   tuple(notices + (kernel_notices if count else [])))
 
 
 # -- what runs -----------------------------------------------------------------------------------
@@ -366,12 +403,14 @@ def weight_layout(model) -> str:
     from ladechat.engine.model.packing import PackedLinear
     from ladechat.engine.model.q8 import Q8Linear
 
-    counts = {"q4": 0, "int4": 0, "q8_0": 0, "packed": 0, "dense": 0, "norm": 0}
+    counts = {"q4": 0, "q6_k": 0, "int4": 0, "q8_0": 0, "packed": 0, "dense": 0, "norm": 0}
     for module in model.modules():
         if type(module) is NativeRMSNorm:
             counts["norm"] += 1
         elif type(module) is q4.Q4Linear:
             counts["q4"] += 1
+        elif type(module) is q6.Q6Linear:
+            counts["q6_k"] += 1
         elif type(module) is Int4Linear:
             counts["int4"] += 1
         elif type(module) is Q8Linear:
@@ -391,6 +430,7 @@ def describe(model) -> str:
     from ladechat.engine.model.q8 import Q8Linear
 
     ours = [m for m in model.modules() if type(m) is q4.Q4Linear]
+    six = [m for m in model.modules() if type(m) is q6.Q6Linear]
     int4 = [m for m in model.modules() if type(m) is Int4Linear]
     q8_0 = [m for m in model.modules() if type(m) is Q8Linear]
     packed = [m for m in model.modules() if type(m) is PackedLinear]
@@ -400,6 +440,9 @@ def describe(model) -> str:
         kinds = "/".join(sorted({m.kind for m in ours}))
         paths = "/".join(sorted({q4.PATHS[m.path] for m in ours}))
         parts.append(f"{len(ours)} Linear from {kinds} blocks (ladechat's {paths} kernel, int8 activations)")
+    if six:
+        paths = "/".join(sorted({q4.PATHS[m.path] for m in six}))
+        parts.append(f"{len(six)} Linear from Q6_K blocks (ladechat's {paths} kernel, int8 activations)")
     if int4:
         kinds = "/".join(sorted({m.kind for m in int4}))
         parts.append(f"{len(int4)} Linear int4 from {kinds} blocks (torch {KERNEL}, bf16 activations)")

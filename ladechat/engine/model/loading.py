@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ladechat.engine.model import gguf, int4, native, norms, packing, q4, q8, step_ops
+from ladechat.engine.model import gguf, int4, native, norms, packing, q4, q6, q8, step_ops
 from ladechat.engine.model.attention import use_grouped_sdpa
 from ladechat.engine.model.gguf import ModelNotFound
 from ladechat.engine.threads import CpuThreads
@@ -586,7 +586,7 @@ def mask_probe(model) -> bool:
         leak = model(input_ids=torch.tensor([[a, b, c]], device=device)).logits[0, 2].float()
     # 4-bit Linear modules round their activations (to int8 codes, or bf16 on torch's kernel): their
     # rows are as close as bf16's
-    rounded_products = any(type(m) in (int4.Int4Linear, q4.Q4Linear) for m in model.modules())
+    rounded_products = any(type(m) in (int4.Int4Linear, q4.Q4Linear, q6.Q6Linear) for m in model.modules())
     tol = 1e-3 if dtype == torch.float32 and not rounded_products else 5e-2
     close = torch.allclose(tree, plain, atol=tol * max(1.0, float(plain.abs().max())), rtol=0)
     return close and not torch.allclose(tree, leak, atol=1e-6, rtol=0)

@@ -1,0 +1,229 @@
+"""Q6_K weights at their own bits (engine/model/q6.py, blocks.cpp): the blocks read as gguf
+dequantizes them, the kernel's products against fp64 of the same int8 activation codes, the same
+bits for a row whatever the step's size, thread count or instruction set, and a GGUF laid out as
+llama-quantize's Q4_K_M files are (4-bit with Q6_K ffn_down and a tied Q6_K output layer) loaded
+onto the kernels, its lookahead answers plain decoding's."""
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ladechat.engine.config import LookaheadConfig, SamplingConfig
+from ladechat.engine.decode import Session, generate
+from ladechat.engine.model import int4, native, q4, q6
+from ladechat.engine.model.loading import LoadSpec, load
+from ladechat.paths import cache_root
+
+gguf = pytest.importorskip("gguf")
+T = gguf.GGMLQuantizationType
+
+pytestmark = pytest.mark.skipif(not int4.supported(torch.device("cpu")),
+                                reason="the Q6_K kernel is built with x86-64 vector instructions")
+
+HAS_COMPILER = shutil.which(native.COMPILER) is not None
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if not HAS_COMPILER:
+        pytest.skip(f"no C++ compiler ({native.COMPILER}) to build the kernel here")
+    assert q4.load(cache_root() / "kernels") is None
+
+
+def paths() -> list[int]:
+    return list(range(q4.best_path() + 1))
+
+
+def random_blocks(rows: int, cols: int, seed: int = 0, size: float = 1e-3) -> np.ndarray:
+    """Q6_K blocks (rows, bytes) with every code and scale random and a finite fp16 d below `size`."""
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, (rows, cols // 256, q6.BLOCK_BYTES), dtype=np.uint8)
+    d = (rng.random((rows, cols // 256, 1)) * size).astype(np.float16)
+    data[..., 208:210] = d.view(np.uint8)
+    return data.reshape(rows, -1)
+
+
+def random_layer(rows: int, cols: int, seed: int = 0):
+    return [torch.from_numpy(part) for part in q6.decode(random_blocks(rows, cols, seed), rows, cols)]
+
+
+def test_decode_reads_q6_k_blocks_as_gguf_dequantizes_them():
+    blocks = random_blocks(32, 512)
+    codes, sc, d = q6.decode(blocks, 32, 512)
+    assert codes.dtype == np.uint8 and codes.max() == 63 and codes.min() == 0 and sc.dtype == np.int8
+    weights = np.repeat(d, 256, axis=1).astype(np.float64) * np.repeat(sc, 16, axis=1) * (codes.astype(np.float64) - 32)
+    assert np.array_equal(weights, gguf.dequantize(blocks, T.Q6_K))
+    with pytest.raises(q6.Q6Error, match="do not make 32x768 weights"):
+        q6.decode(blocks, 32, 768)
+    with pytest.raises(q6.Q6Error, match="does not fit the Q6_K kernel"):
+        q6.check_shape(32, 96)
+
+
+def test_the_layout_keeps_every_code_and_scale_where_blocks_cpp_reads_them(kernel):
+    codes, sc, d = random_layer(32, 512, seed=1)
+    tiles, per_tile = q6.layout(codes, sc, d)
+    assert tiles.shape == (2, 16, 416) and per_tile.shape == (2, 2, 16)
+    back_codes, back_sc = q6.parts_of(tiles)
+    assert torch.equal(back_codes, codes) and torch.equal(back_sc, sc)
+    # output j = 7 of tile 1, group 3, input 4 c + i with c = 6, i = 2: nibble byte 64 (c - 4) + 4 j + i
+    # (high nibble), top bits in byte 256 + 64 + 4 j + i at bits 2 (c - 4); sc of the second half at 400 + j
+    code = int(codes[16 + 7, 3 * 32 + 4 * 6 + 2])
+    assert int(tiles[1, 3, 64 * 2 + 4 * 7 + 2]) >> 4 == code & 0x0F
+    assert (int(tiles[1, 3, 256 + 64 + 4 * 7 + 2]) >> 4) & 3 == code >> 4
+    assert int(tiles[1, 3, 400 + 7]) == int(sc[16 + 7, 3 * 2 + 1]) & 0xFF
+    assert per_tile[1, 1, 7] == d[16 + 7, 1]
+
+
+def test_products_are_the_int8_rows_times_the_exact_weights(kernel):
+    from test_q4 import quantized
+
+    rows, cols = 48, 512
+    codes, sc, d = random_layer(rows, cols, seed=2)
+    x = torch.randn(5, cols) * torch.tensor([1.0, 0.01, 30.0, 1e-6, 1.0])[:, None]  # rows of any scale
+    qa, da, _ = quantized(x)
+    groups = cols // 32
+    q = codes.double().numpy().reshape(rows, groups, 2, 16) - 32
+    s = np.einsum("nghk,mghk->mngh", q, qa.reshape(5, groups, 2, 16))  # exact integer sums per half
+    bracket = (s * sc.double().numpy().reshape(rows, groups, 2)[None]).sum(-1)
+    terms = da[:, None, :] * np.repeat(d.double().numpy(), 8, axis=1)[None] * bracket
+    reference = terms.sum(-1)
+    bound = np.abs(terms).sum(-1) * 2**-24 * (2 * groups + 1)  # a product and an fma a group
+    weight = (np.repeat(d.double().numpy(), 256, axis=1) * np.repeat(sc.double().numpy(), 16, axis=1)
+              * (codes.double().numpy() - 32))
+    results = []
+    for path in paths():
+        layer = q6.Q6Linear(*q6.layout(codes, sc, d), path=path)
+        assert np.array_equal(layer.dense_weight().double().numpy(), weight)  # the weights, exactly
+        y = layer(x)
+        assert y.dtype == torch.float32 and y.shape == (5, rows)
+        assert (np.abs(y.double().numpy() - reference) <= bound).all(), path
+        results.append(y)
+        assert torch.equal(layer(x.bfloat16()), layer(x.bfloat16().float()).bfloat16())
+        assert torch.equal(layer(x[None]), y[None]) and torch.equal(layer.product()(x), y)
+    assert all(torch.equal(y, results[0]) for y in results)  # VNNI, AVX2 and portable give the same bits
+
+
+def test_every_row_count_gives_each_row_its_own_bits(kernel):
+    from test_q4 import assert_each_row_its_own
+
+    tiles = q6.layout(*random_layer(48, 256, seed=5))
+    assert_each_row_its_own(lambda path: q6.Q6Linear(*tiles, path=path),
+                            torch.randn(11, 256, generator=torch.Generator().manual_seed(5)))
+
+
+def test_a_row_is_the_same_alone_among_many_and_on_any_thread_count(kernel):
+    layer = q6.Q6Linear(*q6.layout(*random_layer(1536, 512, seed=1)))
+    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(1))
+    together = layer(x)
+    assert all(torch.equal(layer(x[i:i + 1]), together[i:i + 1]) for i in range(40))
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            assert torch.equal(layer(x), together)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_module_keeps_its_bias_refuses_moves_and_bad_buffers(kernel):
+    tiles, d = q6.layout(*random_layer(32, 256, seed=3))
+    bias = torch.randn(32)
+    layer = q6.Q6Linear(tiles, d, bias)
+    x = torch.randn(3, 256)
+    assert torch.equal(layer(x), q6.Q6Linear(tiles, d)(x) + bias)
+    assert torch.equal(layer.state_dict()["weight"], layer.weight) and torch.equal(layer.state_dict()["bias"], bias)
+    with pytest.raises(TypeError, match="Q6_K weights stay on the CPU"):
+        layer.to(torch.float16)
+    with pytest.raises(q6.Q6Error, match="do not make one weight"):
+        q6.Q6Linear(tiles, d[:, :0])
+    with pytest.raises(RuntimeError, match="q6_mm: d must be"):
+        torch.ops.ladechat_blocks.q6_mm(x, tiles, d[:1].contiguous(), 0)
+
+
+# -- a GGUF laid out as llama-quantize's Q4_K_M files are -----------------------------------------
+
+HIDDEN, FFN, VOCAB, LAYERS = 256, 512, 96, 2
+
+
+def q4_0_blocks(rows: int, cols: int, seed: int) -> np.ndarray:
+    from test_int4 import blocks_of
+
+    return blocks_of("Q4_0", rows, cols, seed)  # quantized from Gaussian weights (random Q4_K codes would
+    # make a model whose int8 roundings grow layer by layer: tests/test_int4.py reads those)
+
+
+def write_q4_k_m_gguf(path: Path) -> Path:
+    """A 2-layer Llama: Q4_0 q/k/v/o/gate/up, Q6_K ffn_down and attn_v in layer 0 (as
+    llama-quantize gives some layers more bits), and no output.weight: the output layer is the
+    Q6_K input embedding (tied)."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(512)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_block_count(LAYERS)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(VOCAB)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(VOCAB - 3)])
+    writer.add_token_scores([0.0] * VOCAB)
+    writer.add_token_types([1] * VOCAB)
+    # weights of ~0.05, as a model's: d sc (q - 32) with |sc| < 128, |q - 32| <= 32
+    writer.add_tensor("token_embd.weight", random_blocks(VOCAB, HIDDEN, seed=9, size=2e-5), raw_dtype=T.Q6_K)
+    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
+    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (HIDDEN // 2, HIDDEN), "attn_v": (HIDDEN // 2, HIDDEN),
+              "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN),
+              "ffn_down": (HIDDEN, FFN)}
+    for layer in range(LAYERS):
+        writer.add_tensor(f"blk.{layer}.attn_norm.weight", np.ones(HIDDEN, np.float32))
+        writer.add_tensor(f"blk.{layer}.ffn_norm.weight", np.ones(HIDDEN, np.float32))
+        for name, (rows, cols) in shapes.items():
+            six = name == "ffn_down" or (name == "attn_v" and layer == 0)
+            seed = layer * 10 + len(name)
+            writer.add_tensor(f"blk.{layer}.{name}.weight",
+                              random_blocks(rows, cols, seed, 2e-5) if six else q4_0_blocks(rows, cols, seed),
+                              raw_dtype=T.Q6_K if six else T.Q4_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_q4_k_m_like_layout_runs_every_tensor_at_its_own_bits_and_lookahead_answers_as_plain(kernel, tmp_path):
+    from test_int4 import INT8_ERROR, dense_from_gguf, relative_error
+
+    path = write_q4_k_m_gguf(tmp_path / "tiny.gguf")
+    dense = dense_from_gguf(path)  # transformers' own GGUF load: every tensor dequantized
+    lm = load(LoadSpec(model=str(path), dtype="float32", device="cpu"))
+    model = lm.model
+    assert int4.weight_layout(model).startswith(f"q4:{6 * LAYERS - 1},q6_k:{LAYERS + 2},")
+    assert type(model.lm_head) is q6.Q6Linear and "Linear from Q6_K blocks" in lm.weights
+    assert torch.equal(model.lm_head.dense_weight(), dense.lm_head.weight)  # the tied embedding's blocks
+    torch.manual_seed(0)
+    for name, module in model.named_modules():
+        if type(module) is q6.Q6Linear:
+            reference = dense.get_submodule(name).weight.detach()
+            assert torch.equal(module.dense_weight(), reference), name
+            assert relative_error(module, reference, torch.randn(5, module.in_features)) < INT8_ERROR, name
+    ids = torch.randint(3, VOCAB, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = model(ids).logits, dense(ids).logits
+    assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()
+    again = load(LoadSpec(model=str(path), dtype="float32", device="cpu"))  # from the kept blocks
+    with torch.no_grad():
+        assert torch.equal(again.model(ids).logits, ours)
+    # lookahead's steps of many rows give plain decoding's tokens on these kernels
+    prompt = ids[0].tolist()
+    answers = {}
+    for name, la in (("plain", LookaheadConfig(enabled=False, store=False)),
+                     ("lookahead", LookaheadConfig(window=5, ngram=4, candidates=5, store=False))):
+        done = list(generate(Session(model, la), prompt, SamplingConfig(max_new_tokens=48), ()))[-1]
+        answers[name] = (list(done.text_tokens), done.stats)
+    assert answers["lookahead"][0] == answers["plain"][0] and len(answers["plain"][0]) == 48
+    assert sum(n for k, n in answers["lookahead"][1].accepted_histogram.items() if k >= 2) > 0
