@@ -155,10 +155,10 @@ def q4_0_blocks(rows: int, cols: int, seed: int) -> np.ndarray:
     # make a model whose int8 roundings grow layer by layer: tests/test_int4.py reads those)
 
 
-def write_q4_k_m_gguf(path: Path) -> Path:
-    """A 2-layer Llama: Q4_0 q/k/v/o/gate/up, Q6_K ffn_down and attn_v in layer 0 (as
-    llama-quantize gives some layers more bits), and no output.weight: the output layer is the
-    Q6_K input embedding (tied)."""
+def write_q4_k_m_gguf(path: Path, more_bits: str = "Q6_K") -> Path:
+    """A 2-layer Llama: Q4_0 q/k/v/o/gate/up, `more_bits` (Q6_K, or Q8_0) ffn_down and attn_v in
+    layer 0 (as llama-quantize gives some layers more bits), and no output.weight: the output layer
+    is the Q6_K input embedding (tied)."""
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_context_length(512)
     writer.add_embedding_length(HIDDEN)
@@ -185,9 +185,14 @@ def write_q4_k_m_gguf(path: Path) -> Path:
         for name, (rows, cols) in shapes.items():
             six = name == "ffn_down" or (name == "attn_v" and layer == 0)
             seed = layer * 10 + len(name)
-            writer.add_tensor(f"blk.{layer}.{name}.weight",
-                              random_blocks(rows, cols, seed, 2e-5) if six else q4_0_blocks(rows, cols, seed),
-                              raw_dtype=T.Q6_K if six else T.Q4_0)
+            if not six:
+                blocks, kind = q4_0_blocks(rows, cols, seed), T.Q4_0
+            elif more_bits == "Q6_K":
+                blocks, kind = random_blocks(rows, cols, seed, 2e-5), T.Q6_K
+            else:
+                gaussian = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.05
+                blocks, kind = gguf.quantize(gaussian, T[more_bits]), T[more_bits]
+            writer.add_tensor(f"blk.{layer}.{name}.weight", blocks, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

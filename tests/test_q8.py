@@ -246,3 +246,29 @@ def test_a_load_waits_for_the_prebuild_instead_of_compiling_again(tmp_path):
     assert log.read_text().splitlines() == ["built"]
     assert list(built.glob("*.so")) == [path]
     assert getattr(torch.ops, namespace).twice(21) == 42
+
+
+def test_q8_0_linear_weights_run_on_the_kernel_with_their_bias(kernel, tmp_path):
+    """A GGUF's Q8_0 Linear weights (what llama-quantize gives a Q8_0 file, and a K-quant file's
+    tensors whose rows do not split into 256) run on the kernel too: exactly the weights
+    transformers dequantizes, each product within int8 rounding, the step's rows each their own."""
+    from test_int4 import INT8_ERROR, dense_from_gguf, relative_error
+    from test_q4 import assert_each_row_its_own
+    from test_q6 import LAYERS, write_q4_k_m_gguf
+
+    path = write_q4_k_m_gguf(tmp_path / "q8.gguf", more_bits="Q8_0")
+    dense = dense_from_gguf(path)
+    lm = load(LoadSpec(model=str(path), dtype="float32", device="cpu"))
+    linears = {name: m for name, m in lm.model.named_modules() if type(m) is q8.Q8Linear}
+    assert len(linears) == LAYERS + 1 and "lm_head" not in linears  # ffn_down of each layer, attn_v of layer 0
+    assert f"{LAYERS + 1} Linear from Q8_0 blocks (ladechat's" in lm.weights
+    for name, module in linears.items():
+        reference = dense.get_submodule(name).weight.detach()
+        assert torch.equal(module.dense_weight(), reference), name
+        assert relative_error(module, reference, torch.randn(5, module.in_features)) < INT8_ERROR, name
+    tiles = next(iter(linears.values()))
+    bias = torch.randn(tiles.out_features)
+    with_bias = q8.Q8Linear(tiles.tiles, tiles.scales, tiles.sums, bias=bias)
+    x = torch.randn(7, tiles.in_features)
+    assert torch.equal(with_bias(x), tiles(x) + bias) and torch.equal(with_bias.product()(x), with_bias(x))
+    assert_each_row_its_own(lambda p: q8.Q8Linear(tiles.tiles, tiles.scales, tiles.sums, p, bias), x)

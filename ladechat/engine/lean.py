@@ -36,7 +36,7 @@ import torch
 
 from ladechat.engine import kv
 from ladechat.engine.layout import StepLayout, step_inputs
-from ladechat.engine.model import attention, int4, norms, q4, q6, step_ops
+from ladechat.engine.model import attention, int4, norms, q4, q6, q8, step_ops
 
 FAMILIES = frozenset({"llama", "mistral", "qwen2"})
 TABLE_MIN = 1024  # positions of the first cos/sin table; it grows by half when a step passes it
@@ -85,7 +85,7 @@ def _product(module: torch.nn.Module, dtype: torch.dtype):
     """x (rows, in) -> x W^T (+ b) of one Linear module in a model of `dtype`: a 4-bit module's
     kernel called directly (its forward's reshapes, and in a bf16 model its casts, do nothing to a
     step's rows, each contiguous), any other module's own forward."""
-    if type(module) in (q4.Q4Linear, q6.Q6Linear) and dtype in (torch.float32, torch.bfloat16):
+    if type(module) in (q4.Q4Linear, q6.Q6Linear, q8.Q8Linear) and dtype in (torch.float32, torch.bfloat16):
         return module.product()
     if type(module) is not int4.Int4Linear:
         return module.forward

@@ -86,8 +86,7 @@ def keep_beside(path: Path, arrays: dict, metadata: dict[str, str], earlier: str
     import os
     import tempfile
 
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
+    from ladechat.engine.model import kept
 
     partial = None
     try:
@@ -96,10 +95,10 @@ def keep_beside(path: Path, arrays: dict, metadata: dict[str, str], earlier: str
         handle, name = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".partial")
         os.close(handle)
         partial = Path(name)
-        save_file(arrays, str(partial), metadata=metadata)
+        kept.write(partial, arrays, metadata)
         partial.rename(path)
         return True
-    except (OSError, SafetensorError):
+    except OSError:
         if partial is not None:
             partial.unlink(missing_ok=True)
         return False
@@ -243,10 +242,16 @@ def read_tensors(model, gguf: Path, index: dict, dtype, device, wanted: set[str]
         for name, where in index["tensors"].items():
             if name not in wanted:
                 continue
+            kind = GGMLQuantizationType(where["type"])
             try:
                 blocks = np.memmap(gguf, dtype=np.dtype(where["dtype"]), mode="r", offset=where["offset"],
                                    shape=tuple(where["shape"]))
-                weights = dequantize(blocks, GGMLQuantizationType(where["type"]))
+                if blocks.ndim == 2 and blocks.shape[0] > 1 and _rows_kept(processor, where["name"], blocks.shape[0]):
+                    # a large tensor's float32 form and gguf's temporaries are several times its
+                    # dtype's: a slice of rows at a time into the tensor the model keeps
+                    state[name] = _dequantized_by_rows(blocks, kind, dtype, device)
+                    continue
+                weights = dequantize(blocks, kind)
             except (ValueError, OSError) as exc:  # a file cut short since it was indexed
                 raise BadGGUF(f"cannot read {gguf}: {' '.join(str(exc).split())}") from None
             result = processor.process(weights=weights, name=where["name"], tensor_key_mapping=mapping,
@@ -260,3 +265,32 @@ def read_tensors(model, gguf: Path, index: dict, dtype, device, wanted: set[str]
     for name, tensor in parsed["tensors"].items():
         state.setdefault(name, tensor.to(device=device, dtype=dtype))
     return state
+
+
+DEQUANTIZED_AT_ONCE = 1 << 22  # weights (16 MB in float32) per slice of a large tensor
+
+
+def _rows_kept(processor, name: str, rows: int) -> bool:
+    """Whether transformers' tensor processor hands this tensor on as it is (no reordered rows, no
+    other form), so that it can be read a slice at a time."""
+    import numpy as np
+
+    from ladechat.engine.model.int4 import row_order
+
+    order = row_order(processor, name, rows)
+    return order is not None and bool(np.array_equal(order, np.arange(rows)))
+
+
+def _dequantized_by_rows(blocks, kind, dtype, device):
+    """A 2-D tensor's blocks (rows, bytes a row) -> its weights in `dtype` on `device`, dequantized
+    a slice of rows at a time."""
+    import torch
+    from gguf import dequantize
+
+    first = dequantize(blocks[:1], kind)
+    rows, cols = blocks.shape[0], first.shape[-1]
+    out = torch.empty((rows, cols), dtype=dtype, device=device)
+    step = max(1, DEQUANTIZED_AT_ONCE // cols)
+    for start in range(0, rows, step):
+        out[start : start + step] = torch.from_numpy(dequantize(blocks[start : start + step], kind)).to(dtype)
+    return out

@@ -50,11 +50,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ladechat.engine.model import attention, native, q4, q6
+from ladechat.engine.model import attention, native, q4, q6, q8
 
 GROUP = 32  # weights per scale and low
 KINDS = ("Q4_0", "Q4_1", "Q4_K")  # GGUF block types with an exact int4 form
-BLOCK_KINDS = (*KINDS, "Q6_K")  # those ladechat's kernels run at their own bits (Q6_K: q6.py)
+BLOCK_KINDS = (*KINDS, "Q6_K", "Q8_0")  # those ladechat's kernels run at their own bits (q6.py, q8.py)
 CACHE_PREFIX = "int4-"
 KERNEL = "_weight_int4pack_mm_for_cpu"
 
@@ -269,18 +269,35 @@ def read_gguf(gguf_path: Path, model) -> tuple[dict[str, torch.Tensor], list[str
             linear = model.get_submodule(module_name)
         except AttributeError:
             continue
-        if type(linear) is not torch.nn.Linear:
+        if type(linear) is not torch.nn.Linear or (kind == "Q8_0" and linear is head):  # q8.apply takes that
             continue
         rows, cols = linear.out_features, linear.in_features
         try:
             buffers = _kernel_form(kind, np.asarray(tensor.data), rows, cols,
                                    lambda: row_order(processor, tensor.name, rows))  # noqa: B023 (called at once)
-        except (Int4Error, q6.Q6Error) as exc:
+        except (Int4Error, q6.Q6Error, q8.Q8Error) as exc:
             notices.append(f"{name} ({kind}) runs dense: {exc}")
             continue
         arrays.update({f"{module_name}.{buffer}": value for buffer, value in buffers.items()})
         kinds[module_name] = kind
+        _release(reader, tensor)
     return arrays, notices, kinds
+
+
+def _release(reader, tensor) -> None:
+    """Drop the file's pages of a tensor that has been read from this process's memory (the file
+    stays mapped and in the page cache; a 7B file would otherwise be resident whole, on top of its
+    kernel layout)."""
+    import mmap
+
+    mapped = getattr(reader.data, "_mmap", None)
+    if mapped is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = tensor.data_offset - tensor.data_offset % mmap.PAGESIZE
+    try:
+        mapped.madvise(mmap.MADV_DONTNEED, start, tensor.data_offset + tensor.n_bytes - start)
+    except (OSError, ValueError):  # a mapping that does not take the advice: its pages stay
+        pass
 
 
 def _kernel_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of) -> dict[str, torch.Tensor]:
@@ -290,6 +307,10 @@ def _kernel_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of) ->
         q6.check_shape(rows, cols)
         parts = q6.decode(data, rows, cols)
         finite = np.isfinite(parts[2]).all()
+    elif kind == "Q8_0":
+        q8.check_shape(rows, cols)
+        parts = q8.decode(data, rows, cols)
+        finite = np.isfinite(parts[1]).all()
     else:
         check_shape(rows, cols)
         parts = decode(kind, data, rows, cols)
@@ -302,6 +323,8 @@ def _kernel_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of) ->
     parts = [torch.from_numpy(np.ascontiguousarray(part[order])) for part in parts]
     if kind == "Q6_K":
         return dict(zip(q6.BUFFERS, q6.layout(*parts), strict=True))
+    if kind == "Q8_0":
+        return dict(zip(q8.BUFFERS, q8.kernel_layout(*parts), strict=True))
     return dict(zip(q4.BUFFERS, q4.layout(*parts), strict=True))
 
 
@@ -320,32 +343,30 @@ def apply(model, gguf_path: Path, folder: Path, kernels: Path | None,
     where it cannot be built (a one-line notice) or `kernels` is None. The first time reads the
     GGUF (seconds) and keeps the 4-bit form in `folder`. A file that cannot be read leaves the
     model as it is, with a one-line notice."""
-    from safetensors import safe_open
-
+    from ladechat.engine.model import kept
     from ladechat.engine.model.gguf import keep_beside
 
     kernel_notices, path_here = _kernel(gguf_path, kernels, progress, compiler)
     path = cache_path(folder)
-    if not path.is_file():
-        status = progress(f"Reading the 4-bit weights of {Path(gguf_path).name} (one time, ~10 s)") if progress \
+    if not (path.is_file() and kept.whole(path)):  # a file cut short (a full disk, a crash): read afresh
+        status = progress(f"Reading the quantized blocks of {Path(gguf_path).name} (one time)") if progress \
             else nullcontext()
         with status:
             try:
                 arrays, notices, kinds = read_gguf(Path(gguf_path), model)
-                arrays = q4.joined(arrays)  # q/k/v and gate/up kept together: one product each in a step
+                arrays = q4.join_in_place(arrays)  # q/k/v and gate/up kept together: one product each in a step
             except (ValueError, KeyError, IndexError, OSError, EOFError) as exc:
                 detail = " ".join(str(exc).split()) or type(exc).__name__
                 notice = f"cannot read the 4-bit blocks of {Path(gguf_path).name} ({detail}); running its dense weights"
                 return Applied(0, (), (notice,))
             meta = {"notices": json.dumps(notices), "kinds": json.dumps(kinds)}
-            if not keep_beside(path, arrays, meta, f"{CACHE_PREFIX}*.safetensors"):
-                # a read-only cache: the same weights, read again next time
-                return _replace(model, q4.KeptReader(arrays.__getitem__, arrays, model), kinds, notices, path_here,
-                                kernel_notices)
-    with safe_open(str(path), framework="pt") as fh:
-        meta = fh.metadata() or {}
-        kinds, notices = json.loads(meta.get("kinds", "{}")), json.loads(meta.get("notices", "[]"))
-        return _replace(model, q4.KeptReader(fh.get_tensor, fh.keys(), model), kinds, notices, path_here, kernel_notices)
+            keep_beside(path, arrays, meta, f"{CACHE_PREFIX}*.safetensors")  # a read-only cache: read again next time
+            # what was kept, from memory (read back, it would be in memory twice for a while)
+            return _replace(model, q4.KeptReader(arrays.__getitem__, arrays, model), kinds, notices, path_here,
+                            kernel_notices)
+    meta, keys, get = kept.read(path)
+    kinds, notices = json.loads(meta.get("kinds", "{}")), json.loads(meta.get("notices", "[]"))
+    return _replace(model, q4.KeptReader(get, keys, model), kinds, notices, path_here, kernel_notices)
 
 
 def _kernel(gguf_path: Path, kernels: Path | None, progress, compiler: str) -> tuple[list[str], int | None]:
@@ -370,10 +391,11 @@ def _replace(model, read: q4.KeptReader, kinds: dict[str, str], notices: list[st
             linear = model.get_submodule(name)
             if type(linear) is not torch.nn.Linear:
                 continue
-            if kind == "Q6_K":
+            if kind in ("Q6_K", "Q8_0"):
                 if path is None:  # torch has no kernel for these blocks: the tensor is read dense
                     continue
-                module = q6.Q6Linear(read(name, "tiles"), read(name, "d"), linear.bias, path)
+                module = (q6.Q6Linear(*(read(name, b) for b in q6.BUFFERS), linear.bias, path) if kind == "Q6_K"
+                          else q8.Q8Linear(*(read(name, b) for b in q8.BUFFERS), path, linear.bias))
                 if (module.out_features, module.in_features) == (linear.out_features, linear.in_features):
                     model.set_submodule(name, module)
                     count += 1
@@ -446,9 +468,13 @@ def describe(model) -> str:
     if int4:
         kinds = "/".join(sorted({m.kind for m in int4}))
         parts.append(f"{len(int4)} Linear int4 from {kinds} blocks (torch {KERNEL}, bf16 activations)")
-    if q8_0:
-        paths = "/".join(sorted({q4.PATHS[m.path] for m in q8_0}))
-        parts.append(f"the output layer from Q8_0 blocks (ladechat's {paths} kernel)")
+    head = model.get_output_embeddings()
+    if any(m is not head for m in q8_0):
+        paths = "/".join(sorted({q4.PATHS[m.path] for m in q8_0 if m is not head}))
+        count = sum(m is not head for m in q8_0)
+        parts.append(f"{count} Linear from Q8_0 blocks (ladechat's {paths} kernel, int8 activations)")
+    if head in q8_0:
+        parts.append(f"the output layer from Q8_0 blocks (ladechat's {q4.PATHS[head.path]} kernel)")
     if packed:
         dtype = str(packed[0].packed_weight.dtype).removeprefix("torch.")
         parts.append(f"{len(packed)} packed {dtype} (oneDNN)")

@@ -450,7 +450,9 @@ def _build_from_gguf(folder: Path, gguf_file: Path, config, kwargs: dict, device
     empty = {name for name, tensor in (*model.named_parameters(), *model.named_buffers()) if tensor.is_meta}
     state = gguf.read_tensors(model, gguf_file, index, dtype, device, empty, progress)
     loaded = model.load_state_dict(state, strict=False, assign=True)
-    if isinstance(getattr(model.get_output_embeddings(), "weight", None), torch.nn.Parameter):
+    # a kernel's output module computes .weight dense on each read: ask for the Parameter itself
+    head = model.get_output_embeddings()
+    if head is not None and isinstance(head._parameters.get("weight"), torch.nn.Parameter):
         # as from_pretrained ties: only what the file lacks (an output layer on the Q8_0 kernel is its own)
         model.tie_weights(missing_keys=set(loaded.missing_keys))
     empty = [name for name, tensor in (*model.named_parameters(), *model.named_buffers()) if tensor.is_meta]
@@ -586,7 +588,8 @@ def mask_probe(model) -> bool:
         leak = model(input_ids=torch.tensor([[a, b, c]], device=device)).logits[0, 2].float()
     # 4-bit Linear modules round their activations (to int8 codes, or bf16 on torch's kernel): their
     # rows are as close as bf16's
-    rounded_products = any(type(m) in (int4.Int4Linear, q4.Q4Linear, q6.Q6Linear) for m in model.modules())
+    rounded_products = any(type(m) in (int4.Int4Linear, q4.Q4Linear, q6.Q6Linear, q8.Q8Linear)
+                           for m in model.modules())
     tol = 1e-3 if dtype == torch.float32 and not rounded_products else 5e-2
     close = torch.allclose(tree, plain, atol=tol * max(1.0, float(plain.abs().max())), rtol=0)
     return close and not torch.allclose(tree, leak, atol=1e-6, rtol=0)

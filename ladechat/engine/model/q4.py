@@ -172,7 +172,12 @@ def joined(arrays: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`arrays` ({module.tiles|scales|lows: buffer}) with each sibling group (SIBLINGS: modules of
     one parent that take the same input, every one 4-bit with the same inputs) kept as one tensor
     per buffer under parent.q_proj+k_proj+v_proj.tiles (and so on), its modules' rows in order."""
-    out = dict(arrays)
+    return join_in_place(dict(arrays))
+
+
+def join_in_place(arrays: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """joined(), the groups' separate tensors taken out of `arrays` as each group is joined: a
+    caller that holds no other reference to them has a group's weights twice at most, not all."""
     parents = {key.rsplit(".", 2)[0] for key in arrays}
     for parent in sorted(parents):
         for names in SIBLINGS:
@@ -182,10 +187,8 @@ def joined(arrays: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             if len({arrays[group[0]].shape[1:] for group in keys}) != 1:  # not the same inputs
                 continue
             for i, buffer in enumerate(BUFFERS):
-                out[_group_key(parent, names, buffer)] = torch.cat([arrays[group[i]] for group in keys])
-                for group in keys:
-                    del out[group[i]]
-    return out
+                arrays[_group_key(parent, names, buffer)] = torch.cat([arrays.pop(group[i]) for group in keys])
+    return arrays
 
 
 class KeptReader:

@@ -39,6 +39,7 @@ GROUP = q4.GROUP  # weights per scale
 OUT = q4.OUT  # outputs per tile: the 4-bit kernel's, the same library
 BLOCK_BYTES = 2 + GROUP  # fp16 scale, 32 int8 codes
 CACHE_PREFIX = "q8-"
+BUFFERS = ("tiles", "scales", "sums")
 
 
 class Q8Error(ValueError):
@@ -88,7 +89,8 @@ class Q8Linear(torch.nn.Module):
     Inference only, fixed to the CPU; the state dict gives W dense in fp32. path: the kernel's
     (q4.PATHS), default the best here."""
 
-    def __init__(self, tiles: torch.Tensor, scales: torch.Tensor, sums: torch.Tensor, path: int | None = None):
+    def __init__(self, tiles: torch.Tensor, scales: torch.Tensor, sums: torch.Tensor, path: int | None = None,
+                 bias: torch.Tensor | None = None):
         """tiles, scales, sums: the kernel's layout, as kernel_layout makes it."""
         super().__init__()
         count, groups, size = tiles.shape
@@ -97,17 +99,28 @@ class Q8Linear(torch.nn.Module):
                 or sums.dtype != torch.int32 or scales.shape != (count, groups, OUT) or sums.shape != scales.shape:
             raise Q8Error(f"Q8_0 buffers {tiles.dtype} {tuple(tiles.shape)}, {scales.dtype} {tuple(scales.shape)} "
                           f"and {sums.dtype} {tuple(sums.shape)} do not make one weight")
+        self.kind = "Q8_0"
         self.path = q4.best_path() if path is None else path
         self.register_buffer("tiles", tiles, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
         self.register_buffer("sums", sums, persistent=False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.dtype not in (torch.float32, torch.bfloat16):  # the kernel reads these two (fp16: exact in fp32)
             rows = rows.float()
         y = torch.ops.ladechat_blocks.q8_mm(rows.contiguous(), self.tiles, self.scales, self.sums, self.path)
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def product(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """x (rows, in) contiguous, fp32 or bf16 -> x W^T (+ b): the kernel called directly."""
+        op, tiles, scales, sums, path, bias = (torch.ops.ladechat_blocks.q8_mm.default, self.tiles, self.scales,
+                                               self.sums, self.path, self.bias)
+        if bias is None:
+            return lambda x: op(x, tiles, scales, sums, path)
+        return lambda x: op(x, tiles, scales, sums, path) + bias
 
     @property
     def weight(self) -> torch.Tensor:
@@ -120,12 +133,14 @@ class Q8Linear(torch.nn.Module):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         destination[prefix + "weight"] = self.dense_weight()
+        super()._save_to_state_dict(destination, prefix, keep_vars)
 
     def _apply(self, fn, recurse=True):
         raise TypeError("Q8_0 weights stay on the CPU; load with --weights dense to move or cast the model")
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, Q8_0 blocks, "
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"Q8_0 blocks, "
                 f"ladechat's {q4.PATHS[self.path]} kernel with int8 activations")
 
 
@@ -187,17 +202,15 @@ def apply(model, gguf_path: Path, folder: Path, kernels: Path,
     """Replace the output layer of `model` (built from `gguf_path`'s config; `folder`: its cache
     folder) by a Q8Linear of its Q8_0 blocks, the kernel compiled into `kernels` if not yet.
     The first time reads the GGUF and keeps the blocks in `folder`."""
-    from safetensors import safe_open
-
+    from ladechat.engine.model import kept
     from ladechat.engine.model.gguf import keep_beside
 
     name = Path(gguf_path).name
     path = cache_path(folder)
-    if path.is_file():
-        with safe_open(str(path), framework="pt") as fh:
-            meta = fh.metadata() or {}
-            found = tuple(fh.get_tensor(k) for k in ("tiles", "scales", "sums")) if meta.get("q8_0") == "yes" else None
-            notices = json.loads(meta.get("notices", "[]"))
+    if path.is_file() and kept.whole(path):
+        meta, _, get = kept.read(path)
+        found = tuple(get(k) for k in BUFFERS) if meta.get("q8_0") == "yes" else None
+        notices = json.loads(meta.get("notices", "[]"))
     else:
         status = progress(f"Reading the output layer of {name} (one time)") if progress else nullcontext()
         notices = []

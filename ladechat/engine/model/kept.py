@@ -1,0 +1,81 @@
+"""The kernels' layout of a GGUF's blocks, kept in its cache folder as a safetensors file, written
+and read one tensor at a time.
+
+safetensors' own save_file turns every tensor into bytes before writing, and safe_open maps the
+file while get_tensor copies out of it: each holds the weights twice for a while, gigabytes at 7B.
+The format is small (an 8-byte little-endian header size, a JSON header of dtype, shape and byte
+range per tensor plus string metadata, then the data), so this writes and reads it with plain file
+I/O into tensors allocated once; the files stay readable by safetensors itself.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+DTYPES = {"U8": torch.uint8, "I8": torch.int8, "I32": torch.int32, "I64": torch.int64, "F16": torch.float16,
+          "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+def write(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """`tensors` (CPU, of the DTYPES) and `metadata` to `path` in the safetensors format."""
+    header: dict = {"__metadata__": dict(metadata)}
+    offset = 0
+    for name, tensor in tensors.items():
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": NAMES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as fh:
+        fh.write(len(encoded).to_bytes(8, "little"))
+        fh.write(encoded)
+        for tensor in tensors.values():
+            fh.write(_bytes_of(tensor))
+
+
+def read(path: Path) -> tuple[dict[str, str], list[str], Callable[[str], torch.Tensor]]:
+    """(metadata, tensor names, get(name) -> the tensor, read from the file into memory of its own).
+    OSError or ValueError for a file that is not whole."""
+    with open(path, "rb") as fh:
+        size = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(size))
+    metadata = header.pop("__metadata__", {}) or {}
+    start = 8 + size
+
+    def get(name: str) -> torch.Tensor:
+        entry = header[name]
+        begin, end = entry["data_offsets"]
+        tensor = torch.empty(entry["shape"], dtype=DTYPES[entry["dtype"]])
+        view = _bytes_of(tensor)
+        if len(view) != end - begin:
+            raise ValueError(f"{path.name}: {name} has {end - begin} bytes for a {entry['shape']} tensor")
+        with open(path, "rb") as fh:
+            fh.seek(start + begin)
+            if fh.readinto(view) != len(view):
+                raise OSError(f"{path.name} is cut short")
+        return tensor
+
+    return metadata, list(header), get
+
+
+def whole(path: Path) -> bool:
+    """Whether `path` is a complete file of this format (its header parses, its data all there)."""
+    try:
+        with open(path, "rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(size))
+        header.pop("__metadata__", None)
+        end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
+        return Path(path).stat().st_size == 8 + size + end
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return False
