@@ -5,7 +5,7 @@ safetensors' own save_file turns every tensor into bytes before writing, and saf
 file while get_tensor copies out of it: each holds the weights twice for a while, gigabytes at 7B.
 The format is small (an 8-byte little-endian header size, a JSON header of dtype, shape and byte
 range per tensor plus string metadata, then the data), so this writes and reads it with plain file
-I/O into tensors allocated once; the files stay readable by safetensors itself.
+I/O; the files stay readable by safetensors itself.
 """
 
 from __future__ import annotations
@@ -44,26 +44,30 @@ def write(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
 
 
 def read(path: Path) -> tuple[dict[str, str], list[str], Callable[[str], torch.Tensor]]:
-    """(metadata, tensor names, get(name) -> the tensor, read from the file into memory of its own).
-    OSError or ValueError for a file that is not whole."""
+    """(metadata, tensor names, get(name) -> the tensor). The file's data is read whole into one
+    allocation (numpy's, which asks the kernel for huge pages: the kernels stream these weights on
+    every step) and every tensor is a view of it: one read, no copy. OSError or ValueError for a
+    file that is not whole."""
+    import numpy as np
+
     with open(path, "rb") as fh:
         size = int.from_bytes(fh.read(8), "little")
         header = json.loads(fh.read(size))
-    metadata = header.pop("__metadata__", {}) or {}
-    start = 8 + size
+        metadata = header.pop("__metadata__", {}) or {}
+        end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
+        data = np.empty(end, dtype=np.uint8)
+        if fh.readinto(memoryview(data)) != end:
+            raise OSError(f"{Path(path).name} is cut short")
+    whole = torch.from_numpy(data)
 
     def get(name: str) -> torch.Tensor:
         entry = header[name]
-        begin, end = entry["data_offsets"]
-        tensor = torch.empty(entry["shape"], dtype=DTYPES[entry["dtype"]])
-        view = _bytes_of(tensor)
-        if len(view) != end - begin:
-            raise ValueError(f"{path.name}: {name} has {end - begin} bytes for a {entry['shape']} tensor")
-        with open(path, "rb") as fh:
-            fh.seek(start + begin)
-            if fh.readinto(view) != len(view):
-                raise OSError(f"{path.name} is cut short")
-        return tensor
+        begin, stop = entry["data_offsets"]
+        dtype = DTYPES[entry["dtype"]]
+        part = whole[begin:stop]
+        if begin % dtype.itemsize:  # not aligned for a view: a copy of its own
+            part = part.clone()
+        return part.view(dtype).reshape(entry["shape"])
 
     return metadata, list(header), get
 

@@ -1,0 +1,40 @@
+"""The kernels' layout kept in a GGUF's cache folder (engine/model/kept.py): safetensors' format,
+written and read a tensor at a time; a file cut short is not taken for a whole one."""
+
+import torch
+from safetensors import safe_open
+
+from ladechat.engine.model import kept
+
+
+def tensors() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return {"a.tiles": torch.randint(0, 256, (3, 4, 416), dtype=torch.uint8, generator=generator),
+            "a.d": torch.randn(3, 2, 16, generator=generator),
+            "b.sums": torch.randint(-1000, 1000, (2, 5, 16), dtype=torch.int32, generator=generator),
+            "b.half": torch.randn(7, generator=generator).bfloat16(),
+            "empty": torch.zeros(0, 16)}
+
+
+def test_what_is_written_is_read_back_and_safetensors_reads_it_too(tmp_path):
+    path = tmp_path / "kept.safetensors"
+    kept.write(path, tensors(), {"kinds": '{"a": "Q6_K"}'})
+    assert kept.whole(path)
+    metadata, names, get = kept.read(path)
+    assert metadata == {"kinds": '{"a": "Q6_K"}'} and names == list(tensors())
+    for name, tensor in tensors().items():
+        assert get(name).dtype == tensor.dtype and torch.equal(get(name), tensor), name
+    with safe_open(str(path), framework="pt") as fh:
+        assert fh.metadata() == metadata
+        assert all(torch.equal(fh.get_tensor(name), tensor) for name, tensor in tensors().items())
+
+
+def test_a_file_cut_short_or_not_of_this_format_is_not_whole(tmp_path):
+    path = tmp_path / "kept.safetensors"
+    kept.write(path, tensors(), {})
+    data = path.read_bytes()
+    path.write_bytes(data[:-1])
+    assert not kept.whole(path)
+    path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    assert not kept.whole(path)
+    assert not kept.whole(tmp_path / "missing.safetensors")
