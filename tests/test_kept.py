@@ -12,7 +12,8 @@ def tensors() -> dict[str, torch.Tensor]:
     return {"a.tiles": torch.randint(0, 256, (3, 4, 416), dtype=torch.uint8, generator=generator),
             "a.d": torch.randn(3, 2, 16, generator=generator),
             "b.sums": torch.randint(-1000, 1000, (2, 5, 16), dtype=torch.int32, generator=generator),
-            "b.half": torch.randn(7, generator=generator).bfloat16(),
+            "b.half": torch.randn(7, generator=generator).bfloat16(),  # 14 bytes: what follows is not aligned
+            "after": torch.randn(3, 5, generator=generator),
             "empty": torch.zeros(0, 16)}
 
 
@@ -36,5 +37,7 @@ def test_a_file_cut_short_or_not_of_this_format_is_not_whole(tmp_path):
     path.write_bytes(data[:-1])
     assert not kept.whole(path)
     path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    assert not kept.whole(path)
+    path.write_bytes(b"\xff" * 8 + data[8:])  # a header length past the file's end
     assert not kept.whole(path)
     assert not kept.whole(tmp_path / "missing.safetensors")

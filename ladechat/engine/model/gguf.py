@@ -284,6 +284,7 @@ def _rows_kept(processor, name: str, rows: int) -> bool:
 def _dequantized_by_rows(blocks, kind, dtype, device):
     """A 2-D tensor's blocks (rows, bytes a row) -> its weights in `dtype` on `device`, dequantized
     a slice of rows at a time."""
+    import numpy as np
     import torch
     from gguf import dequantize
 
@@ -292,5 +293,6 @@ def _dequantized_by_rows(blocks, kind, dtype, device):
     out = torch.empty((rows, cols), dtype=dtype, device=device)
     step = max(1, DEQUANTIZED_AT_ONCE // cols)
     for start in range(0, rows, step):
-        out[start : start + step] = torch.from_numpy(dequantize(blocks[start : start + step], kind)).to(dtype)
+        rows_here = dequantize(blocks[start : start + step], kind)  # F32: the mapped file itself, read-only
+        out[start : start + step] = torch.from_numpy(np.array(rows_here, copy=not rows_here.flags.writeable)).to(dtype)
     return out

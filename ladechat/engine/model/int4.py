@@ -214,7 +214,7 @@ def cache_path(folder: Path) -> Path:
     reads and lays them out (a change to either is read afresh)."""
     from ladechat.engine.model.gguf import source_digest
 
-    return Path(folder) / f"{CACHE_PREFIX}{source_digest(__file__, q4.__file__, q6.__file__)}.safetensors"
+    return Path(folder) / f"{CACHE_PREFIX}{source_digest(__file__, q4.__file__, q6.__file__, q8.__file__)}.safetensors"
 
 
 def row_order(processor, name: str, rows: int, cols: int = 2) -> np.ndarray | None:
@@ -255,7 +255,7 @@ def read_gguf(gguf_path: Path, model) -> tuple[dict[str, torch.Tensor], list[str
     by_name = {tensor.name: tensor for tensor in reader.tensors}
     if "output.weight" not in by_name and "token_embd.weight" in by_name \
             and getattr(model.config, "tie_word_embeddings", False) and type(head) is torch.nn.Linear:
-        # the output layer is the input embedding's blocks (q8.py takes a Q8_0 one)
+        # the output layer is the input embedding's blocks, whichever kernel's they are (q8.py takes a Q8_0 one)
         names = {**names, "output.weight": next(key for key, module in model.named_modules() if module is head)
                  + ".weight"}
         by_name["output.weight"] = by_name["token_embd.weight"]
@@ -320,7 +320,9 @@ def _kernel_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of) ->
     order = order_of()
     if order is None:
         raise Int4Error("its rows are transformed on loading, not only reordered")
-    parts = [torch.from_numpy(np.ascontiguousarray(part[order])) for part in parts]
+    if not np.array_equal(order, np.arange(rows)):  # llama.cpp's q and k; the rest as they are, no copy
+        parts = [part[order] for part in parts]
+    parts = [torch.from_numpy(np.ascontiguousarray(part)) for part in parts]
     if kind == "Q6_K":
         return dict(zip(q6.BUFFERS, q6.layout(*parts), strict=True))
     if kind == "Q8_0":

@@ -77,6 +77,8 @@ def whole(path: Path) -> bool:
     try:
         with open(path, "rb") as fh:
             size = int.from_bytes(fh.read(8), "little")
+            if size > Path(path).stat().st_size - 8:  # not a header length at all
+                return False
             header = json.loads(fh.read(size))
         header.pop("__metadata__", None)
         end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
