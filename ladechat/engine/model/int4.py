@@ -15,12 +15,12 @@ same blocks are torch's int4 packed format with groups of 32 ("tinygemm": w = (q
 zero, zero = low + 8 scale), packed once at load (`_convert_weight_to_int4pack_for_cpu`) and
 multiplied by `_weight_int4pack_mm_for_cpu`, whose scales and zeros are bf16 and whose vectorized
 path takes bf16 activations, so `Int4Linear` casts a step's activations to bf16 at the product.
-Q6_K Linear weights (and an output layer tied to a Q6_K embedding) are read here too and run at
-their own 6 bits on ladechat's kernel (q6.py; torch has none for them: without ladechat's they are
-dense). Everything else (norms, attention, the residual stream) stays in the model's dtype, and
-tensors of other types (the embedded model's Q8_0 embedding; Q5/Q8/F16 tensors) keep the path they
-had: dense, packed for oneDNN where that applies; a Q8_0 output layer runs its blocks on
-ladechat's own kernel (q8.py).
+Q6_K and Q8_0 Linear weights (and an output layer tied to an embedding of such blocks) are read
+here too and run at their own bits on ladechat's kernels (q6.py, q8.py; torch has none for them:
+without ladechat's they are dense); a Q8_0 output layer is q8.apply's. Everything else (norms,
+attention, the residual stream) stays in the model's dtype, and tensors of other types (the
+embedded model's Q8_0 embedding; Q5/F16 tensors) keep the path they had: dense, packed for oneDNN
+where that applies.
 
 Both kernels compute each row on its own, in the same order whatever the step's size. SDPA's rows
 depend in fp32's last bits on how many rows and masked keys a step has, and the rounding of the
@@ -235,9 +235,10 @@ def row_order(processor, name: str, rows: int, cols: int = 2) -> np.ndarray | No
 
 
 def read_gguf(gguf_path: Path, model) -> tuple[dict[str, torch.Tensor], list[str], dict[str, str]]:
-    """The kernels' form of every Q4_0/Q4_1/Q4_K/Q6_K tensor of `gguf_path` that is a plain Linear
-    weight of `model` (built from the file's config, its weights empty or not): ({module.buffer:
-    q4.layout's tiles/scales/lows, or q6.layout's tiles/d}, notices, {module: block type}). A tensor
+    """The kernels' form of every Q4_0/Q4_1/Q4_K/Q6_K/Q8_0 tensor of `gguf_path` that is a plain
+    Linear weight of `model` (built from the file's config, its weights empty or not), a Q8_0 output
+    layer aside: ({module.buffer: q4.layout's tiles/scales/lows, q6.layout's tiles/d or
+    q8.kernel_layout's tiles/scales/sums}, notices, {module: block type}). A tensor
     that cannot run so keeps its dense weight, with a notice when that is a surprise (a corrupt
     block, rows transformed on loading), none for the types that have no kernel."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
@@ -332,7 +333,7 @@ def _kernel_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of) ->
 
 @dataclass(frozen=True)
 class Applied:
-    replaced: int  # Linear modules now int4
+    replaced: int  # Linear modules now on a kernel of their blocks
     kinds: tuple[str, ...]  # their GGUF block types
     notices: tuple[str, ...]
 
@@ -342,7 +343,8 @@ def apply(model, gguf_path: Path, folder: Path, kernels: Path | None,
     """Replace every plain Linear of `model` (built from `gguf_path`'s config; `folder`: its cache
     folder) whose GGUF weight is Q4_0, Q4_1 or Q4_K by a module of the same blocks: a
     q4.Q4Linear, its kernel compiled into `kernels` if not yet, or an Int4Linear (torch's kernel)
-    where it cannot be built (a one-line notice) or `kernels` is None. The first time reads the
+    where it cannot be built (a one-line notice) or `kernels` is None; and those of Q6_K and Q8_0
+    blocks by a q6.Q6Linear or q8.Q8Linear where ladechat's kernel runs (else they stay dense). The first time reads the
     GGUF (seconds) and keeps the 4-bit form in `folder`. A file that cannot be read leaves the
     model as it is, with a one-line notice."""
     from ladechat.engine.model import kept
