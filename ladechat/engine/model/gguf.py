@@ -275,8 +275,6 @@ def _rows_kept(processor, name: str, rows: int) -> bool:
     other form), so that it can be read a slice at a time."""
     import numpy as np
 
-    from ladechat.engine.model.int4 import row_order
-
     order = row_order(processor, name, rows)
     return order is not None and bool(np.array_equal(order, np.arange(rows)))
 
@@ -296,3 +294,22 @@ def _dequantized_by_rows(blocks, kind, dtype, device):
         rows_here = dequantize(blocks[start : start + step], kind)  # F32: the mapped file itself, read-only
         out[start : start + step] = torch.from_numpy(np.array(rows_here, copy=not rows_here.flags.writeable)).to(dtype)
     return out
+
+
+def row_order(processor, name: str, rows: int, cols: int = 2) -> np.ndarray | None:  # noqa: F821 (numpy, imported inside)
+    """The GGUF row each of the model's rows comes from, as transformers' GGUF tensor processor
+    reorders a tensor (llama.cpp permutes q and k for its rotary layout), found by processing a
+    matrix of row numbers `cols` wide; None when the processor does more than reorder rows (then
+    the tensor stays dense)."""
+    import numpy as np
+
+    index = np.repeat(np.arange(rows, dtype=np.float32)[:, None], cols, axis=1)
+    try:
+        result = processor.process(weights=index, name=name, tensor_key_mapping={}, parsed_parameters={"tensors": {}})
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):  # one that needs more than one tensor
+        return None
+    out = np.asarray(result.weights)
+    if result.name != name or out.shape != (rows, cols) or not (out == out[:, :1]).all():
+        return None
+    order = out[:, 0].astype(np.int64)
+    return order if np.array_equal(np.sort(order), np.arange(rows)) else None

@@ -217,23 +217,6 @@ def cache_path(folder: Path) -> Path:
     return Path(folder) / f"{CACHE_PREFIX}{source_digest(__file__, q4.__file__, q6.__file__, q8.__file__)}.safetensors"
 
 
-def row_order(processor, name: str, rows: int, cols: int = 2) -> np.ndarray | None:
-    """The GGUF row each of the model's rows comes from, as transformers' GGUF tensor processor
-    reorders a tensor (llama.cpp permutes q and k for its rotary layout), found by processing a
-    matrix of row numbers `cols` wide; None when the processor does more than reorder rows (then
-    the tensor stays dense)."""
-    index = np.repeat(np.arange(rows, dtype=np.float32)[:, None], cols, axis=1)
-    try:
-        result = processor.process(weights=index, name=name, tensor_key_mapping={}, parsed_parameters={"tensors": {}})
-    except (ValueError, TypeError, KeyError, IndexError, AttributeError):  # one that needs more than one tensor
-        return None
-    out = np.asarray(result.weights)
-    if result.name != name or out.shape != (rows, cols) or not (out == out[:, :1]).all():
-        return None
-    order = out[:, 0].astype(np.int64)
-    return order if np.array_equal(np.sort(order), np.arange(rows)) else None
-
-
 def read_gguf(gguf_path: Path, model) -> tuple[dict[str, torch.Tensor], list[str], dict[str, str]]:
     """The kernels' form of every Q4_0/Q4_1/Q4_K/Q6_K/Q8_0 tensor of `gguf_path` that is a plain
     Linear weight of `model` (built from the file's config, its weights empty or not), a Q8_0 output
@@ -275,7 +258,7 @@ def read_gguf(gguf_path: Path, model) -> tuple[dict[str, torch.Tensor], list[str
         rows, cols = linear.out_features, linear.in_features
         try:
             buffers = _kernel_form(kind, np.asarray(tensor.data), rows, cols,
-                                   lambda: row_order(processor, tensor.name, rows))  # noqa: B023 (called at once)
+                                   lambda: gguf_files.row_order(processor, tensor.name, rows))  # noqa: B023 (called at once)
         except (Int4Error, q6.Q6Error, q8.Q8Error) as exc:
             notices.append(f"{name} ({kind}) runs dense: {exc}")
             continue
