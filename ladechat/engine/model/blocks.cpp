@@ -226,6 +226,28 @@ inline void prefetch_codes(const Tile& w, int64_t g) {
   for (int line = 0; line < TILE_BYTES; line += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
 }
 
+// A Q4 (or Q6) tile's 4-bit codes per 4 inputs c of a group: q[c], 4 bytes per output lane (the
+// low nibbles are inputs 0..15, the high ones 16..31). AVX2: the 8 outputs of half h.
+__attribute__((target("avx512f,avx512bw")))
+inline void nibbles_avx512(const uint8_t* c, __m512i q[8]) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int p = 0; p < 4; ++p) {
+    const __m512i v = _mm512_loadu_si512(c + 64 * p);
+    q[p] = _mm512_and_si512(v, nibble);
+    q[p + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+  }
+}
+
+__attribute__((target("avx2")))
+inline void nibbles_avx2(const uint8_t* c, int h, __m256i q[8]) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  for (int p = 0; p < 4; ++p) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * p + 32 * h));
+    q[p] = _mm256_and_si256(v, nibble);
+    q[p + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+  }
+}
+
 // The kernels take R rows of a tile at once (R = ROWS_AT_ONCE, then what is left), each row's 16
 // outputs in registers over all K inputs: a group's codes are loaded (and for Q4 unpacked) once
 // for the R rows, and the rows' sums never go through memory. The float steps per row are the
@@ -238,18 +260,13 @@ struct Q4Vnni {
     const int8_t* codes = x.codes + m0 * K;
     const float* da = x.scale + m0 * G;
     const float* sa = x.sum + m0 * G;
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
     __m512 y[R];
     for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
       prefetch_group<Q4_TILE>(w, w.lows, g);
       const uint8_t* c = w.codes + g * Q4_TILE;
       __m512i q[8];  // q[c]: inputs 4c..4c+3 of the group, 4 bytes per output lane
-      for (int p = 0; p < 4; ++p) {
-        const __m512i v = _mm512_loadu_si512(c + 64 * p);
-        q[p] = _mm512_and_si512(v, nibble);
-        q[p + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-      }
+      nibbles_avx512(c, q);
       const __m512 scale = _mm512_loadu_ps(w.scales + g * OUT), low = _mm512_loadu_ps(w.lows + g * OUT);
       for (int r = 0; r < R; ++r) {
         const Quad a{codes + r * K + g * GROUP};
@@ -276,7 +293,7 @@ struct Q4Avx2 {
     const int8_t* codes = x.codes + m0 * K;
     const float* da = x.scale + m0 * G;
     const float* sa = x.sum + m0 * G;
-    const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i ones = _mm256_set1_epi16(1);
     __m256 y[R][2];
     for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
@@ -284,11 +301,7 @@ struct Q4Avx2 {
       const uint8_t* c = w.codes + g * Q4_TILE;
       for (int h = 0; h < 2; ++h) {
         __m256i q[8];
-        for (int p = 0; p < 4; ++p) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * p + 32 * h));
-          q[p] = _mm256_and_si256(v, nibble);
-          q[p + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-        }
+        nibbles_avx2(c, h, q);
         const __m256 scale = _mm256_loadu_ps(w.scales + g * OUT + 8 * h), low = _mm256_loadu_ps(w.lows + g * OUT + 8 * h);
         for (int r = 0; r < R; ++r) {
           const Quad a{codes + r * K + g * GROUP};
@@ -423,7 +436,7 @@ struct Q6Vnni {
     const int8_t* codes = x.codes + m0 * K;
     const float* da = x.scale + m0 * G;
     const int32_t* halves = x.halves + m0 * G * 2;
-    const __m512i nibble = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+    const __m512i top = _mm512_set1_epi8(0x30);
     __m512 y[R];
     for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
     __m512 d = _mm512_setzero_ps();
@@ -431,11 +444,7 @@ struct Q6Vnni {
       prefetch_codes<Q6_TILE>(w, g);
       const uint8_t* c = w.codes + g * Q6_TILE;
       __m512i q[8];
-      for (int p = 0; p < 4; ++p) {
-        const __m512i v = _mm512_loadu_si512(c + 64 * p);
-        q[p] = _mm512_and_si512(v, nibble);
-        q[p + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-      }
+      nibbles_avx512(c, q);
       for (int v = 0; v < 2; ++v) {  // bits 2p..2p+1 of each byte to bits 4..5 (16-bit shifts: the mask drops what crosses)
         const __m512i h = _mm512_loadu_si512(c + Q4_TILE + 64 * v);
         q[4 * v] = _mm512_or_si512(q[4 * v], _mm512_and_si512(_mm512_slli_epi16(h, 4), top));
@@ -471,7 +480,7 @@ struct Q6Avx2 {
     const int8_t* codes = x.codes + m0 * K;
     const float* da = x.scale + m0 * G;
     const int32_t* halves = x.halves + m0 * G * 2;
-    const __m256i nibble = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
+    const __m256i top = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
     __m256 y[R][2];
     for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
@@ -479,11 +488,7 @@ struct Q6Avx2 {
       const uint8_t* c = w.codes + g * Q6_TILE;
       for (int h = 0; h < 2; ++h) {
         __m256i q[8];
-        for (int p = 0; p < 4; ++p) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * p + 32 * h));
-          q[p] = _mm256_and_si256(v, nibble);
-          q[p + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-        }
+        nibbles_avx2(c, h, q);
         for (int v = 0; v < 2; ++v) {
           const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + Q4_TILE + 64 * v + 32 * h));
           q[4 * v] = _mm256_or_si256(q[4 * v], _mm256_and_si256(_mm256_slli_epi16(b, 4), top));
