@@ -374,7 +374,7 @@ def _compiles(options: dict) -> bool:
 
 def _torch_has_cuda() -> bool:
     """Whether the installed torch is a CUDA build, read from its version.py (a CPU build says
-    `cuda ... = None`) rather than by importing it (~1-2 s); unsure: True (the caller asks torch)."""
+    `cuda ... = None`) rather than by importing it (slow); unsure: True (the caller asks torch)."""
     import importlib.util
 
     spec = importlib.util.find_spec("torch")

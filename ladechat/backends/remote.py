@@ -61,7 +61,7 @@ class RemoteBot:
     def __init__(self, endpoint: Endpoint, model: str | None, settings: dict, given: set[str],
                  client: httpx.Client | None = None) -> None:
         self.endpoint = endpoint
-        # no TLS context for plain http (loading the CA bundle alone takes ~0.1 s)
+        # no TLS context for plain http (loading the CA bundle alone slows start-up)
         self.client = client or httpx.Client(timeout=httpx.Timeout(30.0, read=None),
                                              verify=not endpoint.url.startswith("http://"))
         cards = self._get("/models").get("data") or []

@@ -4,8 +4,8 @@ and settings, neither drafting from a store of past answers; tokens/s of each, e
 in, last token out), and whether the answers are token-identical.
 
 The in-process answers run on a worker thread, as the server's do: on a busy CPU, torch steps
-run on the main thread were measured 1.2-2x slower than the same steps on a worker thread of the
-same process, which would otherwise count as negative serving overhead."""
+run on the main thread were measured slower than the same steps on a worker thread of the same
+process, which would otherwise count as negative serving overhead."""
 
 from __future__ import annotations
 

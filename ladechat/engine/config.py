@@ -31,13 +31,10 @@ class LookaheadConfig:
     enabled:        False runs plain one-token decoding through the same loop.
 
     The defaults are the CPU's (the only place they are stated: settings.Settings and the CLI take
-    them from here; a GPU's are chosen from its step-cost curve, defaults.gpu_lookahead). Measured
-    on a 2-core EPYC, SmolLM2-135M, bf16, 9 real prompts x 128 tokens, paired with plain decoding:
-    W=5 N=4 G=5 1.13x, W=3 N=4 G=2 1.17x, W=4 N=3 G=2 1.19x, W=2 N=3 G=1 1.25x (compression 1.64),
-    context candidates alone 1.30x (compression 1.54). Small windows win: every extra row costs.
-    With the model's recycled top-k as a draft source (fp32, 2-core AVX2 EPYC, 9 prompts x 128
-    tokens, against plain decoding): without it 1.18x (compression 1.74), with 16 recycled nodes
-    1.26-1.30x (compression 2.09-2.11); whether W is 1 or 2 made no measurable difference.
+    them from here; a GPU's are chosen from its step-cost curve, defaults.gpu_lookahead). Chosen
+    against plain decoding (measured: BENCHMARKS.md): small windows win, since on a CPU every extra
+    row costs; the model's recycled top-k pays as a draft source, and W of 1 or 2 made no
+    measurable difference.
     """
 
     window: int = 2

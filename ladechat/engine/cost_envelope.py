@@ -1,10 +1,9 @@
 """The step-cost model the planner uses: the measured curve, lowered by what steps really cost.
 
 The curve (step_cost.py) is measured once, at a model's first use on a machine. If the machine was
-busy then (another build, a browser), the curve is too high, and not uniformly: on a 2-core AVX2
-EPYC under load, 1 / 2 / 4 / 8 rows measured 121 / 146 / 209 / 277 ms against 85 / 95 / 97 / 120
-quiet. Its shape then says that wide steps cost 2.3x a one-row step where they cost 1.4x, and the
-planner sizes every later step from it: smaller drafts, fewer tokens per step, for good.
+busy then (another build, a browser), the curve is too high, and not uniformly: wide steps
+suffer more than a one-row step, so its shape overprices them, and the planner sizes every later
+step from it: smaller drafts, fewer tokens per step, for good.
 
 So every step the engine runs is also a measurement. The envelope keeps, per measured size, the
 lowest cost seen (a machine is never faster than it can be, so the lowest time is the truest), and

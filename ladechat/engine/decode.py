@@ -43,10 +43,9 @@ from ladechat.engine.threads import CpuThreads
 from ladechat.engine.verify import batched_pick, verify
 
 # Window columns ride along only where the cost curve says they are (nearly) free: at most 1% more
-# step cost, as on a flat curve. On a CPU (each extra row +2-5%) that is practically never, and
-# rightly: allowing them 10% more step cost fed ~2 window rows most steps, whose n-grams won 3 of
-# ~500 steps, and took 10-20% off tokens/s on the tuning prompts (bf16, 9 prompts x 128 tokens:
-# 43-44 tok/s with, 48-53 without). Full steps (a GPU) carry the whole window regardless.
+# step cost, as on a flat curve. On a CPU that is practically never, and rightly: with more slack
+# the window rows' n-grams rarely won and cost tokens/s on the tuning prompts (measured:
+# BENCHMARKS.md). Full steps (a GPU) carry the whole window regardless.
 WINDOW_SLACK = 0.01
 PROBE_EVERY = 8  # while no draft node looks worth its cost, still feed the likeliest every 8th step
 HITS_PER_CANDIDATE = 4  # conversation hits counted into the draft per context candidate (draft.add_matches)

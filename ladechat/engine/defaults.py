@@ -31,9 +31,8 @@ def gpu_lookahead(step_cost: dict[int, float] | None) -> LookaheadConfig:
 
 def compiles_by_default(device_type: str, quantized: bool, mapped: bool, weights: str) -> bool:
     """Whether the steps are compiled (--compile) when neither --compile nor --no-compile is given:
-    on a CUDA GPU, for a model on one device with its own Linear modules. Measured on an H200
-    (BENCHMARKS.md): the embedded model's eager steps are host-bound (14 tok/s decoding; ~40 ms a
-    step through transformers' forward) and compiled ones answer at 134-146 tok/s, 4-14x HF greedy
-    per item on the dev sets, for a start-up of ~50 s once per process (~30 s with torch's compile
-    cache warm). bitsandbytes' layers and device maps are not what the fixed-shape step compiles."""
+    on a CUDA GPU, for a model on one device with its own Linear modules. On a GPU the embedded
+    model's eager steps are host-bound and compiled ones answer several times faster than HF
+    greedy, for a compile at start-up once per process (measured: BENCHMARKS.md). bitsandbytes'
+    layers and device maps are not what the fixed-shape step compiles."""
     return device_type == "cuda" and not quantized and not mapped and weights in ("auto", "dense")

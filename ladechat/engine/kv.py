@@ -2,8 +2,8 @@
 
 Two kinds of cache hold the same committed sequence:
 - GrowingCache (a DynamicCache): grows with every step, into buffers with room to spare rather
-  than by concatenation; dropping rows means slicing the tensors shorter. (The embedded model,
-  int4, 1024 tokens cached: a one-row step 27.2 -> 26.1 ms, an 8-row step 54.4 -> 49.7 ms.)
+  than by concatenation (cheaper steps, measured: BENCHMARKS.md); dropping rows means slicing the
+  tensors shorter.
 - StaticCache: pre-allocated to a fixed length (for compiled / CUDA-graph steps); its tensors
   never move, so dropping rows only moves the write position back, and kept rows are gathered
   in place. Slots past the write position hold junk that the step's mask never shows.

@@ -108,8 +108,7 @@ def tree_mask(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     parent before its children (every layout here is built so).
 
     One pass in row order: a row sees what its parent sees, and itself. On the host with numpy
-    (a step's tree is small): ~10 us for a CPU step's few rows, where torch's ops on tensors this
-    small cost ~50 us.
+    (a step's tree is small): torch's ops on tensors this small cost more than the work.
     """
     size = len(parents)
     sees = np.zeros((size, size), dtype=bool)

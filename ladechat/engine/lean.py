@@ -3,9 +3,8 @@
 transformers' forward is built for every model and every use: per layer it passes kwargs through
 decorators and wrappers, asks the attention interface for its function, and per step it builds a
 causal mask, position embeddings and an output object. On a CPU with a small model that costs as
-much as the weights' products (the embedded model at 4 bits, one row, 2 threads of an AVX-512
-Xeon: ~7,000 small ops, 19 ms of which ~8 are products; this step: ~1,800 ops, 13.3 ms). A step
-of the same family needs only:
+much as the weights' products (the embedded model at 4 bits: ~7,000 small ops a step; this step:
+~1,800; measured: BENCHMARKS.md). A step of the same family needs only:
 
     tokens (S) --embed--> x (S, hidden)
     per layer:  h = input_norm(x)                         the layer's own RMSNorm module
@@ -51,8 +50,8 @@ def supported(model, gpu: bool = False) -> str | None:
     config = model.config
     if config.model_type not in FAMILIES:
         return f"{config.model_type} is not a Llama-family model ({', '.join(sorted(FAMILIES))})"
-    # On a GPU the step is not a default until measured there: the first run (an H200) found eager
-    # steps host-bound, ~20 ms whatever their rows, which is what the lean step's fewer ops address.
+    # On a GPU the step is not a default until measured there: eager steps there are host-bound,
+    # costing the same whatever their rows, which is what the lean step's fewer ops address.
     if model.device.type != "cpu" and not (gpu and model.device.type == "cuda"):
         return "the lean step runs on the CPU (on a GPU only where `ladechat bench step-cost` measures it)"
     if model.device.type != "cpu" and config._attn_implementation == attention.ROWWISE:
@@ -104,7 +103,7 @@ def _product(module: torch.nn.Module, dtype: torch.dtype):
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """transformers' apply_rotary_pos_emb, x * cos + rotate_half(x) * sin with rotate_half(x) =
     cat(-x2, x1), as x * cos + cat(x2, x1) * cat(-sin1, sin2): (-a) * b and a * (-b) are the same
-    float, so the result is bitwise the same, in 4 ops instead of 7 (7.4 against 11.9 us a call)."""
+    float, so the result is bitwise the same, in 4 ops instead of 7."""
     return (x * cos) + (x.roll(x.shape[-1] // 2, -1) * signed_sin)
 
 

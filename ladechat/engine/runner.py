@@ -39,8 +39,8 @@ def max_step_size(la: LookaheadConfig) -> int:
 def top_k(logits: torch.Tensor) -> np.ndarray:
     """Each row's TOP_K likeliest next tokens, best first, on the host (one transfer): what a step
     keeps of its rows besides verification (the window's new guesses, the successor table). On
-    the CPU by ladechat's kernel where it is loaded (step_ops.py; one pass a row, against
-    torch.topk's ~125 us), which puts equal logits in index order, as argmax does; torch.topk
+    the CPU by ladechat's kernel where it is loaded (step_ops.py; one pass a row, cheaper than
+    torch.topk), which puts equal logits in index order, as argmax does; torch.topk
     orders them as it happens to (so at an exact tie of bf16 logits, greedy's pick can depend on
     whether the kernel could be built; plain and lookahead decoding always rank alike)."""
     k = min(TOP_K, logits.shape[-1])
@@ -245,9 +245,8 @@ class StaticRunner(DynamicRunner):
                               f"has {size} rows, more than the {MAX_FIXED_STEP} a fixed-shape step allows")
         self.step_size = size
         # Every step has one shape: the full step with lookahead on (a step of fewer rows is
-        # padded to it), one row with it off. One graph to compile, not two: compiling the
-        # embedded model's step took ~27 s a shape on an H200, and a full step costs about a
-        # one-row one there (BENCHMARKS.md).
+        # padded to it), one row with it off. One graph to compile, not two: each shape is a long
+        # compile, and on a GPU a full step costs about a one-row one (BENCHMARKS.md).
         shape = size if lookahead.enabled else 1
         if getattr(self, "shape", shape) != shape:
             self.warm = False  # a new shape: the next turn's reserve compiles it before it starts

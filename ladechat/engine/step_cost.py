@@ -1,11 +1,9 @@
 """How much a forward step costs as a function of how many tokens it feeds, on this device.
 
 Lookahead pays off only when the tokens a step accepts outweigh what the extra rows cost, and on a
-CPU that cost curve is far from flat and differs between machines and weight layouts (the embedded
-model in fp32 on a 2-core EPYC, 192 cached tokens: with the weights as transformers loads them 1
-token ~58 ms, 2-8 tokens 86-120 ms; packed for oneDNN (model/packing.py) 43-47 ms up to 8 tokens, 57 at
-16). The curve is measured once per model, device, dtype and weight layout (a second or two) and
-cached, so the decoder can size its steps from it.
+CPU that cost curve is far from flat and differs between machines and weight layouts (measured:
+BENCHMARKS.md; model/packing.py). The curve is measured once per model, device, dtype and weight
+layout and cached, so the decoder can size its steps from it.
 """
 
 from __future__ import annotations

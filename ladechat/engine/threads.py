@@ -3,9 +3,8 @@
 torch splits every op of a step across its threads (OpenMP), and each op ends at a barrier that
 waits for all of them. On a small machine where something else is running (a build, a browser, a
 second model), one of our threads is often off its core: every barrier waits for the scheduler,
-thousands of times a step. Measured on the 2-core machine, with another process keeping one core
-busy, the embedded model's one-row step: 20 ms alone, 90 ms to 2.4 s on 2 threads, 26 ms on 1
-(answers: 11.3 against 32.5 tok/s, scripts/thread_load.py).
+thousands of times a step, and a step on fewer threads runs much faster than one on all of them
+(measured: BENCHMARKS.md, scripts/thread_load.py).
 So the thread count follows the cores other processes leave free: before a step, at most every
 `interval_s`, the CPU time the CPUs this process may run on spent outside it since the last look
 says how many of them are taken; the steps use the rest (at least one, at most torch's count when
@@ -128,11 +127,10 @@ def release_openmp_team() -> bool:
 
     torch's parallel ops run on a team of threads that belongs to the thread calling them, and
     libgomp keeps each such team alive. A server loads the model on its main thread and answers on
-    a model thread: two teams, more threads than a 2-core machine has cores, and libgomp then stops
-    spinning at its barriers and sleeps at each one instead, thousands of times a step. Measured on
-    the 2-core Xeon: a 576 x 1536 product and a few small ops, 45 us on the main thread, 135 us on a
-    second thread, 46 us there once the main thread's team was freed; the embedded model's step
-    through `ladechat serve`, 27 against 14 ms in-process. omp_pause_resource_all (OpenMP 5.0) is
+    a model thread: two teams, more threads than a small machine has cores, and libgomp then stops
+    spinning at its barriers and sleeps at each one instead, thousands of times a step: served steps
+    ran far slower than in-process until the main thread's team was freed (measured:
+    BENCHMARKS.md). omp_pause_resource_all (OpenMP 5.0) is
     how a program hands its threads back; the team comes back if this thread runs parallel ops again.
     """
     import ctypes

@@ -7,11 +7,9 @@ the model expects after x in that context. Kept per token id (a vocab x k table,
 (Token Recycling, Luo et al., ACL 2025). The table only proposes; verification decides.
 
 Each row is also kept under the pair (previous token, token): two tokens of context pick the
-model's next token far more often than one. Measured on the tuning prompts (the embedded model's
-greedy answers, each position predicted from the rows of earlier positions): top-1 right 43% of
-the time keyed by the token, 55% keyed by the pair (falling back to the token); and after a right
-guess the next one right 61% against 77%. Pairs live in a fixed hash table (PAIR_SLOTS slots, a
-newer pair overwrites an older one in its slot), so memory stays bounded whatever the vocabulary.
+model's next token far more often than one (measured: BENCHMARKS.md). Pairs live in a fixed
+hash table (PAIR_SLOTS slots, a newer pair overwrites an older one in its slot), so memory stays
+bounded whatever the vocabulary.
 """
 
 from __future__ import annotations

@@ -2,10 +2,9 @@
 
 Given a 4D mask, transformers' SDPA path repeats every key/value head once per query head of its
 group (`repeat_kv`) before attending: a copy of the whole KV cache in every layer, every step that
-has a mask, i.e. every lookahead step. On this CPU
-the copy costs more than the attention itself once a few thousand tokens are cached (the embedded
-model, 4 rows over 3k cached tokens: ~205 -> ~148 ms a step); on a GPU it reads every slot of a
-static cache, free ones too.
+has a mask, i.e. every lookahead step. On a CPU
+the copy costs more than the attention itself once a few thousand tokens are cached (measured:
+BENCHMARKS.md); on a GPU it reads every slot of a static cache, free ones too.
 
 Here the query heads that share a key/value head are stacked as extra rows instead, and the
 step's mask (one for all heads) is tiled to match:
@@ -20,9 +19,8 @@ same on a CPU, but with a mask it pushes CUDA onto the slow math kernel; the sta
 SDPA that every kernel taking a mask accepts.
 
 A one-row step (plain decoding, HF `generate` included) has no mask, and transformers then asks
-SDPA for `enable_gqa`, which on this CPU in bf16 costs ~5x the stacked form (embedded model, one
-row over 1500 cached tokens: 25 ms against 5 ms of attention per step, summed over 30 layers;
-the same in fp32). Such a row sees every key, so it is stacked too, without a mask.
+SDPA for `enable_gqa`, which on a CPU costs several times the stacked form, in bf16 and fp32
+(measured: BENCHMARKS.md). Such a row sees every key, so it is stacked too, without a mask.
 Anything else (no groups, a prefill without a mask, attention sinks, position biases, training)
 goes to transformers' SDPA function unchanged.
 

@@ -203,8 +203,7 @@ struct Rows {
 // Asks the caches for the codes, scales and lows (Q4) or sums (Q8) of the group PREFETCH_BYTES of
 // codes ahead: past a tile's end that is the thread's next tile (a thread's tiles are consecutive in
 // memory). Why: the hardware's prefetcher alone left each product waiting on memory, more so with
-// other ops between the products, as in a step: a one-row step after 192 tokens took 8.0-8.6 ms
-// with it against 9.4-9.6 without, a 4-row step 9.7 against 12.1 (BENCHMARKS.md). A prefetch never
+// other ops between the products, as in a step (measured: BENCHMARKS.md). A prefetch never
 // faults, so the last groups may ask past the end of the weight.
 template <int TILE_BYTES>
 inline void prefetch_group(const Tile& w, const void* per_output, int64_t g) {

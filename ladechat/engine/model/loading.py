@@ -24,7 +24,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 ATTENTION = ("sdpa", "eager", "flash")
 # --weights: auto (the fastest this machine has: a GGUF's 4-bit blocks at 4 bits on ladechat's
 # kernel, else torch's int4 one; the other Linear weights packed for oneDNN), dense (as transformers
-# loads them), packed (all packed for oneDNN, as before int4), int4 (a GGUF's 4-bit blocks at 4
+# loads them), packed (all packed for oneDNN, none at 4 bits), int4 (a GGUF's 4-bit blocks at 4
 # bits, the rest packed).
 WEIGHTS = ("auto", "dense", "packed", "int4")
 # A local model folder needs one of these for AutoTokenizer (without it transformers' error reads

@@ -3,7 +3,7 @@ user cache and loaded as torch operators.
 
 A wheel with compiled code would need a build per platform and torch version; the kernels are
 small, so the first load compiles them with the system's C++ compiler against the installed
-torch's headers (~7-8 s a library on 2 cores, shown as a status line; model loading starts it on a background
+torch's headers (seconds a library, shown as a status line; model loading starts it on a background
 thread, prebuild(), so that it overlaps the model's conversion) and later loads only open the library.
 The library's name holds digests of the source and of the compiler and flags, and the torch
 version, so a change to any of them compiles afresh (a library of the same source built before
@@ -91,7 +91,7 @@ def why_not_loaded(source: Path, folder: Path, compiler: str = COMPILER,
 
 def prebuild(sources: list[Path], folder: Path, compiler: str = COMPILER) -> threading.Thread:
     """Build and load `sources` on a background thread, so that a first run's compiles overlap
-    the model's conversion (~7-8 s each on 2 cores, one core used): a load() of one of them then waits
+    the model's conversion (seconds each, on one core): a load() of one of them then waits
     for it instead of compiling again. What fails is left for that load() to report."""
     def build_all() -> None:
         for source in sources:

@@ -1,7 +1,7 @@
 """A Llama-family model's RMSNorm modules as one operator each, by ladechat's kernel (step_ops.cpp).
 
 transformers' RMSNorm is ~8 small tensor ops; a step of the embedded model calls it 61 times, and
-on 2 cores with a few rows of 576 that is ~1.5 ms of a ~12 ms step, all framework work. The kernel
+with a few rows of 576 that is a noticeable share of a step, all framework work. The kernel
 computes the same steps in the same precision with the sum of squares in another (fixed) order:
 in bf16 its results are nearly always the module's bits, in fp32 they differ in the last bit or
 so. So it replaces the norms only where the weights are already not the checkpoint's own floats

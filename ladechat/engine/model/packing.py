@@ -2,24 +2,16 @@
 
 On a CPU, `torch.nn.Linear` hands its weight to the BLAS as it lies in memory (out x in, row-major)
 on every call: bf16 matmuls are reordered into oneDNN's blocked layout each time, fp32 ones go to
-MKL, with which a step of 2-16 rows costs up to 2x a one-row step. Reordering each weight once, at
-load, into the layout oneDNN's kernels read (`torch.ops.mkldnn._reorder_linear_weight`, as
+MKL, with which a step of a few rows costs far more than a one-row step. Reordering each weight
+once, at load, into the layout oneDNN's kernels read (`torch.ops.mkldnn._reorder_linear_weight`, as
 inductor's weight freezing does for bf16) and calling the packed kernel (`_linear_pointwise`)
-removes both. The embedded model on this 2-core EPYC, 192 cached tokens, ms per step
-(scripts/packed_weights.py):
+removes both (measured: BENCHMARKS.md, scripts/packed_weights.py).
 
-    rows            1      2      4      8      16
-    bf16 as loaded  35.5   37.9   39.3   49.9   60.0
-    bf16 packed     28.5   32.1   29.3   34.0   42.6
-    fp32 as loaded  57.9   96.3   93.8   86.1   98.8
-    fp32 packed     42.7   46.6   45.5   46.7   57.1
-
-A plain step gets cheaper, and a step of up to 6 rows costs about what one row does (8 rows: 1.09x
-in fp32, 1.19x in bf16), which is what lookahead needs. bf16 results are bit for bit those of
-`nn.Linear` (the same oneDNN kernel, minus the per-call reorder); fp32 ones differ in the last bits
-(oneDNN's sums instead of MKL's). As with `nn.Linear`, a row's last bits can depend on how many
-rows its step has (the down projection's 1536-long sums here), so greedy exactness is checked
-against HF greedy on the same packed weights.
+A plain step gets cheaper, and a step of a few rows costs about what one row does, which is what
+lookahead needs. bf16 results are bit for bit those of `nn.Linear` (the same oneDNN kernel, minus
+the per-call reorder); fp32 ones differ in the last bits (oneDNN's sums instead of MKL's). As with
+`nn.Linear`, a row's last bits can depend on how many rows its step has (the down projection's
+1536-long sums here), so greedy exactness is checked against HF greedy on the same packed weights.
 
 The model's code is untouched: each plain `nn.Linear` module is replaced by a `PackedLinear` that
 computes the same product, as transformers' own quantizers replace Linear modules. Subclasses of
@@ -139,7 +131,7 @@ def is_packed(model) -> bool:
 
 class LayoutSwitch:
     """A packed model and plain Linear twins of its packed modules, to run it either way without
-    reordering weights at each switch (~0.5 s for the embedded model; the bench switches for every
+    reordering weights at each switch (slow, and the bench switches for every
     turn it gives HF). Holds a second copy of the Linear weights. It swaps the modules of the one
     model, so no other forward pass may run on it while `as_loaded` is open."""
 

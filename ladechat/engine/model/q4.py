@@ -7,9 +7,8 @@ this kernel's layout; this module makes the layout and the Linear module that ru
 Why not torch's int4 kernel (int4.Int4Linear, still the path where no compiler builds this one):
 it widens the codes to floats for every 4 rows of a step and multiplies in fp32, so each extra
 row of a lookahead step cost nearly what the first did; here the codes meet int8 activations in
-integer dot products, four multiply-adds per instruction. Measured on the 2-core AVX-512 machine
-(576x1536, fp32 rows, scripts/kernel_bench.py, before the kernels took 4 rows at a time): 24
-against 49 us for one row, 84 against 224 us for 16.
+integer dot products, four multiply-adds per instruction (measured: BENCHMARKS.md,
+scripts/kernel_bench.py).
 
 What it changes: the activations' int8 codes carry ~1/254 of each 32-input group's largest value
 as their rounding, where torch's kernel rounded them to bf16 (8 bits of mantissa): an error of the
@@ -153,7 +152,7 @@ class Q4Linear(torch.nn.Module):
 # -- products that share their input -------------------------------------------------------------
 #
 # A decoder layer multiplies one row by q, k and v, and another by gate and up. Called apart, each
-# product pays a call (~6 us: the dispatcher, quantizing the row, starting the threads) and quantizes
+# product pays a call (the dispatcher, quantizing the row, starting the threads) and quantizes
 # the same row again: ~90 of a step's ~240 products are that. So the kept 4-bit file holds each such
 # group's tiles, scales and lows as one tensor each (joined(), when the GGUF is first read), the
 # modules' buffers are consecutive views of them (KeptReader: no copy, no memory added), and the

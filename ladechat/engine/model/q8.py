@@ -4,21 +4,21 @@
 The output layer is the largest product of a small model's step: the embedded model's is
 49152 x 576, 28 M weights, read whole on every step for every row's logits (lookahead reads them
 all). The GGUF stores it (tied to the input embedding) as Q8_0 blocks, w = d * q with an int8
-code q per weight and an fp16 scale d per 32 weights; dense it would be 57
-MB a step in bf16, 113 MB in fp32 (the dtype of CPUs without native bf16, ~9 ms a step at their
-~12.6 GB/s), plus a packed copy of the tied embedding. At 8 bits it is 30 MB, read once a step
-whatever its rows. torch has no kernel for blocks of 32 with their own scales (its int8 weight
-kernel takes one scale per output), so ladechat compiles one (engine/model/native.py).
+code q per weight and an fp16 scale d per 32 weights; dense it would be 57 MB a step in bf16,
+113 MB in fp32 (the dtype of CPUs without native bf16), plus a packed copy of the tied embedding.
+At 8 bits it is 30 MB, read once a step whatever its rows. torch has no kernel for blocks of 32
+with their own scales (its int8 weight kernel takes one scale per output), so ladechat compiles
+one (engine/model/native.py).
 
 As for the 4-bit weights (q4.py), each row is quantized to int8 per 32 inputs and meets the codes
 in integer dot products, as llama.cpp multiplies these blocks: a float kernel spent one
-multiply-add per weight and row, ~0.23 ms a row of a step on the 2-core AVX-512 machine. The
-exact integer sums times the scales, in one fixed order: a row gives the same bits alone or among
-a step's rows, on one thread or two, on every path of the kernel. The codes and scales, in the
-kernel's layout, are kept in the GGUF's cache folder after the first read (the GGUF's metadata
-takes seconds to read); the model's code is untouched, its output module is replaced. Anything
-it cannot take (no Q8_0 output tensor, a shape the kernel does not fit, no compiler, a CPU
-without AVX2) leaves the layer as it was, with a one-line notice where that is a surprise.
+multiply-add per weight and row. The exact integer sums times the scales, in one fixed order: a
+row gives the same bits alone or among a step's rows, on one thread or two, on every path of the
+kernel. The codes and scales, in the kernel's layout, are kept in the GGUF's cache folder after
+the first read (the GGUF's metadata takes seconds to read); the model's code is untouched, its
+output module is replaced. Anything it cannot take (no Q8_0 output tensor, a shape the kernel
+does not fit, no compiler, a CPU without AVX2) leaves the layer as it was, with a one-line notice
+where that is a surprise.
 """
 
 from __future__ import annotations

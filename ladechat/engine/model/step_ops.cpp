@@ -1,8 +1,8 @@
 // A decoding step's small operations, each as one operator (engine/model/step_ops.py loads them).
-// On 2 cores with a few rows a step of the embedded model is ~12 ms, and about a quarter of it was
-// torch's dispatch of ~1,800 small ops around the weights' products: an RMSNorm is ~8 ops (~25 us
-// a call, 61 calls), the rotation of q and k ~10 ops a layer, the rows' top-k ~125 us a row.
-// Here each is one call of a few us. One library, so the first run compiles once.
+// With a small model and a few rows, much of a step was torch's dispatch of ~1,800 small ops
+// around the weights' products (measured: BENCHMARKS.md): an RMSNorm is ~8 ops (61 calls), the
+// rotation of q and k ~10 ops a layer, the rows' top-k one torch.topk each.
+// Here each is one call. One library, so the first run compiles once.
 //
 //   rms_norm, add_rms_norm  transformers' Llama RMSNorm (norms.py swaps the modules where the
 //                           weights are a GGUF's 4-bit blocks): the same steps in the same
@@ -240,7 +240,7 @@ inline bool above(float a, int64_t i, float b, int64_t j) {
 
 // The first index from i on whose logit may enter a full top-k: above `threshold` (the k-th best
 // so far) or NaN; V if none. Most of a vocabulary is below it, so the scan goes 8 logits at a time
-// where the CPU has AVX2 (~60 -> ~10 us a 49k-token row); what it stops at is then ranked as before.
+// where the CPU has AVX2; what it stops at is then ranked as before.
 inline int64_t next_candidate_portable(const float* x, int64_t i, int64_t V, float threshold) {
   for (; i < V; ++i)
     if (!(x[i] <= threshold)) return i;
@@ -658,7 +658,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   char* op = static_cast<char*>(out.data_ptr());
   const bool fp32 = q.scalar_type() == at::kFloat;
   // rows split between threads where there is enough to split: a one-row step's 9 heads over 200
-  // keys is ~10 us, about what waking a second thread costs
+  // keys cost about what waking a second thread does
   const int64_t grain = std::max<int64_t>(1, 2048 / std::max<int64_t>(L, 1));
   at::parallel_for(0, H * R, grain, [&](int64_t a, int64_t b) {
     std::vector<int64_t> visible(L);

@@ -1,7 +1,7 @@
 """ladechat's kernels for a decoding step's small operations (step_ops.cpp): RMSNorm (norms.py),
 the rotation of q and k (engine/lean.py) and the rows' top-k (runner.top_k), each one call
-instead of several torch ops. On the CPU with a small model these ops' dispatch is about a
-quarter of a step.
+instead of several torch ops. On the CPU with a small model these ops' dispatch is a large
+share of a step (measured: BENCHMARKS.md).
 
 Model loading loads the library for any model on the CPU (compiled once per machine,
 native.py). The rotation computes torch's very floats and the top-k torch's ranking (with equal
