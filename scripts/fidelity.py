@@ -35,9 +35,8 @@ def on_torch_int4(model) -> None:
     """The same blocks on torch's int4 kernel (what runs where no compiler builds ladechat's)."""
     for name, module in list(model.named_modules()):
         if type(module) is q4.Q4Linear:
-            codes = torch.from_numpy(int4.pack_codes(q4.codes_of(module.tiles).numpy()))
-            model.set_submodule(name, int4.Int4Linear.from_codes(codes, q4.per_row(module.scales),
-                                                                 q4.per_row(module.lows), module.bias, module.kind))
+            model.set_submodule(name, int4.Int4Linear.from_kernel_layout(module.tiles, module.scales, module.lows,
+                                                                         module.bias, module.kind))
 
 
 def main() -> None:

@@ -81,6 +81,32 @@ def test_blocks_decode_to_what_gguf_dequantizes(kind):
 
 
 @pytest.mark.parametrize("kind", int4.KINDS)
+def test_blocks_are_kept_in_the_files_own_precision(kind):
+    """The kernel's buffers hold the file's fp16 scales (Q4_0, Q4_1) or Q4_K's 6-bit integers with
+    d and dmin per 256, and give back decode()'s fp32 values exactly: no larger than needed, no
+    rounding."""
+    rows, cols = 48, 512
+    data = random_blocks(kind, rows, cols, seed=3)
+    q, *parts = int4.decode_compact(kind, data, rows, cols)
+    tiles, scales, lows = (q4.layout_k if kind == "Q4_K" else q4.layout)(torch.from_numpy(q),
+                                                                         *map(torch.from_numpy, parts))
+    assert q4.form(scales, lows) == ("Q4_K" if kind == "Q4_K" else "fp16")
+    _, scale, low = int4.decode(kind, data, rows, cols)
+    wide = q4.expand(scales, lows)
+    assert torch.equal(q4.per_row(wide[0]), torch.from_numpy(scale)) and torch.equal(q4.per_row(wide[1]),
+                                                                                       torch.from_numpy(low))
+    kept = tiles.nbytes + scales.nbytes + lows.nbytes
+    assert kept <= data.nbytes * (1.06 if kind == "Q4_K" else 1.12)  # the file's size, near enough
+
+
+def test_a_q4_0_scale_whose_low_leaves_fp16_keeps_fp32():
+    data = random_blocks("Q4_0", 16, 64, seed=4).copy()
+    data.reshape(16, 2, 18)[3, 1, :2] = np.frombuffer(np.float16(9000.0).tobytes(), np.uint8)  # -8 d = -72000
+    _, scale, low = int4.decode_compact("Q4_0", data, 16, 64)
+    assert scale.dtype == low.dtype == np.float32 and low[3, 1] == -72000.0
+
+
+@pytest.mark.parametrize("kind", int4.KINDS)
 def test_int4_linear_matches_the_dense_linear_of_the_same_blocks(kind):
     rows, cols = 96, 768 if kind == "Q4_K" else 320
     data = blocks_of(kind, rows, cols, seed=1)

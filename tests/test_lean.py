@@ -327,9 +327,8 @@ def test_on_torchs_int4_kernel_the_step_logits_are_the_forwards(dtype):
     model = load(LoadSpec(dtype=dtype, device="cpu", weights="int4")).model
     for name, module in list(model.named_modules()):
         if type(module) is q4.Q4Linear:  # the same blocks on torch's kernel
-            codes = torch.from_numpy(int4.pack_codes(q4.codes_of(module.tiles).numpy()))
-            model.set_submodule(name, int4.Int4Linear.from_codes(codes, q4.per_row(module.scales),
-                                                                 q4.per_row(module.lows), module.bias, module.kind))
+            model.set_submodule(name, int4.Int4Linear.from_kernel_layout(module.tiles, module.scales, module.lows,
+                                                                         module.bias, module.kind))
     assert int4.weight_layout(model).startswith("int4:210,")
     assert_steps_match(model, list(range(100, 160)))
 

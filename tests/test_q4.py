@@ -157,11 +157,11 @@ def test_the_module_keeps_its_bias_refuses_moves_and_bad_buffers(kernel):
     assert torch.equal(layer.product()(x), layer(x))
     state = layer.state_dict()
     assert torch.equal(state["weight"], layer.dense_weight()) and torch.equal(state["bias"], bias)
-    assert "Q4_0 blocks, ladechat's" in repr(layer)
+    assert "Q4_0 blocks (fp32 scales), ladechat's" in repr(layer)
     with pytest.raises(TypeError, match="4-bit weights stay on the CPU"):
         layer.to(torch.float16)
     tiles, tile_scales, tile_lows = q4.layout(codes, scales, lows)
-    with pytest.raises(ValueError, match="do not make one weight"):
+    with pytest.raises(ValueError, match="none of the kernel's forms"):
         q4.Q4Linear(tiles, tile_scales.half(), tile_lows)
     with pytest.raises(ValueError, match="does not fit the 4-bit kernel"):
         q4.layout(codes[:24], scales[:24], lows[:24])
@@ -212,3 +212,38 @@ def test_siblings_are_kept_together_and_multiply_in_one_call_with_the_same_bits(
     assert q4.joint_product([modules[name] for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj")]) is None
     del arrays["attn.v_proj.tiles"]  # a sibling that is not 4-bit: the others are kept apart
     assert "attn.q_proj.tiles" in q4.joined(arrays) and q4.joined(arrays).keys() >= {"mlp.gate_proj+up_proj.tiles"}
+
+
+def test_the_compact_forms_give_the_fp32_forms_bits(kernel):
+    """fp16 scales and lows (Q4_0, Q4_1 as the file holds them) and Q4_K's 6-bit sc and m with an
+    fp32 d and dmin per 256: the kernel widens them to the very fp32 values, so every path, row
+    count and dtype gives the fp32 form's bits, from fewer bytes."""
+    generator = torch.Generator().manual_seed(11)
+    rows, cols = 48, 512
+    codes, _, _ = random_weight(rows, cols, seed=11)
+    scales16 = (torch.rand(rows, cols // 32, generator=generator) * 0.05).half()
+    lows16 = (torch.randn(rows, cols // 32, generator=generator) * 0.1).half()
+    sc = torch.randint(0, 64, (rows, cols // 32), dtype=torch.uint8, generator=generator)
+    m = torch.randint(0, 64, (rows, cols // 32), dtype=torch.uint8, generator=generator)
+    d = (torch.rand(rows, cols // 256, generator=generator) * 0.01).half().float()
+    dmin = (torch.rand(rows, cols // 256, generator=generator) * 0.01).half().float()
+    k_scales = d.repeat_interleave(8, 1) * sc.float()  # exact: an fp16 times an integer < 64
+    k_lows = -dmin.repeat_interleave(8, 1) * m.float()
+    half, k_form = q4.layout(codes, scales16, lows16), q4.layout_k(codes, sc, m, d, dmin)
+    assert q4.form(*half[1:]) == "fp16" and q4.form(*k_form[1:]) == "Q4_K"
+    assert q4.form(*q4.layout(codes, scales16.float(), lows16.float())[1:]) == "fp32"
+    weights = rows * cols
+    assert sum(t.nbytes for t in half) / weights == 0.625 and sum(t.nbytes for t in k_form) / weights == 0.59375
+    assert all(torch.equal(a, b) for a, b in zip(q4.expand(*k_form[1:]), q4.layout(codes, k_scales, k_lows)[1:]))
+    x = torch.randn(9, cols, generator=generator)
+    for path in paths():
+        for count in (1, 2, 3, 4, 5, 9):
+            for rows_in in (x[:count], x[:count].bfloat16()):
+                assert torch.equal(q4.Q4Linear(*half, path=path)(rows_in),
+                                   q4.Q4Linear(*q4.layout(codes, scales16.float(), lows16.float()), path=path)(rows_in))
+                assert torch.equal(q4.Q4Linear(*k_form, path=path)(rows_in),
+                                   q4.Q4Linear(*q4.layout(codes, k_scales, k_lows), path=0)(rows_in)), (path, count)
+    layer = q4.Q4Linear(*k_form)
+    assert torch.equal(layer.dense_weight(), q4.Q4Linear(*q4.layout(codes, k_scales, k_lows)).dense_weight())
+    with pytest.raises(ValueError, match="multiple of 256"):
+        q4.layout_k(codes[:, :288], sc[:, :9], m[:, :9], d[:, :1], dmin[:, :1])

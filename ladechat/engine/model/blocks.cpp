@@ -2,8 +2,13 @@
 // these blocks: ladechat's kernels for a GGUF's 4-bit and Q6_K Linear weights (engine/model/q4.py,
 // q6.py) and its Q8_0 output layer (engine/model/q8.py). One library, so one compile.
 //
-//   q4_mm  Q4_0 / Q4_1 / Q4_K: w = scale * q + low, a code q in 0..15 per weight, an fp32 scale
-//          and low per 32 weights along a row
+//   q4_mm  Q4_0 / Q4_1 / Q4_K: w = scale * q + low, a code q in 0..15 per weight, a scale and low
+//          per 32 weights along a row, given in one of three forms (the fp32 values are the same):
+//            fp32   scale and low per 32 weights
+//            fp16   scale and low per 32 weights (Q4_0, Q4_1: the file's own fp16 values)
+//            Q4_K   sc and m (uint8 < 64) per 32 weights, d and -dmin (fp32) per 256: scale = d * sc,
+//                   low = -dmin * m, each exact in fp32 (an fp16 times an integer below 64)
+//          The compact forms are what a step streams: ~0.59-0.63 bytes a weight against 0.75.
 //   q8_mm  Q8_0: w = scale * q, a code q in -128..127 per weight, an fp32 scale per 32 weights
 //   q6_mm  Q6_K: w = d * sc * (q - 32), a code q in 0..63 per weight, an int8 sc per 16 weights and
 //          an fp32 d per 256 weights along a row (the file's own bits: ~0.83 bytes a weight)
@@ -27,13 +32,16 @@
 // t = d * float(bracket); y = fma(t, da, y)). So a row gives the same bits alone or among a step's rows, on one thread or
 // two, and on the VNNI, AVX2 and portable paths alike (tests/test_q4.py, tests/test_q8.py).
 //
-// Layout (q4.layout and q8.kernel_layout make it), one tile per 16 outputs x 32 inputs, and per
-// tile fp32 scales (Q4: and lows) (N / 16, K / 32, 16):
+// Layout (q4.layout, q4.layout_k and q8.kernel_layout make it), one tile per 16 outputs x 32 inputs:
 //
 //   Q4 codes (N / 16, K / 32, 256) uint8
 //     tile byte 64 p + 4 j + i    (p 0..3, output j 0..15, i 0..3)
 //        low nibble:  q[j][4 p + i]            inputs 0..15 of the group
 //        high nibble: q[j][4 (p + 4) + i]      inputs 16..31
+//     and scales, lows: fp32 or fp16 (N / 16, K / 32, 16), output j at j; or (Q4_K form) scales
+//     uint8 (N / 16, K / 32, 32): sc of output j at j, m at 16 + j, and lows fp32
+//     (N / 16, K / 256, 32): d of output j at j, -dmin at 16 + j
+//   Q8 scales fp32 (N / 16, K / 32, 16)
 //   Q8 codes (N / 16, K / 32, 512) int8
 //     tile byte 64 c + 4 j + i    (c 0..7) = q[j][4 c + i]
 //     and sums (N / 16, K / 32, 16) int32: each output's 32 codes added (the VNNI path's offset)
@@ -59,6 +67,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
@@ -78,14 +87,16 @@ constexpr int GROUP = 32;                    // inputs per scale and low
 constexpr int Q4_TILE = OUT * GROUP / 2;  // bytes: 256
 constexpr int Q8_TILE = OUT * GROUP;      // bytes: 512
 constexpr int Q6_TILE = Q4_TILE + OUT * GROUP / 4 + 2 * OUT;  // bytes: 416
-constexpr int Q6_SUPER = 8;                  // groups per d (256 inputs)
+constexpr int Q6_SUPER = 8;                  // groups per d (256 inputs); Q4_K's d and dmin too
 constexpr int64_t QUANTIZE_GRAIN = 16;       // rows quantized per thread: a step's few rows on one
 constexpr int ROWS_AT_ONCE = 4;              // rows of a tile in registers at once (by_rows)
 constexpr int64_t PREFETCH_BYTES = 4096;     // how far ahead of its reads a kernel asks for the codes
 
 enum Path : int64_t { PORTABLE = 0, AVX2 = 1, VNNI = 2 };
 
-bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+bool has_avx2() {
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
 bool has_vnni() {
   return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
          && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni");
@@ -176,10 +187,11 @@ void quantize_avx2(const float* x, int64_t K, Quantized out) {
 
 // One tile of 16 outputs over all K inputs for M rows: acc (M, 16) fp32.
 struct Tile {
-  const uint8_t* codes;  // (K / 32, 256 Q4 / 512 Q8)
-  const float* scales;   // (K / 32, 16)
-  const float* lows;     // Q4: (K / 32, 16)
+  const uint8_t* codes;  // (K / 32, 256 Q4 / 512 Q8 / 416 Q6)
+  const void* scales;    // Q4: its form's (above); Q8: (K / 32, 16) fp32; Q6: d (K / 256, 16) fp32
+  const void* lows;      // Q4: its form's
   const int32_t* sums;   // Q8: (K / 32, 16)
+  const float* f32() const { return static_cast<const float*>(scales); }
 };
 
 // 4 consecutive int8 codes as one 32-bit lane's bytes (memcpy: the codes are int8, read as int32)
@@ -205,17 +217,18 @@ struct Rows {
 // memory). Why: the hardware's prefetcher alone left each product waiting on memory, more so with
 // other ops between the products, as in a step (measured: BENCHMARKS.md). A prefetch never
 // faults, so the last groups may ask past the end of the weight.
-template <int TILE_BYTES>
+// SCALE_BYTES, OTHER_BYTES: the bytes per group of w.scales and of per_output (for Q4_K's lows, one
+// eighth of a super-block's).
+template <int TILE_BYTES, int SCALE_BYTES = OUT * 4, int OTHER_BYTES = OUT * 4>
 inline void prefetch_group(const Tile& w, const void* per_output, int64_t g) {
   constexpr int64_t ahead = PREFETCH_BYTES / TILE_BYTES;  // groups
-  constexpr int64_t group_bytes = OUT * 4;                 // 16 fp32 scales; lows fp32, sums int32 alike
   // addresses as integers: a pointer past an array's end is undefined, an address is not
   const auto at = [](const void* base, int64_t offset) {
     return reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(base) + offset);
   };
   for (int line = 0; line < TILE_BYTES; line += 64) _mm_prefetch(at(w.codes, (g + ahead) * TILE_BYTES + line), _MM_HINT_T0);
-  _mm_prefetch(at(w.scales, (g + ahead) * group_bytes), _MM_HINT_T0);
-  _mm_prefetch(at(per_output, (g + ahead) * group_bytes), _MM_HINT_T0);
+  _mm_prefetch(at(w.scales, (g + ahead) * SCALE_BYTES), _MM_HINT_T0);
+  _mm_prefetch(at(per_output, (g + ahead) * OTHER_BYTES), _MM_HINT_T0);
 }
 
 // The codes alone PREFETCH_BYTES ahead (Q6: its d, one per 8 groups, is left to the hardware).
@@ -247,10 +260,81 @@ inline void nibbles_avx2(const uint8_t* c, int h, __m256i q[8]) {
   }
 }
 
+// The scale and low of group g of a Q4 tile for its 16 outputs, as fp32, from each form: the
+// values of the fp32 form exactly (an fp16 widens exactly; d * sc and -dmin * m are exact), so the
+// kernels compute the same bits from every form.
+struct F32Form {
+  static constexpr int SCALE_BYTES = OUT * 4, LOW_BYTES = OUT * 4;
+  __attribute__((target("avx512f")))
+  static void avx512(const Tile& w, int64_t g, __m512& scale, __m512& low) {
+    scale = _mm512_loadu_ps(w.f32() + g * OUT);
+    low = _mm512_loadu_ps(static_cast<const float*>(w.lows) + g * OUT);
+  }
+  __attribute__((target("avx2,fma,f16c")))
+  static void avx2(const Tile& w, int64_t g, int h, __m256& scale, __m256& low) {
+    scale = _mm256_loadu_ps(w.f32() + g * OUT + 8 * h);
+    low = _mm256_loadu_ps(static_cast<const float*>(w.lows) + g * OUT + 8 * h);
+  }
+  static void portable(const Tile& w, int64_t g, int j, float& scale, float& low) {
+    scale = w.f32()[g * OUT + j];
+    low = static_cast<const float*>(w.lows)[g * OUT + j];
+  }
+};
+
+struct F16Form {
+  static constexpr int SCALE_BYTES = OUT * 2, LOW_BYTES = OUT * 2;
+  static const uint16_t* of(const void* p) { return static_cast<const uint16_t*>(p); }
+  __attribute__((target("avx512f")))
+  static void avx512(const Tile& w, int64_t g, __m512& scale, __m512& low) {
+    scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(of(w.scales) + g * OUT)));
+    low = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(of(w.lows) + g * OUT)));
+  }
+  __attribute__((target("avx2,fma,f16c")))
+  static void avx2(const Tile& w, int64_t g, int h, __m256& scale, __m256& low) {
+    scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(of(w.scales) + g * OUT + 8 * h)));
+    low = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(of(w.lows) + g * OUT + 8 * h)));
+  }
+  static void portable(const Tile& w, int64_t g, int j, float& scale, float& low) {
+    scale = static_cast<float>(c10::Half(of(w.scales)[g * OUT + j], c10::Half::from_bits()));
+    low = static_cast<float>(c10::Half(of(w.lows)[g * OUT + j], c10::Half::from_bits()));
+  }
+};
+
+struct KForm {
+  static constexpr int SCALE_BYTES = 2 * OUT, LOW_BYTES = 2 * OUT * 4 / Q6_SUPER;
+  static const uint8_t* sub(const Tile& w, int64_t g) { return static_cast<const uint8_t*>(w.scales) + g * 2 * OUT; }
+  static const float* super(const Tile& w, int64_t g) {
+    return static_cast<const float*>(w.lows) + g / Q6_SUPER * 2 * OUT;
+  }
+  __attribute__((target("avx512f")))
+  static void avx512(const Tile& w, int64_t g, __m512& scale, __m512& low) {
+    const uint8_t* s = sub(w, g);
+    const float* f = super(w, g);
+    scale = _mm512_mul_ps(_mm512_loadu_ps(f), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(s)))));
+    low = _mm512_mul_ps(_mm512_loadu_ps(f + OUT), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + OUT)))));
+  }
+  __attribute__((target("avx2,fma,f16c")))
+  static void avx2(const Tile& w, int64_t g, int h, __m256& scale, __m256& low) {
+    const uint8_t* s = sub(w, g) + 8 * h;
+    const float* f = super(w, g) + 8 * h;
+    scale = _mm256_mul_ps(_mm256_loadu_ps(f), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s)))));
+    low = _mm256_mul_ps(_mm256_loadu_ps(f + OUT), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + OUT)))));
+  }
+  static void portable(const Tile& w, int64_t g, int j, float& scale, float& low) {
+    scale = super(w, g)[j] * static_cast<float>(sub(w, g)[j]);
+    low = super(w, g)[OUT + j] * static_cast<float>(sub(w, g)[OUT + j]);
+  }
+};
+
 // The kernels take R rows of a tile at once (R = ROWS_AT_ONCE, then what is left), each row's 16
 // outputs in registers over all K inputs: a group's codes are loaded (and for Q4 unpacked) once
 // for the R rows, and the rows' sums never go through memory. The float steps per row are the
 // portable path's, in its order.
+template <typename Form>
 struct Q4Vnni {
   template <int R>
   __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni")))
@@ -262,11 +346,12 @@ struct Q4Vnni {
     __m512 y[R];
     for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
-      prefetch_group<Q4_TILE>(w, w.lows, g);
+      prefetch_group<Q4_TILE, Form::SCALE_BYTES, Form::LOW_BYTES>(w, w.lows, g);
       const uint8_t* c = w.codes + g * Q4_TILE;
       __m512i q[8];  // q[c]: inputs 4c..4c+3 of the group, 4 bytes per output lane
       nibbles_avx512(c, q);
-      const __m512 scale = _mm512_loadu_ps(w.scales + g * OUT), low = _mm512_loadu_ps(w.lows + g * OUT);
+      __m512 scale, low;
+      Form::avx512(w, g, scale, low);
       for (int r = 0; r < R; ++r) {
         const Quad a{codes + r * K + g * GROUP};
         __m512i s0 = _mm512_setzero_si512(), s1 = s0;  // two chains: the sum is exact in any order
@@ -284,9 +369,10 @@ struct Q4Vnni {
 };
 
 // The same arithmetic in two halves of 8 outputs.
+template <typename Form>
 struct Q4Avx2 {
   template <int R>
-  __attribute__((target("avx2,fma")))
+  __attribute__((target("avx2,fma,f16c")))
   static void rows(const Rows& x, const Tile& w, int64_t m0, float* acc) {
     const int64_t K = x.K, G = K / GROUP;
     const int8_t* codes = x.codes + m0 * K;
@@ -296,12 +382,13 @@ struct Q4Avx2 {
     __m256 y[R][2];
     for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
-      prefetch_group<Q4_TILE>(w, w.lows, g);
+      prefetch_group<Q4_TILE, Form::SCALE_BYTES, Form::LOW_BYTES>(w, w.lows, g);
       const uint8_t* c = w.codes + g * Q4_TILE;
       for (int h = 0; h < 2; ++h) {
         __m256i q[8];
         nibbles_avx2(c, h, q);
-        const __m256 scale = _mm256_loadu_ps(w.scales + g * OUT + 8 * h), low = _mm256_loadu_ps(w.lows + g * OUT + 8 * h);
+        __m256 scale, low;
+        Form::avx2(w, g, h, scale, low);
         for (int r = 0; r < R; ++r) {
           const Quad a{codes + r * K + g * GROUP};
           // a 16-bit pair sum is 2 products of at most 15 * 127, and two such added: within 16 bits
@@ -322,6 +409,7 @@ struct Q4Avx2 {
   }
 };
 
+template <typename Form>
 void q4_tile_portable(const Rows& x, const Tile& w, float* acc) {
   const int64_t G = x.K / GROUP;
   std::fill(acc, acc + x.M * OUT, 0.f);
@@ -335,7 +423,9 @@ void q4_tile_portable(const Rows& x, const Tile& w, float* acc) {
           const uint8_t byte = c[64 * (k / 4 % 4) + 4 * j + k % 4];
           isum += (k < 16 ? byte & 0x0F : byte >> 4) * a[k];
         }
-        const float t = std::fma(w.lows[g * OUT + j], x.sum[m * G + g], w.scales[g * OUT + j] * static_cast<float>(isum));
+        float scale, low;
+        Form::portable(w, g, j, scale, low);
+        const float t = std::fma(low, x.sum[m * G + g], scale * static_cast<float>(isum));
         acc[m * OUT + j] = std::fma(t, x.scale[m * G + g], acc[m * OUT + j]);
       }
     }
@@ -358,7 +448,7 @@ struct Q8Vnni {
       __m512i q[8];
       for (int k = 0; k < 8; ++k) q[k] = _mm512_loadu_si512(c + 64 * k);
       const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(w.sums + g * OUT), 7);  // 128 * sum q
-      const __m512 scale = _mm512_loadu_ps(w.scales + g * OUT);
+      const __m512 scale = _mm512_loadu_ps(w.f32() + g * OUT);
       for (int r = 0; r < R; ++r) {
         const Quad a{codes + r * K + g * GROUP};
         __m512i s0 = _mm512_setzero_si512(), s1 = s0;
@@ -393,7 +483,7 @@ struct Q8Avx2 {
           q[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * k + 32 * h));
           size[k] = _mm256_sign_epi8(q[k], q[k]);  // |q| (-128 reads as 128 unsigned)
         }
-        const __m256 scale = _mm256_loadu_ps(w.scales + g * OUT + 8 * h);
+        const __m256 scale = _mm256_loadu_ps(w.f32() + g * OUT + 8 * h);
         for (int r = 0; r < R; ++r) {
           const Quad a{codes + r * K + g * GROUP};
           __m256i s = _mm256_setzero_si256();
@@ -419,7 +509,7 @@ void q8_tile_portable(const Rows& x, const Tile& w, float* acc) {
       for (int j = 0; j < OUT; ++j) {
         int32_t isum = 0;
         for (int k = 0; k < GROUP; ++k) isum += c[64 * (k / 4) + 4 * j + k % 4] * a[k];
-        const float t = w.scales[g * OUT + j] * static_cast<float>(isum);
+        const float t = w.f32()[g * OUT + j] * static_cast<float>(isum);
         acc[m * OUT + j] = std::fma(t, x.scale[m * G + g], acc[m * OUT + j]);
       }
     }
@@ -453,7 +543,7 @@ struct Q6Vnni {
       }
       const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + Q6_TILE - 32)));
       const __m512i sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + Q6_TILE - 16)));
-      if (g % Q6_SUPER == 0) d = _mm512_loadu_ps(w.scales + g / Q6_SUPER * OUT);
+      if (g % Q6_SUPER == 0) d = _mm512_loadu_ps(w.f32() + g / Q6_SUPER * OUT);
       for (int r = 0; r < R; ++r) {
         const Quad a{codes + r * K + g * GROUP};
         __m512i s0 = _mm512_setzero_si512(), s1 = s0;
@@ -497,7 +587,7 @@ struct Q6Avx2 {
         }
         const __m256i sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + Q6_TILE - 32 + 8 * h)));
         const __m256i sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + Q6_TILE - 16 + 8 * h)));
-        const __m256 d = _mm256_loadu_ps(w.scales + g / Q6_SUPER * OUT + 8 * h);
+        const __m256 d = _mm256_loadu_ps(w.f32() + g / Q6_SUPER * OUT + 8 * h);
         for (int r = 0; r < R; ++r) {
           const Quad a{codes + r * K + g * GROUP};
           // a 16-bit pair sum is 2 products of at most 63 * 127, and two such added: within 16 bits
@@ -538,7 +628,7 @@ void q6_tile_portable(const Rows& x, const Tile& w, float* acc) {
         }
         for (int h = 0; h < 2; ++h) half[h] -= 32 * x.halves[(m * G + g) * 2 + h];
         const int32_t isum = sc[j] * half[0] + sc[OUT + j] * half[1];
-        const float t = w.scales[g / Q6_SUPER * OUT + j] * static_cast<float>(isum);
+        const float t = w.f32()[g / Q6_SUPER * OUT + j] * static_cast<float>(isum);
         acc[m * OUT + j] = std::fma(t, x.scale[m * G + g], acc[m * OUT + j]);
       }
     }
@@ -597,9 +687,9 @@ void check_per_tile(const at::Tensor& t, int64_t tiles, int64_t groups, at::Scal
 
 // The common part of q4_mm and q8_mm: the rows quantized, then tiles of outputs split between
 // threads (each output computed by one thread, in one order), each tile by `kernel`.
+// scales, lows (Q4), sums (Q8): per tile along dim 0, contiguous (lows, sums: undefined where unused).
 at::Tensor run(const at::Tensor& x, const at::Tensor& codes, int64_t tile_bytes, const at::Tensor& scales,
-               const float* lows, const int32_t* sums, int64_t path, const TileKernel kernels[3],
-               int64_t groups_per_scale = 1) {
+               const at::Tensor& lows, const at::Tensor& sums, int64_t path, const TileKernel kernels[3]) {
   TORCH_CHECK(path == PORTABLE || (path == AVX2 && has_avx2()) || (path == VNNI && has_vnni()),
               "blocks: this CPU lacks the instructions of the path asked for");
   const int64_t M = x.size(0), K = x.size(1), G = K / GROUP, NB = codes.size(0), N = NB * OUT;
@@ -620,14 +710,18 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& codes, int64_t tile_bytes,
   }
   const Rows rows{qa.data(), da.data(), sa.data(), M, K, halves.data()};
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
-  const float* sp = scales.data_ptr<float>();
+  // each tile's part of scales, lows and sums: where they start, and how many bytes a tile has
+  const auto start = [](const at::Tensor& t) { return t.defined() ? static_cast<const char*>(t.data_ptr()) : nullptr; };
+  const auto bytes = [NB](const at::Tensor& t) { return t.defined() && NB ? static_cast<int64_t>(t.nbytes()) / NB : 0; };
+  const char *sp = start(scales), *lp = start(lows), *up = start(sums);
+  const int64_t s_bytes = bytes(scales), l_bytes = bytes(lows), u_bytes = bytes(sums);
   const TileKernel kernel = kernels[path];
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> acc(M * OUT);
     for (int64_t b = b0; b < b1; ++b) {
-      const Tile tile{cp + b * G * tile_bytes, sp + b * (G / groups_per_scale) * OUT, lows ? lows + b * G * OUT : nullptr,
-                      sums ? sums + b * G * OUT : nullptr};
+      const Tile tile{cp + b * G * tile_bytes, sp + b * s_bytes, lp ? lp + b * l_bytes : nullptr,
+                      up ? reinterpret_cast<const int32_t*>(up + b * u_bytes) : nullptr};
       kernel(rows, tile, acc.data());
       if (bf16) {
         c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
@@ -650,11 +744,30 @@ at::Tensor q4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
   TORCH_CHECK(codes.dim() == 3 && codes.size(1) == G && codes.size(2) == Q4_TILE
               && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.device().is_cpu(),
               "q4_mm: codes must be (out / 16, in / 32, 256) uint8, contiguous, on the CPU");
-  const char* what = "q4_mm: scales and lows must be (out / 16, in / 32, 16) fp32, contiguous, on the CPU";
-  check_per_tile(scales, codes.size(0), G, at::kFloat, what);
-  check_per_tile(lows, codes.size(0), G, at::kFloat, what);
-  static const TileKernel kernels[3] = {q4_tile_portable, by_rows<Q4Avx2>, by_rows<Q4Vnni>};
-  return run(x, codes, Q4_TILE, scales, lows.data_ptr<float>(), nullptr, path, kernels);
+  const int64_t NB = codes.size(0);
+  if (scales.scalar_type() == at::kByte) {  // the Q4_K form
+    TORCH_CHECK(G % Q6_SUPER == 0, "q4_mm: the Q4_K form needs inputs in multiples of 256");
+    TORCH_CHECK(scales.dim() == 3 && scales.size(0) == NB && scales.size(1) == G && scales.size(2) == 2 * OUT
+                && scales.is_contiguous() && scales.device().is_cpu(),
+                "q4_mm: Q4_K scales must be (out / 16, in / 32, 32) uint8, contiguous, on the CPU");
+    TORCH_CHECK(lows.dim() == 3 && lows.size(0) == NB && lows.size(1) == G / Q6_SUPER && lows.size(2) == 2 * OUT
+                && lows.scalar_type() == at::kFloat && lows.is_contiguous() && lows.device().is_cpu(),
+                "q4_mm: Q4_K lows must be (out / 16, in / 256, 32) fp32, contiguous, on the CPU");
+    static const TileKernel kernels[3] = {q4_tile_portable<KForm>, by_rows<Q4Avx2<KForm>>, by_rows<Q4Vnni<KForm>>};
+    return run(x, codes, Q4_TILE, scales, lows, at::Tensor(), path, kernels);
+  }
+  const bool half = scales.scalar_type() == at::kHalf;
+  const char* what = "q4_mm: scales and lows must be (out / 16, in / 32, 16), both fp32 or both fp16, contiguous, "
+                     "on the CPU";
+  check_per_tile(scales, NB, G, half ? at::kHalf : at::kFloat, what);
+  check_per_tile(lows, NB, G, half ? at::kHalf : at::kFloat, what);
+  if (half) {
+    static const TileKernel kernels[3] = {q4_tile_portable<F16Form>, by_rows<Q4Avx2<F16Form>>,
+                                          by_rows<Q4Vnni<F16Form>>};
+    return run(x, codes, Q4_TILE, scales, lows, at::Tensor(), path, kernels);
+  }
+  static const TileKernel kernels[3] = {q4_tile_portable<F32Form>, by_rows<Q4Avx2<F32Form>>, by_rows<Q4Vnni<F32Form>>};
+  return run(x, codes, Q4_TILE, scales, lows, at::Tensor(), path, kernels);
 }
 
 at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& sums,
@@ -669,7 +782,7 @@ at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
   check_per_tile(sums, codes.size(0), G, at::kInt,
                  "q8_mm: sums must be (out / 16, in / 32, 16) int32, contiguous, on the CPU");
   static const TileKernel kernels[3] = {q8_tile_portable, by_rows<Q8Avx2>, by_rows<Q8Vnni>};
-  return run(x, codes, Q8_TILE, scales, nullptr, sums.data_ptr<int32_t>(), path, kernels);
+  return run(x, codes, Q8_TILE, scales, at::Tensor(), sums, path, kernels);
 }
 
 // d: (out / 16, in / 256, 16) fp32; the inputs a multiple of 256.
@@ -683,7 +796,7 @@ at::Tensor q6_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
   check_per_tile(d, codes.size(0), G / Q6_SUPER, at::kFloat,
                  "q6_mm: d must be (out / 16, in / 256, 16) fp32, contiguous, on the CPU");
   static const TileKernel kernels[3] = {q6_tile_portable, by_rows<Q6Avx2>, by_rows<Q6Vnni>};
-  return run(x, codes, Q6_TILE, d, nullptr, nullptr, path, kernels, Q6_SUPER);
+  return run(x, codes, Q6_TILE, d, at::Tensor(), at::Tensor(), path, kernels);
 }
 
 }  // namespace

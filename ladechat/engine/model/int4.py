@@ -9,8 +9,8 @@ and one scale and offset, which this module reads as w = scale * q + low:
     Q4_K  w = d sc_j * q - dmin m_j   scale d sc_j,  low -dmin m_j   (per 32-weight sub-block j)
 
 Each such tensor is read from the file as it is (the `gguf` package's reader, no dequantized fp32
-copy) and kept in q4.py's layout, with fp32 scales and lows (exact: fp16 times a 6-bit integer at
-most). ladechat's kernel multiplies them with int8 activations (q4.py says why). Without it, the
+copy) and kept in q4.py's layout in the file's own precision (fp16 scales and lows; Q4_K's 6-bit
+sc and m with d and dmin per 256 weights), which the kernel widens to fp32 exactly. ladechat's kernel multiplies them with int8 activations (q4.py says why). Without it, the
 same blocks are torch's int4 packed format with groups of 32 ("tinygemm": w = (q - 8) * scale +
 zero, zero = low + 8 scale), packed once at load (`_convert_weight_to_int4pack_for_cpu`) and
 multiplied by `_weight_int4pack_mm_for_cpu`, whose scales and zeros are bf16 and whose vectorized
@@ -90,35 +90,44 @@ def decode(kind: str, data: np.ndarray, rows: int, cols: int) -> tuple[np.ndarra
     w = scale * q + low is the weight `gguf.dequantize` gives (the scales and lows exactly: fp16
     values, or for Q4_K an fp16 times a 6-bit integer). `data` is the tensor's bytes, (rows, bytes
     per row)."""
+    q, *parts = decode_compact(kind, data, rows, cols)
+    if kind != "Q4_K":
+        return q, parts[0].astype(np.float32), parts[1].astype(np.float32)
+    sc, m, d, dmin = parts
+    d, dmin = np.repeat(d, q4.SUPER, axis=1), np.repeat(dmin, q4.SUPER, axis=1)
+    return q, d * sc.astype(np.float32), -dmin * m.astype(np.float32)  # exact: fp16 times an integer < 64
+
+
+def decode_compact(kind: str, data: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, ...]:
+    """A GGUF tensor's blocks in the precision the file holds them, for q4.layout / q4.layout_k:
+    Q4_0 and Q4_1: (q, scale, low), the scale and low (rows, cols / 32) fp16 (fp32 where Q4_0's -8 d
+    leaves fp16's range); Q4_K: (q, sc, m, d, dmin), sc and m (rows, cols / 32) uint8, d and dmin
+    (rows, cols / 256) fp32; q as decode()'s."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import Q4_K
 
-    qtype = GGMLQuantizationType[kind]
-    block, size = GGML_QUANT_SIZES[qtype]
+    if kind not in KINDS:
+        raise Int4Error(f"{kind} has no exact int4 form (only {', '.join(KINDS)})")
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
     if cols % block or data.shape != (rows, cols // block * size):
         raise Int4Error(f"{kind} blocks of {data.shape[-1]} bytes a row do not make {rows}x{cols} weights")
     blocks = np.asarray(data, dtype=np.uint8).reshape(rows, cols // block, size)
     if kind == "Q4_0":
-        scale = _f16(blocks, 0)
-        low = -8 * scale
-        q = _nibbles(blocks[..., 2:])
-    elif kind == "Q4_1":
-        scale = _f16(blocks, 0)
-        low = _f16(blocks, 2)
-        q = _nibbles(blocks[..., 4:])
-    elif kind == "Q4_K":
-        n = rows * (cols // block)
-        d, dmin = _f16(blocks, 0).reshape(n, 1), _f16(blocks, 2).reshape(n, 1)
-        sc, m = Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(n, 12))
-        scale = d * sc  # (n, 8): one per 32-weight sub-block
-        low = -dmin * m
-        # 4 chunks of 32 bytes: the low nibbles are sub-block 2j, the high ones 2j + 1
-        qs = blocks[..., 16:].reshape(n, 4, 1, 32)
-        q = np.concatenate([qs & 0x0F, qs >> 4], axis=2)
-    else:
-        raise Int4Error(f"{kind} has no exact int4 form (only {', '.join(KINDS)})")
-    return (q.reshape(rows, cols), scale.reshape(rows, cols // GROUP).astype(np.float32),
-            low.reshape(rows, cols // GROUP).astype(np.float32))
+        d = _f16(blocks, 0).reshape(rows, cols // GROUP)
+        low = -8 * d
+        dtype = np.float16 if (np.abs(low) <= np.finfo(np.float16).max).all() else np.float32  # else past fp16's range
+        return _nibbles(blocks[..., 2:]).reshape(rows, cols), d.astype(dtype), low.astype(dtype)
+    if kind == "Q4_1":
+        return _nibbles(blocks[..., 4:]).reshape(rows, cols), *(_f16(blocks, at).reshape(rows, cols // GROUP)
+                                                                 .astype(np.float16) for at in (0, 2))
+    n = rows * (cols // block)
+    d, dmin = _f16(blocks, 0).reshape(rows, -1), _f16(blocks, 2).reshape(rows, -1)
+    sc, m = Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(n, 12))
+    # 4 chunks of 32 bytes: the low nibbles are sub-block 2j, the high ones 2j + 1
+    qs = blocks[..., 16:].reshape(n, 4, 1, 32)
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(rows, cols)
+    return (q, sc.reshape(rows, -1).astype(np.uint8), m.reshape(rows, -1).astype(np.uint8),
+            d.astype(np.float32), dmin.astype(np.float32))
 
 
 def pack_codes(q: np.ndarray) -> np.ndarray:
@@ -178,6 +187,13 @@ class Int4Linear(torch.nn.Module):
         # (in / 32, out, 2): the kernel's order
         groups = torch.stack([scales.t().double(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous()
         return cls(packed, groups, bias, kind)
+
+    @classmethod
+    def from_kernel_layout(cls, tiles: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor,
+                           bias: torch.Tensor | None = None, kind: str = "Q4") -> Int4Linear:
+        """The same blocks from ladechat's kernel's buffers (q4.layout's or q4.layout_k's)."""
+        codes = torch.from_numpy(pack_codes(q4.codes_of(tiles).numpy()))
+        return cls.from_codes(codes, *map(q4.per_row, q4.expand(scales, lows)), bias, kind)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
@@ -297,8 +313,8 @@ def _kernel_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of) ->
         finite = np.isfinite(parts[1]).all()
     else:
         check_shape(rows, cols)
-        parts = decode(kind, data, rows, cols)
-        finite = np.isfinite(parts[1]).all() and np.isfinite(parts[2]).all()
+        parts = decode_compact(kind, data, rows, cols)
+        finite = all(np.isfinite(part).all() for part in parts[1:] if part.dtype.kind == "f")
     if not finite:
         raise Int4Error("some of its scales are not finite numbers (a corrupt block)")
     order = order_of()
@@ -311,7 +327,7 @@ def _kernel_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of) ->
         return dict(zip(q6.BUFFERS, q6.layout(*parts), strict=True))
     if kind == "Q8_0":
         return dict(zip(q8.BUFFERS, q8.kernel_layout(*parts), strict=True))
-    return dict(zip(q4.BUFFERS, q4.layout(*parts), strict=True))
+    return dict(zip(q4.BUFFERS, (q4.layout_k if kind == "Q4_K" else q4.layout)(*parts), strict=True))
 
 
 @dataclass(frozen=True)
@@ -391,8 +407,7 @@ def _replace(model, read: q4.KeptReader, kinds: dict[str, str], notices: list[st
             if path is not None:
                 module = q4.Q4Linear(tiles, scales, lows, linear.bias, kind, path)
             else:
-                codes = torch.from_numpy(pack_codes(q4.codes_of(tiles).numpy()))
-                module = Int4Linear.from_codes(codes, q4.per_row(scales), q4.per_row(lows), linear.bias, kind)
+                module = Int4Linear.from_kernel_layout(tiles, scales, lows, linear.bias, kind)
             if (module.out_features, module.in_features) != (linear.out_features, linear.in_features):
                 continue
             model.set_submodule(name, module)

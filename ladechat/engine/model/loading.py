@@ -580,7 +580,7 @@ def mask_probe(model) -> bool:
     device, dtype = model.device, model.dtype
     vocab = model.config.get_text_config().vocab_size
     a, b, c = 1 % vocab, 2 % vocab, 3 % vocab
-    layout = StepLayout([a, b, c], [-1, 0, 0], 3, range(0, 3), [{}, {}, {}], [])
+    layout = StepLayout([a, b, c], [-1, 0, 0], 3, range(3), [{}, {}, {}], [])
     ids, positions, mask = step_inputs(layout, 0, dtype, device)
     with torch.inference_mode():
         tree = model(input_ids=ids, position_ids=positions, attention_mask=mask).logits[0, 2].float()

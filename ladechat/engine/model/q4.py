@@ -2,7 +2,12 @@
 activations quantized to int8 per 32 inputs, as llama.cpp multiplies these blocks.
 
 int4.py reads the blocks (Q4_0, Q4_1, Q4_K: w = scale * q + low per 32 weights) and keeps them in
-this kernel's layout; this module makes the layout and the Linear module that runs it.
+this kernel's layout; this module makes the layout and the Linear module that runs it. A step reads
+every weight once, so the bytes it streams set its floor: the scales and lows are kept in the
+file's own precision, fp16 for Q4_0 and Q4_1 (0.625 bytes a weight with the codes) and for Q4_K its
+6-bit integers per 32 weights with an fp32 d and dmin per 256 (~0.59), the kernel widening them as
+it reads (exactly: the same fp32 values, so the same products, as the fp32 form that any scales can
+take, 0.75 bytes a weight).
 
 Why not torch's int4 kernel (int4.Int4Linear, still the path where no compiler builds this one):
 it widens the codes to floats for every 4 rows of a step and multiplies in fp32, so each extra
@@ -30,6 +35,7 @@ from ladechat.engine.model import native
 
 SOURCE = Path(__file__).with_name("blocks.cpp")  # also Q8_0's kernel (q8.py): one library
 GROUP = 32  # inputs per scale and low
+SUPER = 8  # groups per d and dmin in the Q4_K form (256 inputs)
 OUT = 16  # outputs per tile
 TILE_BYTES = OUT * GROUP // 2
 PATHS = {0: "portable", 1: "AVX2", 2: "AVX-512 VNNI"}
@@ -58,20 +64,65 @@ def check_shape(rows: int, cols: int) -> None:
 
 def layout(codes: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """codes (N, K) uint8 in 0..15, scales and lows (N, K / 32) -> the kernel's tiles
-    (N / 16, K / 32, 256) uint8 and scales, lows (N / 16, K / 32, 16) fp32 (blocks.cpp draws the tile)."""
+    (N / 16, K / 32, 256) uint8 and scales, lows (N / 16, K / 32, 16), fp16 where both are fp16
+    (the compact form), else fp32 (blocks.cpp draws the tile)."""
+    half = scales.dtype == torch.float16 and lows.dtype == torch.float16
+    dtype = torch.float16 if half else torch.float32
+    return tiles_of(codes), per_tile(scales, dtype), per_tile(lows, dtype)
+
+
+def layout_k(codes: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor,
+             dmin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Q4_K's own form: codes (N, K) in 0..15, sc and m (N, K / 32) integers in 0..63, d and dmin
+    (N, K / 256) fp32 (w = d sc q - dmin m per 32 weights) -> tiles, scales (N / 16, K / 32, 32)
+    uint8 (sc of output j at j, m at 16 + j) and lows (N / 16, K / 256, 32) fp32 (d, -dmin)."""
+    rows, cols = codes.shape
+    if cols % (GROUP * SUPER):
+        raise ValueError(f"a {rows}x{cols} weight does not fit the Q4_K form (input features a multiple of "
+                         f"{GROUP * SUPER})")
+    sub = torch.cat([per_tile(sc, torch.uint8), per_tile(m, torch.uint8)], dim=2)
+    supers = torch.cat([per_tile(d, torch.float32), per_tile(-dmin.float(), torch.float32)], dim=2)
+    return tiles_of(codes), sub.contiguous(), supers.contiguous()
+
+
+def tiles_of(codes: torch.Tensor) -> torch.Tensor:
+    """codes (N, K) uint8 in 0..15 -> the kernel's tiles (N / 16, K / 32, 256) uint8."""
     rows, cols = codes.shape
     check_shape(rows, cols)
     tiles, groups = rows // OUT, cols // GROUP
     # [tile, output j, group, 4 inputs c, i]: c < 4 the low nibbles, c >= 4 the high ones
     q = codes.to(torch.uint8).reshape(tiles, OUT, groups, 8, 4)
     packed = (q[:, :, :, :4] | (q[:, :, :, 4:] << 4)).permute(0, 2, 3, 1, 4)  # [tile, group, p, j, i]
-    return packed.reshape(tiles, groups, TILE_BYTES).contiguous(), per_tile(scales), per_tile(lows)
+    return packed.reshape(tiles, groups, TILE_BYTES).contiguous()
 
 
-def per_tile(values: torch.Tensor) -> torch.Tensor:
-    """Per-row values (N, K / 32) -> the kernels' (N / 16, K / 32, 16) fp32 (q8's scales too)."""
+def per_tile(values: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-row values (N, G) -> the kernels' (N / 16, G, 16) in `dtype` (q6's d and q8's scales too)."""
     rows, groups = values.shape
-    return values.float().reshape(rows // OUT, OUT, groups).transpose(1, 2).contiguous()
+    return values.to(dtype).reshape(rows // OUT, OUT, groups).transpose(1, 2).contiguous()
+
+
+def form(scales: torch.Tensor, lows: torch.Tensor) -> str:
+    """Which of the kernel's forms the buffers are: 'fp32', 'fp16' or 'Q4_K' (ValueError if none)."""
+    count, groups = scales.shape[:2]
+    if scales.dtype == torch.uint8 and lows.dtype == torch.float32 and scales.shape == (count, groups, 2 * OUT) \
+            and groups % SUPER == 0 and lows.shape == (count, groups // SUPER, 2 * OUT):
+        return "Q4_K"
+    if scales.dtype == lows.dtype and scales.dtype in (torch.float32, torch.float16) \
+            and scales.shape == lows.shape == (count, groups, OUT):
+        return "fp32" if scales.dtype == torch.float32 else "fp16"
+    raise ValueError(f"4-bit scales {scales.dtype} {tuple(scales.shape)} and lows {lows.dtype} {tuple(lows.shape)} "
+                     "are none of the kernel's forms")
+
+
+def expand(scales: torch.Tensor, lows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Any form's buffers -> the fp32 form's scales and lows (N / 16, K / 32, 16), the values the
+    kernel computes with."""
+    kind = form(scales, lows)
+    if kind != "Q4_K":
+        return scales.float(), lows.float()
+    supers = lows.repeat_interleave(SUPER, dim=1)  # (count, groups, 32): d, -dmin per group
+    return supers[..., :OUT] * scales[..., :OUT].float(), supers[..., OUT:] * scales[..., OUT:].float()
 
 
 def codes_of(tiles: torch.Tensor) -> torch.Tensor:
@@ -89,21 +140,23 @@ def per_row(values: torch.Tensor) -> torch.Tensor:
 
 
 class Q4Linear(torch.nn.Module):
-    """y = x W^T + b with W as 4-bit codes and an fp32 scale and low per 32 weights, by ladechat's
-    kernel (its library loaded: load()), the rows quantized to int8 per 32 inputs. fp32 and bf16
-    rows run as they are, others through fp32; the result is in x's dtype. Inference only, fixed to
-    the CPU: `.weight` (and a state dict) give W dense in fp32, computed at each read."""
+    """y = x W^T + b with W as 4-bit codes and a scale and low per 32 weights (in one of the
+    kernel's forms), by ladechat's kernel (its library loaded: load()), the rows quantized to int8
+    per 32 inputs. fp32 and bf16 rows run as they are, others through fp32; the result is in x's
+    dtype. Inference only, fixed to the CPU: `.weight` (and a state dict) give W dense in fp32,
+    computed at each read."""
 
     def __init__(self, tiles: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor,
                  bias: torch.Tensor | None = None, kind: str = "Q4", path: int | None = None):
-        """tiles, scales, lows: as layout() makes them; path: the kernel's (PATHS), default the best here."""
+        """tiles, scales, lows: as layout() or layout_k() makes them; path: the kernel's (PATHS),
+        default the best here."""
         super().__init__()
         count, groups, size = tiles.shape
         self.out_features, self.in_features = count * OUT, groups * GROUP
-        if tiles.dtype != torch.uint8 or size != TILE_BYTES or any(
-                t.dtype != torch.float32 or t.shape != (count, groups, OUT) for t in (scales, lows)):
+        if tiles.dtype != torch.uint8 or size != TILE_BYTES or scales.shape[:2] != (count, groups):
             raise ValueError(f"4-bit buffers {tiles.dtype} {tuple(tiles.shape)}, {scales.dtype} {tuple(scales.shape)} "
                              f"and {lows.dtype} {tuple(lows.shape)} do not make one weight")
+        self.form = form(scales, lows)
         self.kind = kind
         self.path = best_path() if path is None else path
         self.register_buffer("tiles", tiles, persistent=False)
@@ -135,7 +188,8 @@ class Q4Linear(torch.nn.Module):
 
     def dense_weight(self) -> torch.Tensor:
         q = codes_of(self.tiles).float()
-        return q * per_row(self.scales).repeat_interleave(GROUP, 1) + per_row(self.lows).repeat_interleave(GROUP, 1)
+        scales, lows = expand(self.scales, self.lows)
+        return q * per_row(scales).repeat_interleave(GROUP, 1) + per_row(lows).repeat_interleave(GROUP, 1)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         destination[prefix + "weight"] = self.dense_weight()
@@ -146,7 +200,7 @@ class Q4Linear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"{self.kind} blocks, ladechat's {PATHS[self.path]} kernel with int8 activations")
+                f"{self.kind} blocks ({self.form} scales), ladechat's {PATHS[self.path]} kernel with int8 activations")
 
 
 # -- products that share their input -------------------------------------------------------------
@@ -183,7 +237,8 @@ def join_in_place(arrays: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             keys = [[f"{parent}.{name}.{buffer}" for buffer in BUFFERS] for name in names]
             if not all(key in arrays for group in keys for key in group):
                 continue
-            if len({arrays[group[0]].shape[1:] for group in keys}) != 1:  # not the same inputs
+            if any(len({(arrays[group[i]].dtype, arrays[group[i]].shape[1:]) for group in keys}) != 1
+                   for i in range(len(BUFFERS))):  # not the same inputs, or not the same form
                 continue
             for i, buffer in enumerate(BUFFERS):
                 arrays[_group_key(parent, names, buffer)] = torch.cat([arrays.pop(group[i]) for group in keys])
