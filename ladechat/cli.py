@@ -134,8 +134,8 @@ def _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, pr
           compile: bool = False, weights: str = "auto"):
     """The model, loaded with progress(message) shown during slow phases; its notices are the caller's.
     compile: the steps will be compiled, which takes the model's own Linear modules (no packing, no
-    int4). weights: --weights (engine/model/loading.py WEIGHTS)."""
-    from ladechat.engine.model.loading import (
+    int4). weights: --weights (engine/load/loading.py WEIGHTS)."""
+    from ladechat.engine.load.loading import (
         LoadSpec,
         check_weights,
         load,
@@ -358,7 +358,7 @@ def _compiles(options: dict) -> bool:
     device = options["device"]
     if device == "cpu" or (device == "auto" and not _torch_has_cuda()):
         return False
-    from ladechat.engine.model.loading import LoadError, resolve_device
+    from ladechat.engine.load.loading import LoadError, resolve_device
 
     try:
         kind = resolve_device(device).type
@@ -691,7 +691,7 @@ def bench_serving(ctx: typer.Context,
 
 
 def _bench_weights(device: str, dtype: str, compile: bool) -> str:
-    from ladechat.engine.model.loading import LoadError, bench_weights, resolve_device, resolve_dtype
+    from ladechat.engine.load.loading import LoadError, bench_weights, resolve_device, resolve_dtype
 
     try:
         resolved = resolve_device(device)
@@ -713,7 +713,7 @@ def bench_step_cost(model: Model = None,
     forward and, for the Llama family, engine/lean.py, on a GPU too; fixed-shape and --compile'd
     ones), next to HF generate's time per token."""
     from ladechat.bench import steps
-    from ladechat.engine.model.loading import resolve_device, resolve_dtype
+    from ladechat.engine.load.loading import resolve_device, resolve_dtype
     from ladechat.ui.report import step_cost_table
 
     err = stderr_console()

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from ladechat.engine.model import int4, q4
-from ladechat.engine.model.loading import LoadSpec, load
+from ladechat.engine.kernels import int4, q4
+from ladechat.engine.load.loading import LoadSpec, load
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 

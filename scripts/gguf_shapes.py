@@ -49,7 +49,7 @@ def tokenizer_fields(reader) -> list:
 def write_f16(shape: str, path: Path, seed: int = 0) -> None:
     import gguf
 
-    from ladechat.engine.model.gguf import embedded_gguf
+    from ladechat.engine.load.gguf import embedded_gguf
 
     hidden, inter, layers, heads, kv_heads, context, tied, rope = SHAPES[shape]
     embedded = gguf.GGUFReader(embedded_gguf())

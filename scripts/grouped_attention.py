@@ -1,5 +1,5 @@
 """Step cost of the embedded model with transformers' SDPA against ladechat's grouped-query SDPA
-(ladechat/engine/model/attention.py), one step of each in turn so that both see the same machine.
+(ladechat/engine/kernels/attention.py), one step of each in turn so that both see the same machine.
 
     python scripts/grouped_attention.py [--dtype float32] [--steps 24]
 
@@ -10,8 +10,8 @@ stacks the group's query heads without a mask."""
 import argparse
 import statistics
 
-from ladechat.engine.model.attention import NAME
-from ladechat.engine.model.loading import LoadSpec, load
+from ladechat.engine.kernels.attention import NAME
+from ladechat.engine.load.loading import LoadSpec, load
 from ladechat.engine.runner import DynamicRunner
 from ladechat.engine.step_cost import chain, prefill_random, time_step
 

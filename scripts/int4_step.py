@@ -1,6 +1,6 @@
 """Step cost of the embedded model on each weight layout ladechat can load on a CPU: dense (the
-Linear weights as transformers loads them), packed for oneDNN (engine/model/packing.py) and the GGUF's
-4-bit blocks as int4 (engine/model/int4.py, the rest packed). Behind the table in BENCHMARKS.md.
+Linear weights as transformers loads them), packed for oneDNN (engine/load/packing.py) and the GGUF's
+4-bit blocks as int4 (engine/kernels/int4.py, the rest packed). Behind the table in BENCHMARKS.md.
 
     python scripts/int4_step.py [--dtype float32] [--cached 192] [--rounds 15] [--sizes 1,2,4,8,16]
     python scripts/int4_step.py --profile int4 [--rows 1]   # where one step's time goes
@@ -30,8 +30,8 @@ import statistics
 
 import torch
 
-from ladechat.engine.model import int4
-from ladechat.engine.model.loading import LoadSpec, load
+from ladechat.engine.load import quantized
+from ladechat.engine.load.loading import LoadSpec, load
 from ladechat.engine.runner import DynamicRunner
 from ladechat.engine.step_cost import chain, prefill_random, time_step
 
@@ -59,7 +59,7 @@ def percentile(values: list[float], q: float) -> float:
 def table(args) -> None:
     models = {name: load(LoadSpec(dtype=args.dtype, device="cpu", weights=name)).model for name in LAYOUTS}
     for name, model in models.items():
-        print(f"{name}: {int4.weight_layout(model)}", flush=True)
+        print(f"{name}: {quantized.weight_layout(model)}", flush=True)
     sizes = [int(s) for s in args.sizes.split(",")]
     layouts = {size: chain(size) for size in sizes}
     runners = {name: prefilled(model, args.cached) for name, model in models.items()}

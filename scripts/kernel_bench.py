@@ -17,7 +17,7 @@ from functools import partial
 
 import torch
 
-from ladechat.engine.model import int4, q4, step_ops
+from ladechat.engine.kernels import int4, q4, step_ops
 from ladechat.paths import cache_root
 
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536)]  # q/o, k/v, gate/up, down

@@ -1,5 +1,5 @@
 """Step cost of the embedded model with its Linear weights as transformers loads them against packed
-for oneDNN (ladechat/engine/model/packing.py, what ladechat loads on an x86-64 CPU). Behind the table in
+for oneDNN (ladechat/engine/load/packing.py, what ladechat loads on an x86-64 CPU). Behind the table in
 packing.py's docstring and BENCHMARKS.md.
 
     python scripts/packed_weights.py --dtype float32 [--cached 192]
@@ -11,8 +11,8 @@ two take turns step by step, so a busy spell of the machine hits both alike.
 import argparse
 import statistics
 
-from ladechat.engine.model import packing
-from ladechat.engine.model.loading import LoadSpec, load
+from ladechat.engine.load import packing
+from ladechat.engine.load.loading import LoadSpec, load
 from ladechat.engine.runner import DynamicRunner
 from ladechat.engine.step_cost import chain, prefill_random, time_step
 

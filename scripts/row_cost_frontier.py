@@ -22,7 +22,7 @@ from ladechat.bench.prompts import method_config
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.events import Done, Step
-from ladechat.engine.model.loading import LoadSpec, load
+from ladechat.engine.load.loading import LoadSpec, load
 
 
 class LinearCost:

@@ -19,7 +19,7 @@ from ladechat.bench.prompts import load_items
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.events import Step
-from ladechat.engine.model.loading import LoadSpec, load
+from ladechat.engine.load.loading import LoadSpec, load
 from ladechat.settings import Settings
 
 

@@ -21,7 +21,7 @@ from ladechat import templates
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.events import Done
-from ladechat.engine.model.loading import LoadSpec, load
+from ladechat.engine.load.loading import LoadSpec, load
 from ladechat.engine.threads import CpuThreads
 
 PROMPTS = ["Describe how a refrigerator keeps food cold.", "Write a short poem about a lighthouse.",

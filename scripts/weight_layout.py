@@ -13,7 +13,7 @@ import statistics
 
 import torch
 
-from ladechat.engine.model.loading import LoadSpec, load
+from ladechat.engine.load.loading import LoadSpec, load
 from ladechat.engine.runner import DynamicRunner
 from ladechat.engine.step_cost import chain, prefill_random, time_step
 

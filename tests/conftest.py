@@ -52,13 +52,13 @@ def embedded_fp32():
     """The embedded SmolLM2 model in fp32 (make test installs it; its absence is a failure), its Linear
     weights packed for oneDNN where that runs (not the default of its 4-bit blocks at 4 bits, whose
     rounded activations tests/test_int4.py and tests/test_q4.py cover): the fp32 path that must equal HF greedy."""
-    from ladechat.engine.model.loading import LoadSpec, load
+    from ladechat.engine.load.loading import LoadSpec, load
 
     return load(LoadSpec(dtype="float32", device="cpu", weights="packed" if _packs_fp32() else "dense"))
 
 
 def _packs_fp32() -> bool:
-    from ladechat.engine.model import packing
+    from ladechat.engine.load import packing
 
     return packing.supported(torch.device("cpu"), torch.float32)
 

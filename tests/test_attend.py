@@ -1,4 +1,4 @@
-"""ladechat's row-wise attention (step_ops.cpp `attend`, model/attention.py ROWWISE): SDPA's results
+"""ladechat's row-wise attention (step_ops.cpp `attend`, kernels/attention.py ROWWISE): SDPA's results
 within fp32's / bf16's rounding, and what SDPA does not promise: a row's bits depend only on the
 keys it sees, not on the step's other rows, the masked keys between them or the thread count."""
 
@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from ladechat.engine.model import attention, int4, native, step_ops
+from ladechat.engine.kernels import attention, int4, native, step_ops
 from ladechat.paths import cache_root
 
 pytestmark = pytest.mark.skipif(not int4.supported(torch.device("cpu")),
@@ -131,7 +131,7 @@ def test_bad_inputs_are_one_line_errors(kernel):
 
 
 def test_the_embedded_model_on_4bit_weights_attends_row_by_row(kernel):
-    from ladechat.engine.model.loading import LoadSpec, load
+    from ladechat.engine.load.loading import LoadSpec, load
 
     lm = load(LoadSpec(dtype="float32", device="cpu", weights="int4"))
     assert lm.model.config._attn_implementation == attention.ROWWISE

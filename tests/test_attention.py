@@ -1,4 +1,4 @@
-"""Grouped-query attention under a mask (engine/model/attention.py): the same numbers as transformers'
+"""Grouped-query attention under a mask (engine/kernels/attention.py): the same numbers as transformers'
 SDPA path, and greedy lookahead on it token-identical to HF greedy on the unchanged model."""
 
 import copy
@@ -11,8 +11,8 @@ from tiny_models import FAMILIES, tiny_model
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ladechat.engine.config import LookaheadConfig
-from ladechat.engine.model.attention import NAME, grouped_sdpa, use_grouped_sdpa
-from ladechat.engine.model.loading import LoadSpec, load
+from ladechat.engine.kernels.attention import NAME, grouped_sdpa, use_grouped_sdpa
+from ladechat.engine.load.loading import LoadSpec, load
 
 
 class Heads(torch.nn.Module):

@@ -5,7 +5,6 @@ import os
 import re
 import signal
 import subprocess
-import time
 
 import pexpect
 import pytest

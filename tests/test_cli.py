@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import ladechat_bin
 
-from ladechat.engine.model import packing
+from ladechat.engine.load import packing
 
 # whether ladechat packs fp32 CPU weights here (x86-64 with oneDNN), so hf-packed joins greedy benches
 PACKED = packing.supported(torch.device("cpu"), torch.float32)
@@ -166,7 +166,7 @@ def test_chat_template_that_refuses_the_conversation(tmp_path, embedded_fp32):
 
 
 def test_gguf_file_model():
-    from ladechat.engine.model.gguf import embedded_gguf
+    from ladechat.engine.load.gguf import embedded_gguf
 
     path = embedded_gguf()
     r = ladechat("ask", "--model", str(path), "--max-new-tokens", "8", "--json", "Say hello.")

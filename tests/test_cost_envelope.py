@@ -202,7 +202,7 @@ def test_the_first_use_measures_the_step_costs_under_a_progress_message(tmp_path
 
     from ladechat import cli
     from ladechat.engine import step_cost as step_cost_module
-    from ladechat.engine.model.loading import LoadedModel
+    from ladechat.engine.load.loading import LoadedModel
     from ladechat.settings import Settings
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

@@ -12,7 +12,7 @@ from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.draft.store import AnswerStore
 from ladechat.engine.events import Done, Step
-from ladechat.engine.model.attention import use_grouped_sdpa
+from ladechat.engine.kernels.attention import use_grouped_sdpa
 from ladechat.engine.runner import LeanRunner, default_runner
 from ladechat.engine.step_cost import CostModel
 

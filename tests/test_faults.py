@@ -172,7 +172,7 @@ def test_out_of_memory_while_loading_is_a_load_error(tmp_path, monkeypatch, erro
     from test_cli import tiny_model_folder
     from tiny_models import tiny_tokenizer
 
-    from ladechat.engine.model.loading import LoadError, LoadSpec, load
+    from ladechat.engine.load.loading import LoadError, LoadSpec, load
 
     folder = tiny_model_folder(tmp_path, tiny_tokenizer())
 

@@ -1,4 +1,4 @@
-"""A GGUF's 4-bit blocks run at 4 bits (engine/model/int4.py): the exact 4-bit form of Q4_0, Q4_1
+"""A GGUF's 4-bit blocks run at 4 bits (engine/load/quantized.py, engine/kernels/q4.py and int4.py): the exact 4-bit form of Q4_0, Q4_1
 and Q4_K blocks, on ladechat's kernel (q4.py; tests/test_q4.py tests the kernel itself) or torch's
 int4 kernel where none is built, products within int8 / bf16 rounding of the dense weights `gguf`
 dequantizes, rows independent of the step's size (so lookahead answers equal plain decoding's on
@@ -18,8 +18,9 @@ from ladechat import templates
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.defaults import default_lookahead
-from ladechat.engine.model import attention, int4, native, packing, q4
-from ladechat.engine.model.loading import LoadError, LoadSpec, load
+from ladechat.engine.kernels import attention, int4, native, q4
+from ladechat.engine.load import packing, quantized
+from ladechat.engine.load.loading import LoadError, LoadSpec, load
 from ladechat.paths import cache_root
 
 gguf = pytest.importorskip("gguf")
@@ -68,11 +69,11 @@ def relative_error(module, weight: torch.Tensor, x: torch.Tensor) -> float:
         return float(((module(x) - x @ weight.t()).abs() / (x.abs() @ weight.abs().t())).max())
 
 
-@pytest.mark.parametrize("kind", int4.KINDS)
+@pytest.mark.parametrize("kind", q4.KINDS)
 def test_blocks_decode_to_what_gguf_dequantizes(kind):
     rows, cols = 48, 512
     for seed, data in enumerate((blocks_of(kind, rows, cols), random_blocks(kind, rows, cols, seed=7))):
-        q, scale, low = int4.decode(kind, data, rows, cols)
+        q, scale, low = q4.decode(kind, data, rows, cols)
         assert q.dtype == np.uint8 and q.max() <= 15 and scale.shape == low.shape == (rows, cols // 32)
         mine = q.astype(np.float64).reshape(rows, -1, 32) * scale[..., None] + low[..., None]
         reference = gguf.dequantize(data, T[kind]).astype(np.float64)
@@ -80,18 +81,18 @@ def test_blocks_decode_to_what_gguf_dequantizes(kind):
         assert np.abs(mine.reshape(rows, cols) - reference).max() <= 1e-6 * np.abs(reference).max(), (kind, seed)
 
 
-@pytest.mark.parametrize("kind", int4.KINDS)
+@pytest.mark.parametrize("kind", q4.KINDS)
 def test_blocks_are_kept_in_the_files_own_precision(kind):
     """The kernel's buffers hold the file's fp16 scales (Q4_0, Q4_1) or Q4_K's 6-bit integers with
     d and dmin per 256, and give back decode()'s fp32 values exactly: no larger than needed, no
     rounding."""
     rows, cols = 48, 512
     data = random_blocks(kind, rows, cols, seed=3)
-    q, *parts = int4.decode_compact(kind, data, rows, cols)
+    q, *parts = q4.decode_compact(kind, data, rows, cols)
     tiles, scales, lows = (q4.layout_k if kind == "Q4_K" else q4.layout)(torch.from_numpy(q),
                                                                          *map(torch.from_numpy, parts))
     assert q4.form(scales, lows) == ("Q4_K" if kind == "Q4_K" else "fp16")
-    _, scale, low = int4.decode(kind, data, rows, cols)
+    _, scale, low = q4.decode(kind, data, rows, cols)
     wide = q4.expand(scales, lows)
     assert torch.equal(q4.per_row(wide[0]), torch.from_numpy(scale)) and torch.equal(q4.per_row(wide[1]),
                                                                                        torch.from_numpy(low))
@@ -102,15 +103,15 @@ def test_blocks_are_kept_in_the_files_own_precision(kind):
 def test_a_q4_0_scale_whose_low_leaves_fp16_keeps_fp32():
     data = random_blocks("Q4_0", 16, 64, seed=4).copy()
     data.reshape(16, 2, 18)[3, 1, :2] = np.frombuffer(np.float16(9000.0).tobytes(), np.uint8)  # -8 d = -72000
-    _, scale, low = int4.decode_compact("Q4_0", data, 16, 64)
+    _, scale, low = q4.decode_compact("Q4_0", data, 16, 64)
     assert scale.dtype == low.dtype == np.float32 and low[3, 1] == -72000.0
 
 
-@pytest.mark.parametrize("kind", int4.KINDS)
+@pytest.mark.parametrize("kind", q4.KINDS)
 def test_int4_linear_matches_the_dense_linear_of_the_same_blocks(kind):
     rows, cols = 96, 768 if kind == "Q4_K" else 320
     data = blocks_of(kind, rows, cols, seed=1)
-    q, scale, low = int4.decode(kind, data, rows, cols)
+    q, scale, low = q4.decode(kind, data, rows, cols)
     bias = torch.randn(rows)
     module = int4.Int4Linear.from_codes(torch.from_numpy(int4.pack_codes(q)), torch.from_numpy(scale),
                                         torch.from_numpy(low), bias, kind)
@@ -134,7 +135,7 @@ def test_int4_linear_matches_the_dense_linear_of_the_same_blocks(kind):
 
 def test_a_row_does_not_depend_on_how_many_rows_its_step_has():
     data = blocks_of("Q4_1", 160, 576, seed=2)
-    q, scale, low = int4.decode("Q4_1", data, 160, 576)
+    q, scale, low = q4.decode("Q4_1", data, 160, 576)
     module = int4.Int4Linear.from_codes(torch.from_numpy(int4.pack_codes(q)), torch.from_numpy(scale),
                                         torch.from_numpy(low))
     x = torch.randn(37, 576)
@@ -148,10 +149,10 @@ def test_a_row_does_not_depend_on_how_many_rows_its_step_has():
 def test_shapes_the_kernel_cannot_take_are_refused():
     with pytest.raises(int4.Int4Error, match="does not fit the int4 kernel"):
         int4.check_shape(40, 64)
-    with pytest.raises(int4.Int4Error, match="do not make 48x512 weights"):
-        int4.decode("Q4_0", np.zeros((48, 10), np.uint8), 48, 512)
-    with pytest.raises(int4.Int4Error, match="Q8_0 has no exact int4 form"):
-        int4.decode("Q8_0", np.zeros((48, 34 * 16), np.uint8), 48, 512)
+    with pytest.raises(q4.Q4Error, match="do not make 48x512 weights"):
+        q4.decode("Q4_0", np.zeros((48, 10), np.uint8), 48, 512)
+    with pytest.raises(q4.Q4Error, match="Q8_0 has no exact 4-bit form"):
+        q4.decode("Q8_0", np.zeros((48, 34 * 16), np.uint8), 48, 512)
 
 
 # -- a small GGUF file of every kind, through transformers' own GGUF loading --------------------
@@ -216,7 +217,7 @@ def dense_from_gguf(path: Path):
 
 
 def kernels_for(kernel: str) -> Path | None:
-    """int4.apply's `kernels`: ladechat's built into the suite's cache, or None for torch's."""
+    """quantized.apply's `kernels`: ladechat's built into the suite's cache, or None for torch's."""
     if kernel == "torch":
         return None
     if not HAS_COMPILER:
@@ -228,12 +229,12 @@ def kernels_for(kernel: str) -> Path | None:
 def test_every_4bit_kind_of_a_gguf_runs_at_4_bits_and_the_rest_stays_dense(tiny_gguf, tmp_path, kernel):
     dense, model = dense_from_gguf(tiny_gguf), dense_from_gguf(tiny_gguf)
     kernels = kernels_for(kernel)
-    applied = int4.apply(model, tiny_gguf, tmp_path, kernels)
+    applied = quantized.apply(model, tiny_gguf, tmp_path, kernels)
     assert applied.replaced == 6 * LAYERS and applied.kinds == ("Q4_0", "Q4_1", "Q4_K") and applied.notices == ()
     four_bit, module_type, bound = (("q4", q4.Q4Linear, INT8_ERROR) if kernels else ("int4", int4.Int4Linear, BF16_ERROR))
-    assert int4.weight_layout(model) == f"{four_bit}:{6 * LAYERS},dense:{LAYERS + 1}"  # F16 o_proj, Q8_0 lm_head
+    assert quantized.weight_layout(model) == f"{four_bit}:{6 * LAYERS},dense:{LAYERS + 1}"  # F16 o_proj, Q8_0 lm_head
     assert ("Linear from Q4_0/Q4_1/Q4_K blocks (ladechat's" if kernels
-            else "Linear int4 from Q4_0/Q4_1/Q4_K blocks (torch") in int4.describe(model)
+            else "Linear int4 from Q4_0/Q4_1/Q4_K blocks (torch") in quantized.describe(model)
     torch.manual_seed(0)
     checked = 0
     for name, module in model.named_modules():
@@ -251,7 +252,7 @@ def test_every_4bit_kind_of_a_gguf_runs_at_4_bits_and_the_rest_stays_dense(tiny_
     cached = list(tmp_path.glob("int4-*.safetensors"))
     assert len(cached) == 1
     again = dense_from_gguf(tiny_gguf)
-    assert int4.apply(again, tmp_path / "missing.gguf", tmp_path, kernels).replaced == 6 * LAYERS
+    assert quantized.apply(again, tmp_path / "missing.gguf", tmp_path, kernels).replaced == 6 * LAYERS
     with torch.no_grad():
         assert torch.equal(again(ids).logits, ours)
 
@@ -262,12 +263,12 @@ def test_without_a_compiler_the_4bit_weights_run_on_torchs_kernel(tiny_gguf, tmp
         "from pathlib import Path\n"
         "import torch\n"
         "from transformers import AutoModelForCausalLM\n"
-        "from ladechat.engine.model import int4\n"
+        "from ladechat.engine.load import quantized\n"
         f"gguf = Path({str(tiny_gguf)!r})\n"
         "model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)\n"
         f"tmp = Path({str(tmp_path)!r})\n"
-        "applied = int4.apply(model, gguf, tmp, tmp / 'kernels', compiler='no-such-c++')\n"
-        "print(applied.replaced, int4.weight_layout(model))\n"
+        "applied = quantized.apply(model, gguf, tmp, tmp / 'kernels', compiler='no-such-c++')\n"
+        "print(applied.replaced, quantized.weight_layout(model))\n"
         "print(*applied.notices, sep='\\n')\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
@@ -278,10 +279,10 @@ def test_without_a_compiler_the_4bit_weights_run_on_torchs_kernel(tiny_gguf, tmp
 
 def test_a_gguf_is_built_from_its_blocks_with_no_dense_copy_kept(tiny_gguf, tmp_path):
     """load() of a GGUF builds the model from the file as it is: the same tensors, bit for bit, as
-    transformers' own GGUF load (every tensor dequantized) then int4.apply; the cache holds its config,
+    transformers' own GGUF load (every tensor dequantized) then quantized.apply; the cache holds its config,
     tokenizer, where its tensors lie and the kernels' layout, never a dense copy of the weights; a
     second load, from what is kept, gives the same logits."""
-    from ladechat.engine.model import gguf as gguf_files
+    from ladechat.engine.load import gguf as gguf_files
 
     copy = tmp_path / "tiny.gguf"  # a file of its own: its own cache folder
     shutil.copyfile(tiny_gguf, copy)
@@ -290,7 +291,7 @@ def test_a_gguf_is_built_from_its_blocks_with_no_dense_copy_kept(tiny_gguf, tmp_
     first = load(LoadSpec(model=str(copy), dtype="float32", device="cpu", weights=weights))
     folder = gguf_files.prepared_dir(copy)
     full = dense_from_gguf(copy)
-    int4.apply(full, copy, folder, cache_root() / "kernels" if HAS_COMPILER else None)
+    quantized.apply(full, copy, folder, cache_root() / "kernels" if HAS_COMPILER else None)
     kept = sorted(f.name for f in folder.iterdir())
     assert all(name.startswith(("int4-", "q8-")) or name in ("config.json", "generation_config.json", "tokenizer.json",
                                                             "tokenizer_config.json", "tensors.json", "complete")
@@ -300,7 +301,7 @@ def test_a_gguf_is_built_from_its_blocks_with_no_dense_copy_kept(tiny_gguf, tmp_
     compared = [name for name in full.state_dict() if not name.startswith("lm_head.")]  # there: the Q8_0 kernel
     for built in (first.model, second.model):
         assert not any(t.is_meta for t in (*built.parameters(), *built.buffers()))
-        assert int4.weight_layout(built).split(",")[0] == int4.weight_layout(full).split(",")[0]
+        assert quantized.weight_layout(built).split(",")[0] == quantized.weight_layout(full).split(",")[0]
         state = built.state_dict()
         assert all(torch.equal(state[name], full.state_dict()[name]) for name in compared)
     with torch.no_grad():
@@ -327,13 +328,13 @@ def test_a_corrupt_block_keeps_its_tensor_dense_with_a_notice(tiny_gguf, tmp_pat
     nan = np.array([np.nan], np.float16).tobytes()
     broken = corrupt_copy(tiny_gguf, tmp_path / "nan.gguf", "blk.1.ffn_up.weight", 0, nan)
     model = dense_from_gguf(tiny_gguf)
-    applied = int4.apply(model, broken, broken.with_suffix(""), None)
+    applied = quantized.apply(model, broken, broken.with_suffix(""), None)
     assert applied.replaced == 6 * LAYERS - 1
     assert applied.notices == (("blk.1.ffn_up.weight (Q4_1) runs dense: some of its scales are not finite "
                                "numbers (a corrupt block)"),)
     assert type(model.get_submodule("model.layers.1.mlp.up_proj")) is torch.nn.Linear
     # the notices come again with every load of the kept 4-bit form
-    again = int4.apply(dense_from_gguf(tiny_gguf), broken, broken.with_suffix(""), None)
+    again = quantized.apply(dense_from_gguf(tiny_gguf), broken, broken.with_suffix(""), None)
     assert again.notices == applied.notices and again.replaced == applied.replaced
 
 
@@ -341,11 +342,11 @@ def test_a_file_that_cannot_be_read_leaves_the_model_dense_with_one_notice(tiny_
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(tiny_gguf.read_bytes()[: tiny_gguf.stat().st_size // 2])
     model = dense_from_gguf(tiny_gguf)
-    applied = int4.apply(model, cut, tmp_path, None)
+    applied = quantized.apply(model, cut, tmp_path, None)
     assert applied.replaced == 0 and len(applied.notices) == 1
     assert applied.notices[0].startswith("cannot read the 4-bit blocks of cut.gguf (")
     assert applied.notices[0].endswith("); running its dense weights") and "\n" not in applied.notices[0]
-    assert int4.weight_layout(model) == f"dense:{7 * LAYERS + 1}"
+    assert quantized.weight_layout(model) == f"dense:{7 * LAYERS + 1}"
 
 
 # -- the embedded model -------------------------------------------------------------------------
@@ -361,7 +362,7 @@ def test_auto_runs_the_embedded_model_as_int4(embedded_int4):
     # (tests/test_q8.py) and its norms by ladechat's kernel (tests/test_norms.py), where a C++
     # compiler built them; else torch's int4 kernel, the output layer packed, transformers' norms
     layout = "q4:210,q8_0:1,norm:61" if HAS_COMPILER else "int4:210,packed:1"
-    assert int4.weight_layout(lm.model) == layout
+    assert quantized.weight_layout(lm.model) == layout
     if HAS_COMPILER:
         path = q4.PATHS[q4.best_path()]
         assert lm.weights.startswith(f"210 Linear from Q4_1 blocks (ladechat's {path} kernel, int8 activations), ")
@@ -370,23 +371,23 @@ def test_auto_runs_the_embedded_model_as_int4(embedded_int4):
                                      "activations), ")
     assert lm.notices == () if HAS_COMPILER else len(lm.notices) == 3
     auto = load(LoadSpec(device="cpu"))  # --weights auto, --dtype auto
-    assert int4.weight_layout(auto.model) == layout
+    assert quantized.weight_layout(auto.model) == layout
     # ladechat's kernels quantize rows to int8 whatever the dtype: auto is fp32 there (bf16 saves
     # nothing); on torch's int4 kernel, as for any model (bf16 where the CPU has it natively)
-    from ladechat.engine.model.loading import resolve_dtype
+    from ladechat.engine.load.loading import resolve_dtype
 
     assert auto.dtype == (torch.float32 if HAS_COMPILER else resolve_dtype("auto", torch.device("cpu")))
 
 
 def test_the_embedded_model_is_built_with_the_weights_of_transformers_own_gguf_load(embedded_int4):
     """load() builds the embedded model from its file's blocks (the fixture's load): every tensor
-    transformers' own GGUF load (every tensor dequantized) then int4.apply gives, bit for bit, its
+    transformers' own GGUF load (every tensor dequantized) then quantized.apply gives, bit for bit, its
     output layer on the Q8_0 kernel; a second load, from what is kept, the same logits."""
-    from ladechat.engine.model import gguf as gguf_files
+    from ladechat.engine.load import gguf as gguf_files
 
     folder = gguf_files.prepared_dir(gguf_path())
     full = dense_from_gguf(gguf_path())
-    int4.apply(full, gguf_path(), folder, cache_root() / "kernels" if HAS_COMPILER else None)
+    quantized.apply(full, gguf_path(), folder, cache_root() / "kernels" if HAS_COMPILER else None)
     built = embedded_int4.model.state_dict()
     compared = [name for name in full.state_dict() if not name.startswith("lm_head.")]
     assert compared and all(torch.equal(built[name], full.state_dict()[name]) for name in compared)
@@ -421,7 +422,7 @@ def test_embedded_int4_products_match_gguf_dequantize(embedded_int4):
 
 
 def gguf_path() -> Path:
-    from ladechat.engine.model.gguf import embedded_gguf
+    from ladechat.engine.load.gguf import embedded_gguf
 
     return embedded_gguf()
 
@@ -495,10 +496,10 @@ def test_weights_choices_that_cannot_run_are_one_line_errors(tmp_path):
 
 def test_dense_and_packed_stay_as_they_were():
     dense = load(LoadSpec(dtype="float32", device="cpu", weights="dense"))
-    assert int4.weight_layout(dense.model) == "dense:211" and dense.weights == ""
+    assert quantized.weight_layout(dense.model) == "dense:211" and dense.weights == ""
     if packing.supported(torch.device("cpu"), torch.float32):
         packed = load(LoadSpec(dtype="float32", device="cpu", weights="packed"))
-        assert int4.weight_layout(packed.model) == "packed:211"
+        assert quantized.weight_layout(packed.model) == "packed:211"
         assert packed.weights == "211 packed float32 (oneDNN)"
     # --compile's loads keep every Linear as loaded, whatever --weights says
-    assert int4.weight_layout(load(LoadSpec(dtype="float32", device="cpu", pack_weights=False)).model) == "dense:211"
+    assert quantized.weight_layout(load(LoadSpec(dtype="float32", device="cpu", pack_weights=False)).model) == "dense:211"

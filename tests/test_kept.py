@@ -1,10 +1,10 @@
-"""The kernels' layout kept in a GGUF's cache folder (engine/model/kept.py): safetensors' format,
+"""The kernels' layout kept in a GGUF's cache folder (engine/load/kept.py): safetensors' format,
 written and read a tensor at a time; a file cut short is not taken for a whole one."""
 
 import torch
 from safetensors import safe_open
 
-from ladechat.engine.model import kept
+from ladechat.engine.load import kept
 
 
 def tensors() -> dict[str, torch.Tensor]:

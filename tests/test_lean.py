@@ -15,10 +15,11 @@ from ladechat import templates
 from ladechat.engine import kv, lean
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
+from ladechat.engine.kernels import attention, int4, native, q4, step_ops
+from ladechat.engine.kernels.attention import use_grouped_sdpa
 from ladechat.engine.layout import build_layout
-from ladechat.engine.model import attention, int4, native, q4, step_ops
-from ladechat.engine.model.attention import use_grouped_sdpa
-from ladechat.engine.model.loading import LoadSpec, load
+from ladechat.engine.load import quantized
+from ladechat.engine.load.loading import LoadSpec, load
 from ladechat.engine.runner import DynamicRunner, LeanRunner, default_runner
 from ladechat.engine.step_cost import CostModel
 from ladechat.paths import cache_root
@@ -329,7 +330,7 @@ def test_on_torchs_int4_kernel_the_step_logits_are_the_forwards(dtype):
         if type(module) is q4.Q4Linear:  # the same blocks on torch's kernel
             model.set_submodule(name, int4.Int4Linear.from_kernel_layout(module.tiles, module.scales, module.lows,
                                                                          module.bias, module.kind))
-    assert int4.weight_layout(model).startswith("int4:210,")
+    assert quantized.weight_layout(model).startswith("int4:210,")
     assert_steps_match(model, list(range(100, 160)))
 
 

@@ -1,4 +1,4 @@
-"""ladechat's kernels for a step's small ops (engine/model/step_ops.cpp): RMSNorm (norms.py) against
+"""ladechat's kernels for a step's small ops (engine/kernels/step_ops.cpp): RMSNorm (norms.py) against
 transformers' module on the same inputs, the same bits for a row whatever the step's rows or
 threads, the fused residual add, which models get it (4-bit weights only); the rows' top-k against
 torch's; and what happens without a compiler. The rotation is tested in test_lean.py (bitwise the
@@ -13,8 +13,9 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from ladechat.engine.model import int4, native, norms, step_ops
-from ladechat.engine.model.loading import LoadSpec, load
+from ladechat.engine.kernels import int4, native, norms, step_ops
+from ladechat.engine.load import quantized
+from ladechat.engine.load.loading import LoadSpec, load
 from ladechat.paths import cache_root
 
 HAS_COMPILER = shutil.which(native.COMPILER) is not None
@@ -98,12 +99,12 @@ def test_the_embedded_model_on_4bit_weights_runs_its_norms_on_the_kernel(kernel)
     lm = load(LoadSpec(dtype="float32", device="cpu", weights="int4"))
     found = [m for m in lm.model.modules() if type(m) is norms.NativeRMSNorm]
     assert len(found) == 61 and "61 RMSNorm by ladechat's kernel" in lm.weights
-    assert int4.weight_layout(lm.model).endswith(",norm:61")
+    assert quantized.weight_layout(lm.model).endswith(",norm:61")
     # the dense and packed paths keep transformers' norms: they must stay token-identical to HF greedy
     for weights in ("packed", "dense"):
         model = load(LoadSpec(dtype="float32", device="cpu", weights=weights)).model
         assert not any(type(m) is norms.NativeRMSNorm for m in model.modules()), weights
-        assert "norm" not in int4.weight_layout(model)
+        assert "norm" not in quantized.weight_layout(model)
 
 
 def test_without_a_compiler_everything_runs_on_torchs_ops(tmp_path):
@@ -113,10 +114,10 @@ def test_without_a_compiler_everything_runs_on_torchs_ops(tmp_path):
         "from pathlib import Path\n"
         "import torch\n"
         "from ladechat.engine import lean, runner\n"
-        "from ladechat.engine.model import norms, step_ops\n"
-        "from ladechat.engine.model.gguf import embedded_gguf\n"
+        "from ladechat.engine.kernels import norms, step_ops\n"
+        "from ladechat.engine.load.gguf import embedded_gguf\n"
         "from transformers import AutoModelForCausalLM\n"
-        "from ladechat.engine.model.attention import use_grouped_sdpa\n"
+        "from ladechat.engine.kernels.attention import use_grouped_sdpa\n"
         "gguf = embedded_gguf()\n"
         "model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)\n"
         "use_grouped_sdpa(model)\n"

@@ -1,4 +1,4 @@
-"""Linear weights packed for oneDNN (engine/model/packing.py): the same products, exact greedy decoding on
+"""Linear weights packed for oneDNN (engine/load/packing.py): the same products, exact greedy decoding on
 the packed model, and the way back to the model as transformers loads it."""
 
 import gc
@@ -12,8 +12,8 @@ from test_exactness import hf_greedy, repetitive_prompt, run
 from tiny_models import FAMILIES, tiny_model
 
 from ladechat.engine.config import LookaheadConfig
-from ladechat.engine.model import packing
-from ladechat.engine.model.loading import LoadSpec, load
+from ladechat.engine.load import packing
+from ladechat.engine.load.loading import LoadSpec, load
 
 pytestmark = pytest.mark.skipif(not packing.supported(torch.device("cpu"), torch.float32),
                                 reason="packing needs an x86-64 CPU with oneDNN (every machine the tests run on "

@@ -1,4 +1,4 @@
-"""ladechat's 4-bit kernel (engine/model/q4.py, blocks.cpp): products against fp64 of the same int8
+"""ladechat's 4-bit kernel (engine/kernels/q4.py, blocks.cpp): products against fp64 of the same int8
 activation codes, the rounding those codes cost against the exact weights, the same bits for a row
 whatever the step's size, the thread count or the instruction set, the layout and the module."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from ladechat.engine.model import int4, native, q4
+from ladechat.engine.kernels import int4, native, q4
 from ladechat.paths import cache_root
 
 pytestmark = pytest.mark.skipif(not int4.supported(torch.device("cpu")),

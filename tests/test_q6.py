@@ -1,4 +1,4 @@
-"""Q6_K weights at their own bits (engine/model/q6.py, blocks.cpp): the blocks read as gguf
+"""Q6_K weights at their own bits (engine/kernels/q6.py, blocks.cpp): the blocks read as gguf
 dequantizes them, the kernel's products against fp64 of the same int8 activation codes, the same
 bits for a row whatever the step's size, thread count or instruction set, and a GGUF laid out as
 llama-quantize's Q4_K_M files are (4-bit with Q6_K ffn_down and a tied Q6_K output layer) loaded
@@ -13,8 +13,9 @@ import torch
 
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
-from ladechat.engine.model import int4, native, q4, q6
-from ladechat.engine.model.loading import LoadSpec, load
+from ladechat.engine.kernels import int4, native, q4, q6
+from ladechat.engine.load import quantized
+from ladechat.engine.load.loading import LoadSpec, load
 from ladechat.paths import cache_root
 
 gguf = pytest.importorskip("gguf")
@@ -207,7 +208,7 @@ def test_a_q4_k_m_like_layout_runs_every_tensor_at_its_own_bits_and_lookahead_an
     dense = dense_from_gguf(path)  # transformers' own GGUF load: every tensor dequantized
     lm = load(LoadSpec(model=str(path), dtype="float32", device="cpu"))
     model = lm.model
-    assert int4.weight_layout(model).startswith(f"q4:{6 * LAYERS - 1},q6_k:{LAYERS + 2},")
+    assert quantized.weight_layout(model).startswith(f"q4:{6 * LAYERS - 1},q6_k:{LAYERS + 2},")
     assert type(model.lm_head) is q6.Q6Linear and "Linear from Q6_K blocks" in lm.weights
     assert torch.equal(model.lm_head.dense_weight(), dense.lm_head.weight)  # the tied embedding's blocks
     torch.manual_seed(0)

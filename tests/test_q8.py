@@ -1,4 +1,4 @@
-"""A GGUF's Q8_0 output layer at 8 bits (engine/model/q8.py, blocks.cpp, native.py): the kernel's
+"""A GGUF's Q8_0 output layer at 8 bits (engine/kernels/q8.py, blocks.cpp, native.py): the kernel's
 products against fp64 of the same int8 activation codes on the exact weights, the rounding those
 codes cost, the same bits for a row whatever the step's size, the thread count or the instruction
 set, the real blocks of the embedded model, and what happens without a compiler."""
@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from ladechat.engine.model import int4, native, q4, q8
-from ladechat.engine.model.loading import LoadSpec, load
+from ladechat.engine.kernels import int4, native, q4, q8
+from ladechat.engine.load import head, quantized
+from ladechat.engine.load.loading import LoadSpec, load
 from ladechat.paths import cache_root
 
 gguf = pytest.importorskip("gguf")
@@ -130,7 +131,7 @@ def test_the_embedded_models_output_layer_runs_its_q8_0_blocks(kernel):
     head = lm.model.lm_head
     assert type(head) is q8.Q8Linear and head.out_features == 49152 and head.in_features == 576
     assert torch.equal(head.dense_weight(), lm.model.model.embed_tokens.weight)
-    assert int4.weight_layout(lm.model).startswith("q4:210,q8_0:1,")  # no packed copy of the embedding any more
+    assert quantized.weight_layout(lm.model).startswith("q4:210,q8_0:1,")  # no packed copy of the embedding any more
     assert f", the output layer from Q8_0 blocks (ladechat's {q4.PATHS[q4.best_path()]} kernel), " in lm.weights
     hidden = torch.randn(3, 576, generator=torch.Generator().manual_seed(0))
     weight = lm.model.model.embed_tokens.weight.double()
@@ -157,12 +158,12 @@ def test_without_a_compiler_the_output_layer_stays_as_it_was(tmp_path):
     script = (
         "from pathlib import Path\n"
         "import torch\n"
-        "from ladechat.engine.model import q8\n"
-        "from ladechat.engine.model.gguf import embedded_gguf\n"
+        "from ladechat.engine.load import head\n"
+        "from ladechat.engine.load.gguf import embedded_gguf\n"
         "from transformers import AutoModelForCausalLM\n"
         "gguf = embedded_gguf()\n"
         "model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)\n"
-        f"applied = q8.apply(model, gguf, Path({str(tmp_path)!r}), Path({str(tmp_path)!r}), compiler='no-such-c++')\n"
+        f"applied = head.apply(model, gguf, Path({str(tmp_path)!r}), Path({str(tmp_path)!r}), compiler='no-such-c++')\n"
         "print(applied.replaced, type(model.lm_head).__name__)\n"
         "print(*applied.notices, sep='\\n')\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
@@ -178,7 +179,7 @@ def test_the_library_is_built_once_per_source_and_torch(kernel):
     assert built.is_file() and built.parent == cache_root() / "kernels" and torch.__version__ in built.name
     stamp = built.stat().st_mtime_ns
     for compiler in (native.COMPILER, "no-such-c++"):  # a compiler gone since: the library still serves
-        script = ("from ladechat.engine.model import native, q8\n"
+        script = ("from ladechat.engine.kernels import native, q8\n"
                   "from ladechat.paths import cache_root\n"
                   f"print(native.load(q8.SOURCE, cache_root() / 'kernels', compiler={compiler!r}))")
         again = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
@@ -200,8 +201,8 @@ def test_a_gguf_with_an_output_layer_of_its_own(kernel, tmp_path):
         expected = dense(ids).logits
     for attempt in ("read from the GGUF", "read from the kept blocks"):
         model = dense_from_gguf(path)
-        applied = q8.apply(model, path, tmp_path, cache_root() / "kernels")
-        assert applied == q8.Applied(True, ()), attempt
+        applied = head.apply(model, path, tmp_path, cache_root() / "kernels")
+        assert applied == head.Applied(True, ()), attempt
         assert type(model.lm_head) is q8.Q8Linear and torch.equal(model.lm_head.weight, dense.lm_head.weight)
         with torch.inference_mode():
             logits = model(ids).logits
@@ -209,7 +210,7 @@ def test_a_gguf_with_an_output_layer_of_its_own(kernel, tmp_path):
             hidden = model.model(ids).last_hidden_state[0]  # normed: the head's input
         bound = int8_bound(hidden, dense.lm_head.weight)  # the logits: the head's product of the same rows
         assert ((logits[0].double() - expected[0].double()).abs() <= bound).all(), attempt
-        assert q8.cache_path(tmp_path).is_file()
+        assert head.cache_path(tmp_path).is_file()
 
     corrupt = tmp_path / "corrupt" / "tiny.gguf"
     corrupt.parent.mkdir()
@@ -219,7 +220,7 @@ def test_a_gguf_with_an_output_layer_of_its_own(kernel, tmp_path):
         fh.seek(output.data_offset)
         fh.write(np.array([np.nan], dtype=np.float16).tobytes())
     model = dense_from_gguf(path)
-    applied = q8.apply(model, corrupt, corrupt.parent, cache_root() / "kernels")
+    applied = head.apply(model, corrupt, corrupt.parent, cache_root() / "kernels")
     assert not applied.replaced and type(model.lm_head) is torch.nn.Linear
     assert applied.notices == (("the output layer of tiny.gguf runs dense: some of its scales are not finite "
                                 "numbers (a corrupt block)"),)

@@ -5,8 +5,8 @@ import torch
 
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
-from ladechat.engine.model import gguf, packing
-from ladechat.engine.model.loading import LoadSpec, load
+from ladechat.engine.load import gguf, packing
+from ladechat.engine.load.loading import LoadSpec, load
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["Write a Python function that checks if a number is prime.",

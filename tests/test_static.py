@@ -75,7 +75,7 @@ def test_compiled_step_is_exact():
     unchanged model."""
     import copy
 
-    from ladechat.engine.model.attention import use_grouped_sdpa
+    from ladechat.engine.kernels.attention import use_grouped_sdpa
 
     plain = model_for("llama")
     model = copy.deepcopy(plain)
@@ -300,7 +300,7 @@ def test_a_default_compile_that_fails_leaves_the_steps_uncompiled_with_a_notice(
     from transformers import MistralConfig, MistralForCausalLM
 
     from ladechat.cli import _compiled_or_not
-    from ladechat.engine.model.loading import LoadedModel
+    from ladechat.engine.load.loading import LoadedModel
 
     tokenizer = tiny_tokenizer()
     torch.manual_seed(0)

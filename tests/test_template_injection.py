@@ -17,7 +17,7 @@ def embedded_tokenizer():
     """The embedded SmolLM2's tokenizer alone (its ChatML template and 17 special tokens)."""
     from transformers import AutoTokenizer
 
-    from ladechat.engine.model import gguf
+    from ladechat.engine.load import gguf
 
     return AutoTokenizer.from_pretrained(str(gguf.ensure_prepared(gguf.embedded_gguf(), None)))
 

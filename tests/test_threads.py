@@ -165,7 +165,7 @@ def test_a_model_gets_a_governor_only_where_the_probe_allows_fewer_threads(monke
     count agrees, one restricted to the agreeing counts otherwise; none for dense weights (unprobed),
     or for one thread."""
     from ladechat.engine import thread_probe
-    from ladechat.engine.model import loading, packing
+    from ladechat.engine.load import loading, packing
 
     model = tiny_model("llama")
     packing.pack(model)
@@ -186,7 +186,7 @@ def test_the_real_probe_on_this_machine_matches_the_steps_it_allows():
     do (a count it allows gives the full count's logits on every step size; one it refuses gives
     other logits on some), and asking again gives the same verdict."""
     from ladechat.engine import thread_probe
-    from ladechat.engine.model import packing
+    from ladechat.engine.load import packing
 
     model = tiny_model("llama")
     if not packing.supported(torch.device("cpu"), torch.float32):
@@ -209,7 +209,7 @@ def test_the_real_probe_on_this_machine_matches_the_steps_it_allows():
 
 @pytest.fixture(scope="module")
 def embedded_default():
-    from ladechat.engine.model.loading import LoadSpec, load
+    from ladechat.engine.load.loading import LoadSpec, load
 
     return load(LoadSpec(dtype="float32", device="cpu"))
 
@@ -217,7 +217,7 @@ def embedded_default():
 def test_a_loaded_model_gets_the_governor_its_probe_allows(embedded_default):
     """Dense weights never get one; the default load's (kept per model and CPU) is what its probe says."""
     from ladechat.engine import thread_probe
-    from ladechat.engine.model.loading import LoadSpec, load
+    from ladechat.engine.load.loading import LoadSpec, load
 
     dense = load(LoadSpec(dtype="float32", device="cpu", weights="dense"))
     assert dense.threads is None
@@ -273,7 +273,7 @@ def test_the_step_cost_curves_are_kept_for_the_full_thread_count(tmp_path, monke
     """The curves are kept per thread count: a busy spell's count must not make a chat measure
     them again (minutes) under another key; measured in a busy spell, they run at its count."""
     from ladechat.engine import step_cost
-    from ladechat.engine.model.loading import LoadedModel
+    from ladechat.engine.load.loading import LoadedModel
 
     model = tiny_model("llama")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

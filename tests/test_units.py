@@ -8,7 +8,7 @@ from ladechat.engine import kv
 from ladechat.engine.draft.pool import NGramPool
 from ladechat.engine.draft.suffix import SuffixIndex
 from ladechat.engine.layout import build_layout, step_inputs, tree_layout, tree_mask
-from ladechat.engine.model.loading import LoadSpec, choose_dtype, placement, resolve_dtype
+from ladechat.engine.load.loading import LoadSpec, choose_dtype, placement, resolve_dtype
 from ladechat.engine.stopping import StopRule
 from ladechat.engine.verify import verify
 
@@ -138,7 +138,7 @@ def test_a_growing_cache_writes_after_what_it_keeps_and_grows_past_its_room(gath
     and buffers growing (the first hold 256 positions)."""
     import random
 
-    from ladechat.engine.model import native, step_ops
+    from ladechat.engine.kernels import native, step_ops
     from ladechat.paths import cache_root
 
     if gather == "kernel" and step_ops.load(cache_root() / "kernels"):
@@ -480,8 +480,8 @@ def test_the_bench_loads_weights_the_device_can_hold():
     GPU run failed there with '--weights packed needs an x86-64 CPU') and with --compile. A device
     that does not exist leaves the load to say so (not an error about weights)."""
     from ladechat.cli import _bench_weights
-    from ladechat.engine.model import packing
-    from ladechat.engine.model.loading import bench_weights
+    from ladechat.engine.load import packing
+    from ladechat.engine.load.loading import bench_weights
 
     cpu = torch.device("cpu")
     assert bench_weights(torch.device("cuda", 0), torch.bfloat16, compile=False) == "dense"
@@ -503,7 +503,7 @@ AVX512_NO_BF16 = "flags : fpu avx2 avx512f avx512dq avx512bw avx512vl avx512_vnn
                                                   (AVX512_NO_BF16, False, torch.float32), ("", False, torch.float32)])
 def test_auto_dtype_on_each_cpu_class(cpuinfo, native, dtype):
     """bf16 by default only where the CPU computes it natively; fp32 on the AVX2-only class."""
-    from ladechat.engine.model.loading import cpu_has_native_bf16
+    from ladechat.engine.load.loading import cpu_has_native_bf16
 
     assert cpu_has_native_bf16(cpuinfo) is native
     assert choose_dtype("auto", "cpu", cpu_has_native_bf16(cpuinfo)) == dtype
@@ -540,7 +540,7 @@ def test_mask_probe_verdict_is_remembered_per_folder(tmp_path, monkeypatch):
     from test_cli import tiny_model_folder
     from tiny_models import tiny_tokenizer
 
-    from ladechat.engine.model.loading import honours_tree_mask, load
+    from ladechat.engine.load.loading import honours_tree_mask, load
     from ladechat.paths import cache_root
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -555,15 +555,15 @@ def test_mask_probe_verdict_is_remembered_per_folder(tmp_path, monkeypatch):
     assert honours_tree_mask(model, None, attn) and len(list(verdicts.iterdir())) == 2  # hub ids: never kept
     # our mask and attention code is part of every kept verdict: an upgraded ladechat asks again
     from ladechat.engine import layout
-    from ladechat.engine.model import attention
-    from ladechat.engine.model.gguf import source_digest
+    from ladechat.engine.kernels import attention
+    from ladechat.engine.load.gguf import source_digest
 
     ours = source_digest(attention.__file__, layout.__file__)
     assert all(ours in verdict.read_text() for verdict in verdicts.iterdir())
 
 
 def test_source_digest_follows_the_files_content(tmp_path):
-    from ladechat.engine.model.gguf import source_digest
+    from ladechat.engine.load.gguf import source_digest
 
     a, b = tmp_path / "a.py", tmp_path / "b.py"
     a.write_text("x = 1\n")
@@ -654,7 +654,7 @@ def test_a_slow_phase_shows_what_it_is_and_for_how_long_on_a_terminal_only():
 
 
 def test_keep_rows_refuses_rows_out_of_order_before_changing_anything():
-    from ladechat.engine.model import native, step_ops
+    from ladechat.engine.kernels import native, step_ops
     from ladechat.paths import cache_root
 
     if step_ops.load(cache_root() / "kernels"):

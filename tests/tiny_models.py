@@ -55,7 +55,7 @@ def tiny_tokenizer(chat_template: str | None = "{% for m in messages %}{{ m['rol
 
 def tiny_loaded(context_length: int = 1024):
     """A LoadedModel of a tiny random Llama with tiny_tokenizer(), for the chat's tests."""
-    from ladechat.engine.model.loading import LoadedModel
+    from ladechat.engine.load.loading import LoadedModel
 
     tokenizer = tiny_tokenizer()
     torch.manual_seed(0)

@@ -15,7 +15,7 @@ from ladechat.settings import Settings
 
 # torch and transformers are imported only where a Bot is built.
 if TYPE_CHECKING:
-    from ladechat.engine.model.loading import LoadedModel
+    from ladechat.engine.load.loading import LoadedModel
 
 
 class Bot:

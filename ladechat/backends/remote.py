@@ -12,7 +12,6 @@ No torch or transformers here: httpx speaks HTTP and reads the server-sent event
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import time
 from collections.abc import Iterator

@@ -24,7 +24,7 @@ from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.draft.store import AnswerStore
 from ladechat.engine.events import Done
-from ladechat.engine.model import packing
+from ladechat.engine.load import packing
 from ladechat.engine.runner import StaticRunner
 from ladechat.errors import UserError
 from ladechat.settings import Settings
@@ -34,7 +34,7 @@ from ladechat.settings import Settings
 # hf-lookup-K: HF prompt lookup proposing K tokens after a match (hf-lookup: K = 10, HF's usual)
 LOOKUP = {"hf-lookup-3": 3, "hf-lookup-5": 5, "hf-lookup": 10}
 # hf-static: HF generate on one static cache, compiled where ladechat's methods are (hf_static.py)
-# HF's methods run on the model as transformers loads it (Linear weights unpacked, engine/model/packing.py),
+# HF's methods run on the model as transformers loads it (Linear weights unpacked, engine/load/packing.py),
 # as a user of transformers would run them; hf-packed: HF generate on ladechat's packed weights, which
 # splits ladechat's gain into the weights' layout (hf-packed over hf) and the decoding (the rest), and
 # is the reference ladechat's greedy answers must equal (fp32 sums differ in the last bits by layout).

@@ -23,9 +23,9 @@ import torch
 
 from ladechat.engine import lean
 from ladechat.engine.config import LookaheadConfig
+from ladechat.engine.kernels.attention import use_grouped_sdpa
 from ladechat.engine.layout import build_layout
-from ladechat.engine.model import packing
-from ladechat.engine.model.attention import use_grouped_sdpa
+from ladechat.engine.load import packing
 from ladechat.engine.runner import CompiledForward, DynamicRunner, LeanRunner, StaticRunner
 from ladechat.engine.step_cost import prefill_random, time_step
 from ladechat.errors import UserError

@@ -193,7 +193,7 @@ def commit_kv(cache, past: int, keep_rows: list[int], appended: int | None = Non
 def _moves_rows_on_host(layers) -> bool:
     """Whether ladechat's keep_rows kernel (step_ops.cpp, loaded with a model on the CPU) can move
     these layers' rows: every layer on the CPU."""
-    from ladechat.engine.model import step_ops
+    from ladechat.engine.kernels import step_ops
 
     return step_ops.loaded() and all(layer.keys.device.type == "cpu" for layer in layers)
 

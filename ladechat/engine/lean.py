@@ -19,10 +19,10 @@ much as the weights' products (the embedded model at 4 bits: ~7,000 small ops a 
     logits = lm_head(norm(x))                              every row's (lookahead reads them all)
 
 Each residual add and the norm after it are one call (norms.add_norm): where the norms are
-ladechat's kernel (engine/model/norms.py, on 4-bit weights) that is one operator instead of ~9.
+ladechat's kernel (engine/kernels/norms.py, on 4-bit weights) that is one operator instead of ~9.
 
 The mask is the step's tree mask of layout.step_inputs (1, 1, S, past + S), tiled for the grouped
-query heads once a step (engine/model/attention.py draws that layout), not once a layer; a one-row
+query heads once a step (engine/kernels/attention.py draws that layout), not once a layer; a one-row
 step has none (it sees every key). The same ops run in the same order as the model's own forward
 with ladechat's grouped attention, so the logits are bitwise the same (tests/test_lean.py, for each
 family it accepts) and only the framework's work around them goes. The model is not changed here: its
@@ -34,8 +34,8 @@ from __future__ import annotations
 import torch
 
 from ladechat.engine import kv
+from ladechat.engine.kernels import attention, int4, norms, q4, q6, q8, step_ops
 from ladechat.engine.layout import StepLayout, step_inputs
-from ladechat.engine.model import attention, int4, norms, q4, q6, q8, step_ops
 
 FAMILIES = frozenset({"llama", "mistral", "qwen2"})
 TABLE_MIN = 1024  # positions of the first cos/sin table; it grows by half when a step passes it
@@ -62,7 +62,7 @@ def supported(model, gpu: bool = False) -> str | None:
             or any(hasattr(module, "_hf_hook") for module in model.modules()):
         return "its layers are placed by a device map (accelerate's hooks move their weights)"
     grouped = config.num_key_value_heads != config.num_attention_heads
-    # with key/value groups, ladechat's grouped attention (model/attention.py) is what it computes;
+    # with key/value groups, ladechat's grouped attention (kernels/attention.py) is what it computes;
     # its row-wise attention with or without groups
     if config._attn_implementation not in (attention.ROWWISE, attention.NAME if grouped else "sdpa"):
         return f"attention {config._attn_implementation!r}, not {'grouped ' if grouped else ''}SDPA"
@@ -110,7 +110,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
 def _torch_rope(q: torch.Tensor, k: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor,
                 signed_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q (S, heads * dim), k (S, kv_heads * dim) -> both rotated, heads first: (heads, S, dim) and
-    (kv_heads, S, dim). ladechat's kernel (model/step_ops.cpp) computes the same bits in one call."""
+    (kv_heads, S, dim). ladechat's kernel (kernels/step_ops.cpp) computes the same bits in one call."""
     size, dim = cos.shape
     return (_rotate(q.view(size, heads, dim).transpose(0, 1), cos, signed_sin),
             _rotate(k.view(size, kv_heads, dim).transpose(0, 1), cos, signed_sin))

@@ -19,8 +19,9 @@ import torch
 from ladechat.engine import kv, lean
 from ladechat.engine.config import ConfigError, LookaheadConfig
 from ladechat.engine.draft.recycle import TOP_K
+from ladechat.engine.kernels import step_ops
 from ladechat.engine.layout import StepLayout, build_layout, fixed_step_inputs, rows_device, step_inputs
-from ladechat.engine.model import packing, step_ops
+from ladechat.engine.load import packing
 
 MAX_FIXED_STEP = 512  # rows; the static cache keeps this much room past the context
 PREFILL_CHUNK = 512  # prompt tokens per eager forward into a static cache (bounds the mask's size)

@@ -2,7 +2,7 @@
 
 Lookahead pays off only when the tokens a step accepts outweigh what the extra rows cost, and on a
 CPU that cost curve is far from flat and differs between machines and weight layouts (measured:
-BENCHMARKS.md; model/packing.py). The curve is measured once per model, device, dtype and weight
+BENCHMARKS.md; load/packing.py). The curve is measured once per model, device, dtype and weight
 layout and cached, so the decoder can size its steps from it.
 """
 
@@ -20,9 +20,10 @@ import torch
 
 from ladechat.engine import kv, layout, lean
 from ladechat.engine import runner as runners
+from ladechat.engine.kernels import attention, int4, norms, q4, q6, q8, step_ops
 from ladechat.engine.layout import StepLayout, build_layout
-from ladechat.engine.model import attention, int4, norms, packing, q4, q6, q8, step_ops
-from ladechat.engine.model.gguf import source_digest
+from ladechat.engine.load import packing, quantized
+from ladechat.engine.load.gguf import source_digest
 from ladechat.engine.runner import default_runner, top_k
 from ladechat.paths import cache_root
 
@@ -87,7 +88,7 @@ def cache_path(model, name: str, *what, threads: int | None = None) -> Path:
     code = source_digest(attention.__file__, layout.__file__, kv.__file__, lean.__file__, packing.__file__,
                          int4.__file__, q4.__file__, q6.__file__, q8.__file__, q4.SOURCE, runners.__file__, __file__,
                          step_ops.SOURCE, norms.__file__)
-    key = json.dumps([code, name, str(model.device), str(model.dtype), int4.weight_layout(model),
+    key = json.dumps([code, name, str(model.device), str(model.dtype), quantized.weight_layout(model),
                       model.config._attn_implementation, torch.__version__,
                       threads or torch.get_num_threads(), lean.supported(model) is None, step_ops.loaded(), *what])
     return cache_root() / "step-cost" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"

@@ -101,7 +101,8 @@ def cached_counts(model, what: list, ceiling: int, cache: Path | None) -> tuple[
         import transformers
 
         from ladechat.engine import lean, runner
-        from ladechat.engine.model import attention, gguf, norms, packing, q4, q6, q8, step_ops
+        from ladechat.engine.kernels import attention, norms, q4, q6, q8, step_ops
+        from ladechat.engine.load import gguf, packing
 
         code = gguf.source_digest(attention.__file__, lean.__file__, runner.__file__, packing.__file__, norms.__file__,
                                   q4.SOURCE, q6.__file__, q8.__file__, step_ops.SOURCE, __file__)

@@ -35,7 +35,7 @@ def bench_tables(results: dict) -> list[Table]:
 
 
 def _layout_caption(results: dict) -> str | None:
-    """Which weight layout each method ran on, when ladechat's were packed (engine/model/packing.py),
+    """Which weight layout each method ran on, when ladechat's were packed (engine/load/packing.py),
     and where each peer is and how its tokens were counted."""
     lines = [_peer_line(name, peer) for name, peer in (results.get("peers") or {}).items()]
     if results.get("packed_weights"):

@@ -8,7 +8,7 @@ code q per weight and an fp16 scale d per 32 weights; dense it would be 57 MB a 
 113 MB in fp32 (the dtype of CPUs without native bf16), plus a packed copy of the tied embedding.
 At 8 bits it is 30 MB, read once a step whatever its rows. torch has no kernel for blocks of 32
 with their own scales (its int8 weight kernel takes one scale per output), so ladechat compiles
-one (engine/model/native.py).
+one (engine/kernels/native.py).
 
 As for the 4-bit weights (q4.py), each row is quantized to int8 per 32 inputs and meets the codes
 in integer dot products, as llama.cpp multiplies these blocks: a float kernel spent one
@@ -23,22 +23,17 @@ where that is a surprise.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from ladechat.engine.model import native, q4
+from ladechat.engine.kernels import q4
 
 SOURCE = q4.SOURCE
 GROUP = q4.GROUP  # weights per scale
 OUT = q4.OUT  # outputs per tile: the 4-bit kernel's, the same library
 BLOCK_BYTES = 2 + GROUP  # fp16 scale, 32 int8 codes
-CACHE_PREFIX = "q8-"
 BUFFERS = ("tiles", "scales", "sums")
 
 
@@ -148,93 +143,3 @@ def usable() -> bool:
     """Whether the kernel's library, once loaded, runs here fast: AVX2 and FMA at least (its
     portable path is for tests and odd CPUs; the dense layer serves those better)."""
     return q4.best_path() >= 1
-
-
-# -- the output layer of a GGUF file -------------------------------------------------------------
-
-def output_tensor(reader, config):
-    """The GGUF tensor of the model's output layer: its own, or the input embedding it is tied to."""
-    by_name = {t.name: t for t in reader.tensors}
-    if "output.weight" in by_name:
-        return by_name["output.weight"]
-    if getattr(config, "tie_word_embeddings", False):
-        return by_name.get("token_embd.weight")
-    return None
-
-
-def read_gguf(gguf_path: Path, model) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The kernel's codes and scales of the output layer of `gguf_path` (`model`: built from the
-    file's config), None when it is not Q8_0 blocks. Q8Error when they cannot run."""
-    from ladechat.engine.model import gguf as gguf_files
-
-    reader = gguf_files.read(gguf_path)
-    tensor = output_tensor(reader, model.config)
-    if tensor is None or tensor.tensor_type.name != "Q8_0":
-        return None
-    head = model.get_output_embeddings()
-    if type(head) is not torch.nn.Linear or head.bias is not None:
-        raise Q8Error("the output layer is not a plain Linear module")
-    rows, cols = head.out_features, head.in_features
-    check_shape(rows, cols)
-    blocks = np.asarray(tensor.data).reshape(rows, -1)  # a row's blocks (gguf reads them so already)
-    codes, scales = decode(blocks, rows, cols)
-    if not np.isfinite(scales).all():
-        raise Q8Error("some of its scales are not finite numbers (a corrupt block)")
-    return kernel_layout(torch.from_numpy(codes), torch.from_numpy(scales))
-
-
-def cache_path(folder: Path) -> Path:
-    """The file of a GGUF's Q8_0 output layer in the kernel's layout (in its cache folder), named for this
-    module's code (a change to how blocks are read is read afresh)."""
-    from ladechat.engine.model.gguf import source_digest
-
-    return Path(folder) / f"{CACHE_PREFIX}{source_digest(__file__)}.safetensors"
-
-
-@dataclass(frozen=True)
-class Applied:
-    replaced: bool
-    notices: tuple[str, ...]
-
-
-def apply(model, gguf_path: Path, folder: Path, kernels: Path,
-          progress: Callable[[str], AbstractContextManager] | None = None, compiler: str = native.COMPILER) -> Applied:
-    """Replace the output layer of `model` (built from `gguf_path`'s config; `folder`: its cache
-    folder) by a Q8Linear of its Q8_0 blocks, the kernel compiled into `kernels` if not yet.
-    The first time reads the GGUF and keeps the blocks in `folder`."""
-    from ladechat.engine.model import kept
-    from ladechat.engine.model.gguf import keep_beside
-
-    name = Path(gguf_path).name
-    path = cache_path(folder)
-    if path.is_file() and kept.whole(path):
-        meta, _, get = kept.read(path)
-        found = tuple(get(k) for k in BUFFERS) if meta.get("q8_0") == "yes" else None
-        notices = json.loads(meta.get("notices", "[]"))
-    else:
-        status = progress(f"Reading the output layer of {name} (one time)") if progress else nullcontext()
-        notices = []
-        with status:
-            try:
-                found = read_gguf(Path(gguf_path), model)
-            except Q8Error as exc:
-                found, notices = None, [f"the output layer of {name} runs dense: {exc}"]
-            except (ValueError, KeyError, IndexError, OSError, EOFError) as exc:
-                detail = " ".join(str(exc).split()) or type(exc).__name__
-                return Applied(False, (f"cannot read the output layer of {name} ({detail}); running it dense",))
-        arrays = dict(zip(("tiles", "scales", "sums"), found, strict=True)) if found else {"none": torch.zeros(1)}
-        keep_beside(path, arrays, {"q8_0": "yes" if found else "no", "notices": json.dumps(notices)},
-                    f"{CACHE_PREFIX}*.safetensors")  # a read-only cache: read again next time
-    if found is None:
-        return Applied(False, tuple(notices))
-    unbuilt = native.why_not_loaded(SOURCE, kernels, compiler, progress)
-    if unbuilt:
-        return Applied(False, (*notices, f"the output layer of {name} runs dense: {unbuilt}"))
-    head = model.get_output_embeddings()
-    tiles = found[0]
-    if not usable() or type(head) is not torch.nn.Linear \
-            or (head.out_features, head.in_features) != (tiles.shape[0] * OUT, tiles.shape[1] * GROUP):
-        return Applied(False, tuple(notices))
-    module_name = next(key for key, module in model.named_modules() if module is head)
-    model.set_submodule(module_name, Q8Linear(*found))
-    return Applied(True, tuple(notices))

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ladechat.engine.model import q4
+from ladechat.engine.kernels import q4
 
 SOURCE = q4.SOURCE
 GROUP = q4.GROUP  # inputs per activation scale, and per tile

@@ -1,6 +1,6 @@
 // y = x W^T for W as a GGUF's blocks, the activations quantized to int8 as llama.cpp does for
-// these blocks: ladechat's kernels for a GGUF's 4-bit and Q6_K Linear weights (engine/model/q4.py,
-// q6.py) and its Q8_0 output layer (engine/model/q8.py). One library, so one compile.
+// these blocks: ladechat's kernels for a GGUF's 4-bit and Q6_K Linear weights (engine/kernels/q4.py,
+// q6.py) and its Q8_0 output layer (engine/kernels/q8.py). One library, so one compile.
 //
 //   q4_mm  Q4_0 / Q4_1 / Q4_K: w = scale * q + low, a code q in 0..15 per weight, a scale and low
 //          per 32 weights along a row, given in one of three forms (the fp32 values are the same):

@@ -3,7 +3,7 @@
 The file's metadata gives the model's config and tokenizer: the first load writes them (a few
 small files, seconds of parsing) into the user cache directory, and later loads read them there.
 The weights are never copied into a dense file: each tensor is read from the memory-mapped GGUF
-when the model is built, into a kernel's layout (int4.py, q8.py: kept beside the config, no larger
+when the model is built, into a kernel's layout (quantized.py, head.py: kept beside the config, no larger
 than the tensors' own blocks) or dequantized, one tensor at a time, into the model's dtype on its
 device (read_tensors).
 """
@@ -86,7 +86,7 @@ def keep_beside(path: Path, arrays: dict, metadata: dict[str, str], earlier: str
     import os
     import tempfile
 
-    from ladechat.engine.model import kept
+    from ladechat.engine.load import kept
 
     partial = None
     try:

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import torch
 
-from ladechat.engine.model import gguf, int4, native, norms, packing, q4, q6, q8, step_ops
-from ladechat.engine.model.attention import use_grouped_sdpa
-from ladechat.engine.model.gguf import ModelNotFound
+from ladechat.engine.kernels import int4, native, norms, q4, q6, q8, step_ops
+from ladechat.engine.kernels.attention import use_grouped_sdpa
+from ladechat.engine.load import gguf, head, packing, quantized
+from ladechat.engine.load.gguf import ModelNotFound
 from ladechat.engine.threads import CpuThreads
 from ladechat.errors import UserError
 from ladechat.paths import cache_root
@@ -47,7 +48,7 @@ class LoadSpec:
     device_map: str | None = None
     max_memory: tuple[tuple[str, str], ...] = ()  # (device, size) pairs for device_map, e.g. ("cpu", "8GiB")
     # Linear weights in oneDNN's packed layout where measured to pay (x86-64 CPUs, fp32/bf16;
-    # engine/model/packing.py). Off for --compile, whose graphs take the model's own Linear modules:
+    # engine/load/packing.py). Off for --compile, whose graphs take the model's own Linear modules:
     # then every Linear stays as loaded, whatever `weights` says.
     pack_weights: bool = True
     weights: str = "auto"  # one of WEIGHTS
@@ -63,7 +64,7 @@ class LoadedModel:
     eos_ids: frozenset[int]
     context_length: int
     notices: tuple[str, ...] = ()
-    weights: str = ""  # the Linear weights' layouts and kernels in words (int4.describe); "" all as loaded
+    weights: str = ""  # the Linear weights' layouts and kernels in words (quantized.describe); "" all as loaded
     # On a CPU where the steps give the same bits on fewer threads (probed: engine/thread_probe.py),
     # their thread count, which follows the machine's other load (engine/threads.py); else None.
     threads: object = None
@@ -288,7 +289,7 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
         packing.pack(model)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, device=model.device, dtype=model.dtype,
                        eos_ids=eos_ids(model, tokenizer), context_length=context_length(model.config),
-                       notices=tuple(notices), weights=int4.describe(model),
+                       notices=tuple(notices), weights=quantized.describe(model),
                        threads=_governed(threads, model, name, source, gguf_file, progress))
 
 
@@ -298,7 +299,7 @@ def _governed(threads: CpuThreads | None, model, name: str, source: str, gguf_fi
     (thread_probe.py), or None where only the full count does: a lookahead answer must equal plain
     decoding's whatever the machine's load did meanwhile. MKL's dense fp32 products split their sums
     by the thread count by design, so a model with dense Linear weights is not probed."""
-    if threads is None or threads.ceiling == 1 or "dense" in int4.weight_layout(model):
+    if threads is None or threads.ceiling == 1 or "dense" in quantized.weight_layout(model):
         return None
     from ladechat.engine import thread_probe
 
@@ -307,7 +308,7 @@ def _governed(threads: CpuThreads | None, model, name: str, source: str, gguf_fi
     if folder is not None:  # a model whose files can be named: its verdict is kept
         files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.iterdir() if f.is_file())
         origin = (str(gguf_file.resolve()), gguf_file.stat().st_size) if gguf_file is not None else None
-        what = [str(folder.resolve()), files, origin, int4.weight_layout(model)]
+        what = [str(folder.resolve()), files, origin, quantized.weight_layout(model)]
     with progress("checking which thread counts give the same results") if progress else nullcontext():
         counts = thread_probe.cached_counts(model, what, threads.ceiling,
                                             cache_root() / "thread-probe" if what is not None else None)
@@ -371,7 +372,7 @@ def _read(asked: str, source: str, name: str, device: torch.device, kwargs: dict
           gguf_file: Path | None = None):
     """(tokenizer, model in eval mode on its device, what `build` applied) from `source` (a folder or
     hub id; `asked`: what the user gave, for messages): built by `build(config)` (_from_gguf: (model,
-    int4.Applied or None)) where given, else loaded with from_pretrained's `kwargs` (from `gguf_file`
+    quantized.Applied or None)) where given, else loaded with from_pretrained's `kwargs` (from `gguf_file`
     by transformers' own GGUF reader, where given)."""
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -421,9 +422,9 @@ def _read(asked: str, source: str, name: str, device: torch.device, kwargs: dict
 def _from_gguf(folder: Path, gguf_file: Path, config, kwargs: dict, device: torch.device, kernels: Path | None,
                progress) -> tuple:
     """(the model of `gguf_file`, built from its blocks as they are, in eval mode on `device`;
-    int4.Applied or None). Built empty (parameters on the meta device); with `kernels` (a CPU that
+    quantized.Applied or None). Built empty (parameters on the meta device); with `kernels` (a CPU that
     runs them), its Q4_0/Q4_1/Q4_K Linear weights and its Q8_0 output layer go into the kernels'
-    layout first (int4.py, q8.py: read from the file once and kept in `folder`); then every other
+    layout first (quantized.py, head.py: read from the file once and kept in `folder`); then every other
     tensor is dequantized on its own into the model's dtype on `device` (gguf.read_tensors). No
     dense copy of the weights is made at any point."""
     try:
@@ -443,16 +444,16 @@ def _build_from_gguf(folder: Path, gguf_file: Path, config, kwargs: dict, device
     index = gguf.tensor_index(model, gguf_file, folder)  # before any module is replaced
     applied = None
     if kernels is not None:
-        four_bit = int4.apply(model, gguf_file, folder, kernels, progress)
+        four_bit = quantized.apply(model, gguf_file, folder, kernels, progress)
         # its Q8_0 output layer at 8 bits too
-        applied = int4.Applied(four_bit.replaced, four_bit.kinds,
-                               four_bit.notices + q8.apply(model, gguf_file, folder, kernels, progress).notices)
+        applied = quantized.Applied(four_bit.replaced, four_bit.kinds,
+                               four_bit.notices + head.apply(model, gguf_file, folder, kernels, progress).notices)
     empty = {name for name, tensor in (*model.named_parameters(), *model.named_buffers()) if tensor.is_meta}
     state = gguf.read_tensors(model, gguf_file, index, dtype, device, empty, progress)
     loaded = model.load_state_dict(state, strict=False, assign=True)
     # a kernel's output module computes .weight dense on each read: ask for the Parameter itself
-    head = model.get_output_embeddings()
-    if head is not None and isinstance(head._parameters.get("weight"), torch.nn.Parameter):
+    output = model.get_output_embeddings()
+    if output is not None and isinstance(output._parameters.get("weight"), torch.nn.Parameter):
         # as from_pretrained ties: only what the file lacks (an output layer on the Q8_0 kernel is its own)
         model.tie_weights(missing_keys=set(loaded.missing_keys))
     empty = [name for name, tensor in (*model.named_parameters(), *model.named_buffers()) if tensor.is_meta]
@@ -551,7 +552,7 @@ def honours_tree_mask(model, folder: str | None, attn: str) -> bool:
     import transformers
 
     from ladechat.engine import layout
-    from ladechat.engine.model import attention
+    from ladechat.engine.kernels import attention
 
     files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in Path(folder).iterdir() if f.is_file())
     key = json.dumps(["v1", str(Path(folder).resolve()), files, str(model.dtype), model.device.type, attn,

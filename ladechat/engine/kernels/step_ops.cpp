@@ -1,4 +1,4 @@
-// A decoding step's small operations, each as one operator (engine/model/step_ops.py loads them).
+// A decoding step's small operations, each as one operator (engine/kernels/step_ops.py loads them).
 // With a small model and a few rows, much of a step was torch's dispatch of ~1,800 small ops
 // around the weights' products (measured: BENCHMARKS.md): an RMSNorm is ~8 ops (61 calls), the
 // rotation of q and k ~10 ops a layer, the rows' top-k one torch.topk each.

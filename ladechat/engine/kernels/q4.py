@@ -1,7 +1,7 @@
 """A GGUF file's 4-bit Linear weights multiplied by ladechat's own kernel (blocks.cpp), with the
 activations quantized to int8 per 32 inputs, as llama.cpp multiplies these blocks.
 
-int4.py reads the blocks (Q4_0, Q4_1, Q4_K: w = scale * q + low per 32 weights) and keeps them in
+load/quantized.py reads the blocks (Q4_0, Q4_1, Q4_K: w = scale * q + low per 32 weights) and keeps them in
 this kernel's layout; this module makes the layout and the Linear module that runs it. A step reads
 every weight once, so the bytes it streams set its floor: the scales and lows are kept in the
 file's own precision, fp16 for Q4_0 and Q4_1 (0.625 bytes a weight with the codes) and for Q4_K its
@@ -29,9 +29,10 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from ladechat.engine.model import native
+from ladechat.engine.kernels import native
 
 SOURCE = Path(__file__).with_name("blocks.cpp")  # also Q8_0's kernel (q8.py): one library
 GROUP = 32  # inputs per scale and low
@@ -39,6 +40,11 @@ SUPER = 8  # groups per d and dmin in the Q4_K form (256 inputs)
 OUT = 16  # outputs per tile
 TILE_BYTES = OUT * GROUP // 2
 PATHS = {0: "portable", 1: "AVX2", 2: "AVX-512 VNNI"}
+KINDS = ("Q4_0", "Q4_1", "Q4_K")  # GGUF block types with an exact 4-bit form
+
+
+class Q4Error(ValueError):
+    """A tensor's blocks are not what their type says (the message says why, one line)."""
 
 
 def load(kernels: Path, progress: Callable[[str], AbstractContextManager] | None = None,
@@ -137,6 +143,64 @@ def per_row(values: torch.Tensor) -> torch.Tensor:
     """per_tile's values -> (N, K / 32) again."""
     count, groups, _ = values.shape
     return values.transpose(1, 2).reshape(count * OUT, groups)
+
+
+# -- a GGUF's Q4 blocks -------------------------------------------------------------------------------
+
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The fp16 at byte `start` of every block, as float64: (rows, blocks, 1)."""
+    return np.ascontiguousarray(blocks[..., start:start + 2]).view(np.float16).astype(np.float64)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """Bytes (..., 16) of a 32-weight group: weights 0-15 in the low nibbles, 16-31 in the high."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def decode(kind: str, data: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The 4-bit form of a GGUF tensor's blocks: codes q (rows, cols) uint8 in 0..15, and per group
+    of 32 weights along a row the scale and low (rows, cols / 32) float32, such that
+    w = scale * q + low is the weight `gguf.dequantize` gives (the scales and lows exactly: fp16
+    values, or for Q4_K an fp16 times a 6-bit integer). `data` is the tensor's bytes, (rows, bytes
+    per row)."""
+    q, *parts = decode_compact(kind, data, rows, cols)
+    if kind != "Q4_K":
+        return q, parts[0].astype(np.float32), parts[1].astype(np.float32)
+    sc, m, d, dmin = parts
+    d, dmin = np.repeat(d, SUPER, axis=1), np.repeat(dmin, SUPER, axis=1)
+    return q, d * sc.astype(np.float32), -dmin * m.astype(np.float32)  # exact: fp16 times an integer < 64
+
+
+def decode_compact(kind: str, data: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, ...]:
+    """A GGUF tensor's blocks in the precision the file holds them, for q4.layout / q4.layout_k:
+    Q4_0 and Q4_1: (q, scale, low), the scale and low (rows, cols / 32) fp16 (fp32 where Q4_0's -8 d
+    leaves fp16's range); Q4_K: (q, sc, m, d, dmin), sc and m (rows, cols / 32) uint8, d and dmin
+    (rows, cols / 256) fp32; q as decode()'s."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import Q4_K
+
+    if kind not in KINDS:
+        raise Q4Error(f"{kind} has no exact 4-bit form (only {', '.join(KINDS)})")
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    if cols % block or data.shape != (rows, cols // block * size):
+        raise Q4Error(f"{kind} blocks of {data.shape[-1]} bytes a row do not make {rows}x{cols} weights")
+    blocks = np.asarray(data, dtype=np.uint8).reshape(rows, cols // block, size)
+    if kind == "Q4_0":
+        d = _f16(blocks, 0).reshape(rows, cols // GROUP)
+        low = -8 * d
+        dtype = np.float16 if (np.abs(low) <= np.finfo(np.float16).max).all() else np.float32  # else past fp16's range
+        return _nibbles(blocks[..., 2:]).reshape(rows, cols), d.astype(dtype), low.astype(dtype)
+    if kind == "Q4_1":
+        return _nibbles(blocks[..., 4:]).reshape(rows, cols), *(_f16(blocks, at).reshape(rows, cols // GROUP)
+                                                                 .astype(np.float16) for at in (0, 2))
+    n = rows * (cols // block)
+    d, dmin = _f16(blocks, 0).reshape(rows, -1), _f16(blocks, 2).reshape(rows, -1)
+    sc, m = Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(n, 12))
+    # 4 chunks of 32 bytes: the low nibbles are sub-block 2j, the high ones 2j + 1
+    qs = blocks[..., 16:].reshape(n, 4, 1, 32)
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(rows, cols)
+    return (q, sc.reshape(rows, -1).astype(np.uint8), m.reshape(rows, -1).astype(np.uint8),
+            d.astype(np.float32), dmin.astype(np.float32))
 
 
 class Q4Linear(torch.nn.Module):

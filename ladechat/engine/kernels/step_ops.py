@@ -17,7 +17,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-from ladechat.engine.model import native
+from ladechat.engine.kernels import native
 
 SOURCE = Path(__file__).with_name("step_ops.cpp")
 

@@ -117,7 +117,7 @@ def use_grouped_sdpa(model, rowwise: bool = False) -> bool:
 def rowwise_supported(model) -> bool:
     """Whether ROWWISE runs this model: on the CPU with step_ops' kernels loaded (AVX2 at least:
     the portable loops are far slower than SDPA), fp32 or bf16, a head dim the kernel takes."""
-    from ladechat.engine.model import step_ops
+    from ladechat.engine.kernels import step_ops
 
     config = model.config.get_text_config()
     dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

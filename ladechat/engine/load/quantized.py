@@ -1,0 +1,306 @@
+"""A GGUF file's quantized Linear weights read once into ladechat's kernels' layout and kept:
+Q4_0, Q4_1 and Q4_K (q4.py, or torch's int4 kernel where no compiler builds ladechat's: int4.py),
+Q6_K (q6.py) and Q8_0 (q8.py; a Q8_0 output layer is head.py's).
+
+Each tensor is read from the file as it is (the `gguf` package's reader, memory-mapped, no
+dequantized copy) in the precision the file holds it, its rows in the model's own order (llama.cpp
+permutes the rows of q and k, and transformers' GGUF tensor processor says how), and the file's
+pages are dropped once read. Everything else (norms, attention, the residual stream) stays in the
+model's dtype, and tensors of other types (Q5, F16) keep the path they had: dense, packed for
+oneDNN where that applies.
+
+The kernels compute each row on its own, in the same order whatever the step's size; SDPA's rows
+depend in fp32's last bits on how many rows and masked keys a step has, so where ladechat's kernels
+load, model loading also switches attention to its row-wise kernel (attention.py): a lookahead
+answer on these weights is then plain decoding's, token for token, where every Linear is such
+blocks (tests/test_int4.py, tests/test_q6.py).
+
+Reading a GGUF's metadata takes seconds on a small CPU, so the first load writes the blocks in the
+kernels' layout into one file in the GGUF's cache folder (kept.py), named for the code that reads
+and lays them out; later loads only read it. The model's code is untouched: Linear modules are
+replaced, as transformers' quantizers do.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ladechat.engine.kernels import attention, int4, native, q4, q6, q8
+from ladechat.engine.kernels.int4 import Int4Error, Int4Linear, check_shape
+
+BLOCK_KINDS = (*q4.KINDS, "Q6_K", "Q8_0")  # the GGUF block types ladechat's kernels run at their own bits
+CACHE_PREFIX = "int4-"
+
+
+# -- reading a GGUF file once ------------------------------------------------------------------
+
+def cache_path(folder: Path) -> Path:
+    """The file of a GGUF's 4-bit weights in q4.py's layout (in its cache folder), named for the code that
+    reads and lays them out (a change to either is read afresh)."""
+    from ladechat.engine.load.gguf import source_digest
+
+    return Path(folder) / f"{CACHE_PREFIX}{source_digest(__file__, q4.__file__, q6.__file__, q8.__file__)}.safetensors"
+
+
+def read_gguf(gguf_path: Path, model) -> tuple[dict[str, torch.Tensor], list[str], dict[str, str]]:
+    """The kernels' form of every Q4_0/Q4_1/Q4_K/Q6_K/Q8_0 tensor of `gguf_path` that is a plain
+    Linear weight of `model` (built from the file's config, its weights empty or not), a Q8_0 output
+    layer aside: ({module.buffer: q4.layout's tiles/scales/lows, q6.layout's tiles/d or
+    q8.kernel_layout's tiles/scales/sums}, notices, {module: block type}). A tensor
+    that cannot run so keeps its dense weight, with a notice when that is a surprise (a corrupt
+    block, rows transformed on loading), none for the types that have no kernel."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    from ladechat.engine.load import gguf as gguf_files
+
+    reader = gguf_files.read(gguf_path)
+    arch = str(reader.fields["general.architecture"].contents())
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=model.config.to_dict())
+    names = get_gguf_hf_weights_map(model, processor)
+    arrays: dict[str, torch.Tensor] = {}
+    kinds: dict[str, str] = {}
+    notices: list[str] = []
+    head = model.get_output_embeddings()
+    by_name = {tensor.name: tensor for tensor in reader.tensors}
+    if "output.weight" not in by_name and "token_embd.weight" in by_name \
+            and getattr(model.config, "tie_word_embeddings", False) and type(head) is torch.nn.Linear:
+        # the output layer is the input embedding's blocks, whichever kernel's they are (q8.py takes a Q8_0 one)
+        names = {**names, "output.weight": next(key for key, module in model.named_modules() if module is head)
+                 + ".weight"}
+        by_name["output.weight"] = by_name["token_embd.weight"]
+    for name, tensor in by_name.items():
+        kind = tensor.tensor_type.name
+        target = names.get(name, "")
+        if kind not in BLOCK_KINDS or not target.endswith(".weight"):
+            continue
+        module_name = target.removesuffix(".weight")
+        try:
+            linear = model.get_submodule(module_name)
+        except AttributeError:
+            continue
+        if type(linear) is not torch.nn.Linear or (kind == "Q8_0" and linear is head):  # head.apply takes that
+            continue
+        rows, cols = linear.out_features, linear.in_features
+        try:
+            buffers = _kernel_form(kind, np.asarray(tensor.data), rows, cols,
+                                   lambda: gguf_files.row_order(processor, tensor.name, rows))  # noqa: B023 (called at once)
+        except (Int4Error, q4.Q4Error, q6.Q6Error, q8.Q8Error) as exc:
+            notices.append(f"{name} ({kind}) runs dense: {exc}")
+            continue
+        arrays.update({f"{module_name}.{buffer}": value for buffer, value in buffers.items()})
+        kinds[module_name] = kind
+        _release(reader, tensor)
+    return arrays, notices, kinds
+
+
+def _release(reader, tensor) -> None:
+    """Drop the file's pages of a tensor that has been read from this process's memory (the file
+    stays mapped and in the page cache; a 7B file would otherwise be resident whole, on top of its
+    kernel layout)."""
+    import mmap
+
+    mapped = getattr(reader.data, "_mmap", None)
+    if mapped is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = tensor.data_offset - tensor.data_offset % mmap.PAGESIZE
+    try:
+        mapped.madvise(mmap.MADV_DONTNEED, start, tensor.data_offset + tensor.n_bytes - start)
+    except (OSError, ValueError):  # a mapping that does not take the advice: its pages stay
+        pass
+
+
+def _kernel_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of) -> dict[str, torch.Tensor]:
+    """A tensor's blocks in its kernel's layout, its rows in the model's order (order_of(): the GGUF
+    row of each, or None when loading does more than reorder them)."""
+    if kind == "Q6_K":
+        q6.check_shape(rows, cols)
+        parts = q6.decode(data, rows, cols)
+        finite = np.isfinite(parts[2]).all()
+    elif kind == "Q8_0":
+        q8.check_shape(rows, cols)
+        parts = q8.decode(data, rows, cols)
+        finite = np.isfinite(parts[1]).all()
+    else:
+        check_shape(rows, cols)
+        parts = q4.decode_compact(kind, data, rows, cols)
+        finite = all(np.isfinite(part).all() for part in parts[1:] if part.dtype.kind == "f")
+    if not finite:
+        raise Int4Error("some of its scales are not finite numbers (a corrupt block)")
+    order = order_of()
+    if order is None:
+        raise Int4Error("its rows are transformed on loading, not only reordered")
+    if not np.array_equal(order, np.arange(rows)):  # llama.cpp's q and k; the rest as they are, no copy
+        parts = [part[order] for part in parts]
+    parts = [torch.from_numpy(np.ascontiguousarray(part)) for part in parts]
+    if kind == "Q6_K":
+        return dict(zip(q6.BUFFERS, q6.layout(*parts), strict=True))
+    if kind == "Q8_0":
+        return dict(zip(q8.BUFFERS, q8.kernel_layout(*parts), strict=True))
+    return dict(zip(q4.BUFFERS, (q4.layout_k if kind == "Q4_K" else q4.layout)(*parts), strict=True))
+
+
+@dataclass(frozen=True)
+class Applied:
+    replaced: int  # Linear modules now on a kernel of their blocks
+    kinds: tuple[str, ...]  # their GGUF block types
+    notices: tuple[str, ...]
+
+
+def apply(model, gguf_path: Path, folder: Path, kernels: Path | None,
+          progress: Callable[[str], AbstractContextManager] | None = None, compiler: str = native.COMPILER) -> Applied:
+    """Replace every plain Linear of `model` (built from `gguf_path`'s config; `folder`: its cache
+    folder) whose GGUF weight is Q4_0, Q4_1 or Q4_K by a module of the same blocks: a
+    q4.Q4Linear, its kernel compiled into `kernels` if not yet, or an Int4Linear (torch's kernel)
+    where it cannot be built (a one-line notice) or `kernels` is None; and those of Q6_K and Q8_0
+    blocks by a q6.Q6Linear or q8.Q8Linear where ladechat's kernel runs (else they stay dense). The first time reads the
+    GGUF (seconds) and keeps the 4-bit form in `folder`. A file that cannot be read leaves the
+    model as it is, with a one-line notice."""
+    from ladechat.engine.load import kept
+    from ladechat.engine.load.gguf import keep_beside
+
+    kernel_notices, path_here = _kernel(gguf_path, kernels, progress, compiler)
+    path = cache_path(folder)
+    if not (path.is_file() and kept.whole(path)):  # a file cut short (a full disk, a crash): read afresh
+        status = progress(f"Reading the quantized blocks of {Path(gguf_path).name} (one time)") if progress \
+            else nullcontext()
+        with status:
+            try:
+                arrays, notices, kinds = read_gguf(Path(gguf_path), model)
+                arrays = q4.join_in_place(arrays)  # q/k/v and gate/up kept together: one product each in a step
+            except (ValueError, KeyError, IndexError, OSError, EOFError) as exc:
+                detail = " ".join(str(exc).split()) or type(exc).__name__
+                notice = f"cannot read the 4-bit blocks of {Path(gguf_path).name} ({detail}); running its dense weights"
+                return Applied(0, (), (notice,))
+            meta = {"notices": json.dumps(notices), "kinds": json.dumps(kinds)}
+            keep_beside(path, arrays, meta, f"{CACHE_PREFIX}*.safetensors")  # a read-only cache: read again next time
+            # what was kept, from memory (read back, it would be in memory twice for a while)
+            return _replace(model, q4.KeptReader(arrays.__getitem__, arrays, model), kinds, notices, path_here,
+                            kernel_notices)
+    meta, keys, get = kept.read(path)
+    kinds, notices = json.loads(meta.get("kinds", "{}")), json.loads(meta.get("notices", "[]"))
+    return _replace(model, q4.KeptReader(get, keys, model), kinds, notices, path_here, kernel_notices)
+
+
+def _kernel(gguf_path: Path, kernels: Path | None, progress, compiler: str) -> tuple[list[str], int | None]:
+    """(notices, the path of ladechat's kernel that runs here, or None for torch's kernel)."""
+    if kernels is None:
+        return [], None
+    unbuilt = q4.load(kernels, progress, compiler)
+    if unbuilt:
+        return [f"the 4-bit weights of {Path(gguf_path).name} run on torch's int4 kernel: {unbuilt}"], None
+    if q4.best_path() < 1:  # an x86-64 CPU without AVX2: the kernel's portable loops are slower than torch's
+        return [], None
+    return [], q4.best_path()
+
+
+def _replace(model, read: q4.KeptReader, kinds: dict[str, str], notices: list[str],
+             path: int | None, kernel_notices: list[str]) -> Applied:
+    """Put in the kept blocks (read(module, buffer)): Q4Linear on ladechat's kernel's `path`, or
+    (None) Int4Linear (then `kernel_notices` say why, where any module was replaced)."""
+    count = 0
+    with torch.no_grad():
+        for name, kind in kinds.items():
+            linear = model.get_submodule(name)
+            if type(linear) is not torch.nn.Linear:
+                continue
+            if kind in ("Q6_K", "Q8_0"):
+                if path is None:  # torch has no kernel for these blocks: the tensor is read dense
+                    continue
+                module = (q6.Q6Linear(*(read(name, b) for b in q6.BUFFERS), linear.bias, path) if kind == "Q6_K"
+                          else q8.Q8Linear(*(read(name, b) for b in q8.BUFFERS), path, linear.bias))
+                if (module.out_features, module.in_features) == (linear.out_features, linear.in_features):
+                    model.set_submodule(name, module)
+                    count += 1
+                continue
+            tiles, scales, lows = (read(name, buffer) for buffer in q4.BUFFERS)
+            if path is not None:
+                module = q4.Q4Linear(tiles, scales, lows, linear.bias, kind, path)
+            else:
+                module = Int4Linear.from_kernel_layout(tiles, scales, lows, linear.bias, kind)
+            if (module.out_features, module.in_features) != (linear.out_features, linear.in_features):
+                continue
+            model.set_submodule(name, module)
+            count += 1
+    return Applied(count, tuple(sorted({kind for name, kind in kinds.items()
+                                        if type(model.get_submodule(name)) is not torch.nn.Linear})),
+                   tuple(notices + (kernel_notices if count else [])))
+
+
+# -- what runs -----------------------------------------------------------------------------------
+
+def weight_layout(model) -> str:
+    """Which kernels the model's Linear weights (and norms) run on, e.g. 'q4:210,q8_0:1,norm:61'
+    (q4: ladechat's 4-bit kernel, int4: torch's; a key of the step-cost cache: each layout has its
+    own cost curve)."""
+    from ladechat.engine.kernels.norms import NativeRMSNorm
+    from ladechat.engine.kernels.q8 import Q8Linear
+    from ladechat.engine.load.packing import PackedLinear
+
+    counts = {"q4": 0, "q6_k": 0, "int4": 0, "q8_0": 0, "packed": 0, "dense": 0, "norm": 0}
+    for module in model.modules():
+        if type(module) is NativeRMSNorm:
+            counts["norm"] += 1
+        elif type(module) is q4.Q4Linear:
+            counts["q4"] += 1
+        elif type(module) is q6.Q6Linear:
+            counts["q6_k"] += 1
+        elif type(module) is Int4Linear:
+            counts["int4"] += 1
+        elif type(module) is Q8Linear:
+            counts["q8_0"] += 1
+        elif type(module) is PackedLinear:
+            counts["packed"] += 1
+        elif isinstance(module, torch.nn.Linear):
+            counts["dense"] += 1
+    return ",".join(f"{k}:{v}" for k, v in counts.items() if v) or "none"
+
+
+def describe(model) -> str:
+    """The Linear weights and their kernels in words (for the banner, /show and --debug); empty for
+    a model whose Linear modules are all as transformers loads them."""
+    from ladechat.engine.kernels.norms import NativeRMSNorm
+    from ladechat.engine.kernels.q8 import Q8Linear
+    from ladechat.engine.load.packing import PackedLinear
+
+    ours = [m for m in model.modules() if type(m) is q4.Q4Linear]
+    six = [m for m in model.modules() if type(m) is q6.Q6Linear]
+    on_torch = [m for m in model.modules() if type(m) is Int4Linear]
+    q8_0 = [m for m in model.modules() if type(m) is Q8Linear]
+    packed = [m for m in model.modules() if type(m) is PackedLinear]
+    dense = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    parts = []
+    if ours:
+        kinds = "/".join(sorted({m.kind for m in ours}))
+        paths = "/".join(sorted({q4.PATHS[m.path] for m in ours}))
+        parts.append(f"{len(ours)} Linear from {kinds} blocks (ladechat's {paths} kernel, int8 activations)")
+    if six:
+        paths = "/".join(sorted({q4.PATHS[m.path] for m in six}))
+        parts.append(f"{len(six)} Linear from Q6_K blocks (ladechat's {paths} kernel, int8 activations)")
+    if on_torch:
+        kinds = "/".join(sorted({m.kind for m in on_torch}))
+        parts.append(f"{len(on_torch)} Linear int4 from {kinds} blocks (torch {int4.KERNEL}, bf16 activations)")
+    head = model.get_output_embeddings()
+    if any(m is not head for m in q8_0):
+        paths = "/".join(sorted({q4.PATHS[m.path] for m in q8_0 if m is not head}))
+        count = sum(m is not head for m in q8_0)
+        parts.append(f"{count} Linear from Q8_0 blocks (ladechat's {paths} kernel, int8 activations)")
+    if head in q8_0:
+        parts.append(f"the output layer from Q8_0 blocks (ladechat's {q4.PATHS[head.path]} kernel)")
+    if packed:
+        dtype = str(packed[0].packed_weight.dtype).removeprefix("torch.")
+        parts.append(f"{len(packed)} packed {dtype} (oneDNN)")
+    if parts and dense:
+        parts.append(f"{dense} dense")
+    norms = sum(type(m) is NativeRMSNorm for m in model.modules())
+    if norms:
+        parts.append(f"{norms} RMSNorm by ladechat's kernel")
+    if getattr(model.config, "_attn_implementation", None) == attention.ROWWISE:
+        parts.append("attention row by row (ladechat's kernel)")
+    return ", ".join(parts)
