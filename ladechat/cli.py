@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
+from ladechat.backends.opener import compiled_or_not, compiles, load_model, open_bot, quiet_libraries, settings_for
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.errors import UserError
 
@@ -97,26 +96,6 @@ def _setting_flags(params: dict, names: tuple[str, ...] | None = None) -> dict:
     return given
 
 
-def _settings(given: dict, loaded=None, default_temperature: float = 0.0, compile: bool = False):
-    """Settings (ladechat.settings) from the settings the flags give (_setting_flags). What is not
-    given takes the device's defaults (on a GPU, W/N/G from the loaded model's measured step-cost
-    curve; with compile the paper's W = G = 15, N = 5 without measuring: that curve is of eager
-    exact-size steps, and the compiled full step, dearer than one row, was measured ahead of plain
-    decoding and of smaller steps, BENCHMARKS.md) and default_temperature.
-    loaded=None: check the flags before loading. ConfigError or TemplateError (one line) for a bad
-    value."""
-    from ladechat.engine.defaults import default_lookahead
-    from ladechat.settings import Settings
-    from ladechat.templates import resolve
-
-    device_type = loaded.device.type if loaded is not None else "cpu"
-    measure = device_type == "cuda" and not compile
-    base = default_lookahead(device_type, loaded.step_cost() if measure else None)
-    settings = Settings.for_lookahead(base, temperature=default_temperature).updated(given)
-    resolve(loaded.tokenizer if loaded is not None else None, settings.template)
-    return settings
-
-
 def _spinner(err: Console):
     """progress(message) for load(): a spinner on stderr while a slow phase runs."""
     from ladechat.ui.phase import phases
@@ -130,58 +109,12 @@ def _print_notices(notices, err: Console) -> None:
         err.print(f"[yellow]notice:[/] {escape(notice)}", highlight=False, soft_wrap=True)
 
 
-def _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, progress, max_memory=None,
-          compile: bool = False, weights: str = "auto"):
-    """The model, loaded with progress(message) shown during slow phases; its notices are the caller's.
-    compile: the steps will be compiled, which takes the model's own Linear modules (no packing, no
-    int4). weights: --weights (engine/load/loading.py WEIGHTS)."""
-    from ladechat.engine.load.loading import (
-        LoadSpec,
-        check_weights,
-        load,
-        parse_max_memory,
-        resolve_device,
-        resolve_dtype,
-    )
-
-    if compile and weights not in ("auto", "dense"):
-        raise Fail(f"--compile compiles the model's own Linear modules: it cannot run --weights {weights}")
-    spec = LoadSpec(model=model, dtype=dtype, device=device, attn=attn, load_in_4bit=load_in_4bit,
-                    load_in_8bit=load_in_8bit, device_map=device_map,
-                    max_memory=parse_max_memory(max_memory) if max_memory is not None else (),
-                    pack_weights=not compile, weights=weights)
-    check_weights(spec)  # flag errors before any slow import
-    resolve_dtype(dtype, resolve_device(device))
-    return load(spec, progress)
-
-
-def _load_here(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, err: Console, max_memory=None,
-               compile: bool = False, weights: str = "auto"):
-    """_load in the foreground: a spinner on stderr while it runs, then its notices."""
-    loaded = _load(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, _spinner(err), max_memory,
-                   compile, weights)
+def _load_here(options: dict, err: Console, compile: bool = False):
+    """The model of these load options in the foreground: a spinner on stderr while it loads, then
+    its notices."""
+    loaded = load_model(options, _spinner(err), compile)
     _print_notices(loaded.notices, err)
     return loaded
-
-
-def _in_this_thread(fn):
-    return fn()
-
-
-def _bot(loaded, settings, compile: bool, progress, on_model_thread=_in_this_thread):
-    """on_model_thread(fn): runs fn on the thread that will answer (a server's model thread),
-    where compiled steps are warmed up; by default this thread answers."""
-    from ladechat.backends.local import Bot
-    from ladechat.paths import cache_root
-
-    if not compile and not loaded.costs_measured():  # the first use on this machine (or of this version)
-        with progress("measuring what a step costs on this machine (one time, ~15 s)"):
-            loaded.cost_model()
-    bot = Bot(loaded, settings, compile=compile, store_root=cache_root())
-    if compile:
-        with progress("compiling the decoding steps (once per W/N/G)"):
-            on_model_thread(bot.warm_up)
-    return bot
 
 
 def _remote_bot(ctx: typer.Context, api: str, api_key: str | None, defaults: dict | None = None):
@@ -270,14 +203,6 @@ def _warm_bot(ctx: typer.Context, keep_alive: float, err: Console, progress=None
     return bot
 
 
-def _quiet_libraries() -> None:
-    # transformers' own progress bars and advisory warnings would interleave with our output.
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-
-
 @app.callback(invoke_without_command=True)
 def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = LOOKAHEAD.enabled, window: Window = None,
          ngram: Ngram = None, candidates: Cands = None, context_candidates: ContextCands = None,
@@ -302,19 +227,19 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = LOOKAHE
     from ladechat.backends.pending import LoadFailed, PendingBot
 
     given = _setting_flags(ctx.params)
-    _settings(given)  # every flag checked before the (slow) model load
+    settings_for(given)  # every flag checked before the (slow) model load
     keep = _keep_alive(keep_alive)
-    load = lambda progress: _chat_bot(ctx.params, given, progress)[1]
+    load = lambda progress: open_bot(ctx.params, given, progress)[1]
     if keep != 0:  # the model in a local server that keeps it loaded for the next commands
         warm = _warm_bot(ctx, keep, err)  # one that holds it already
         if warm is not None:
             run_chat(warm, system=system, debug=debug, markdown=markdown, out=stdout_console(), err=err)
             return
         load = lambda progress: _warm_bot(ctx, keep, err, progress)
-    elif _compiles(ctx.params):
+    elif compiles(ctx.params):
         # Compiled steps are captured (CUDA graphs) per thread: warm them up on the thread that
         # answers, before the prompt.
-        bot = _chat_bot(ctx.params, given, _spinner(err))[1]
+        bot = open_bot(ctx.params, given, _spinner(err))[1]
         run_chat(bot, system=system, debug=debug, markdown=markdown, out=stdout_console(), err=err)
         return
     # The prompt comes at once; the model loads meanwhile and the first answer waits for it.
@@ -331,105 +256,6 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = LOOKAHE
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
-
-
-def _chat_bot(options: dict, given: dict, progress, on_model_thread=_in_this_thread):
-    """(settings, Bot) from the chat's load options (also serve's and the warm server's) and the
-    settings its flags give: the model loaded, W/N/G for its device, the model's own temperature
-    when it samples. The load's notices are the bot's first. on_model_thread: as for _bot."""
-    _quiet_libraries()
-    compile = _compiles(options)
-    loaded = _load(options["model"], options["dtype"], options["device"], options["attn"], options["load_in_4bit"],
-                   options["load_in_8bit"], options["device_map"], progress, options["max_memory"], compile,
-                   options["weights"])
-    settings, bot = _compiled_or_not(loaded, given, compile, options["compile"] is None, progress,
-                                     _model_temperature(loaded), on_model_thread)
-    bot.notices[:0] = loaded.notices
-    return settings, bot
-
-
-def _compiles(options: dict) -> bool:
-    """--compile/--no-compile as given; neither: the device's default (engine/defaults.py), without
-    importing torch where its build has no CUDA (a CPU's chat shows its prompt at once)."""
-    if options["compile"] is not None:
-        return options["compile"]
-    from ladechat.engine.defaults import compiles_by_default
-
-    device = options["device"]
-    if device == "cpu" or (device == "auto" and not _torch_has_cuda()):
-        return False
-    from ladechat.engine.load.loading import LoadError, resolve_device
-
-    try:
-        kind = resolve_device(device).type
-    except LoadError:  # the load says why, in its own words
-        return False
-    import torch
-
-    if torch.version.hip is not None:  # AMD's GPUs answer as cuda; compiled steps were measured on NVIDIA's
-        return False
-    return compiles_by_default(kind, options["load_in_4bit"] or options["load_in_8bit"],
-                               options["device_map"] is not None, options["weights"])
-
-
-def _torch_has_cuda() -> bool:
-    """Whether the installed torch is a CUDA build, read from its version.py (a CPU build says
-    `cuda ... = None`) rather than by importing it (slow); unsure: True (the caller asks torch)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("torch")
-    if spec is None or not spec.submodule_search_locations:
-        return False
-    try:
-        text = (Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text()
-    except OSError:
-        return True
-    return re.search(r"^cuda\b[^=\n]*=\s*None\s*$", text, re.MULTILINE) is None
-
-
-def _compiled_or_not(loaded, given: dict, compile: bool, by_default: bool, progress,
-                     default_temperature: float = 0.0, on_model_thread=_in_this_thread):
-    """(settings, Bot). A compile the user did not ask for (by_default) that fails leaves the
-    steps uncompiled, with a notice saying why: e.g. a model with sliding-window layers, which
-    the fixed-shape cache does not hold, or W/N/G whose full step is over its row limit."""
-    settings = _settings(given, loaded, default_temperature, compile=compile)
-    try:
-        return settings, _bot(loaded, settings, compile, progress, on_model_thread)
-    except Exception as exc:  # torch.compile's failures have no common type; the uncompiled steps are the tested path
-        if not (compile and by_default):
-            raise
-        why = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-    on_model_thread(lambda: _drop_compiled(loaded))  # where the graphs were made
-    settings = _settings(given, loaded, default_temperature)
-    bot = _bot(loaded, settings, False, progress)
-    bot.notices.append(f"the decoding steps run uncompiled, not compiled: {why} (--no-compile skips the try)")
-    return settings, bot
-
-
-def _drop_compiled(loaded) -> None:
-    """What a failed compile left: the model's compiled forward and torch's graphs, and the GPU
-    memory the abandoned fixed-shape cache held, so the uncompiled steps start with all of it."""
-    import gc
-
-    import torch
-
-    loaded.__dict__.pop("compiled_forward", None)  # a functools.cached_property
-    if loaded.device.type == "cuda":
-        from ladechat.engine.runner import own_cudagraph_state
-
-        own_cudagraph_state()  # torch's reset looks for this thread's CUDA-graph bookkeeping
-    torch._dynamo.reset()
-    gc.collect()
-    if loaded.device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def _model_temperature(loaded) -> float:
-    """The chat follows the model's generation config when it asks for sampling."""
-    config = loaded.model.generation_config
-    if getattr(config, "do_sample", False) and getattr(config, "temperature", None):
-        return float(config.temperature)
-    return 0.0
 
 
 @app.command()
@@ -460,12 +286,11 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
         bot = _warm_bot(ctx, keep, err, _spinner(err), defaults={"temperature": 0.0}, print_notices=True)
     else:
         given = _setting_flags(ctx.params)
-        _settings(given)  # every flag checked before the (slow) model load
-        _quiet_libraries()
-        compiled = _compiles(ctx.params)
-        loaded = _load_here(model, dtype, device, attn, load_in_4bit, load_in_8bit, device_map, err, max_memory,
-                            compiled, weights)
-        bot = _compiled_or_not(loaded, given, compiled, compile is None, _spinner(err))[1]
+        settings_for(given)  # every flag checked before the (slow) model load
+        quiet_libraries()
+        compiled = compiles(ctx.params)
+        loaded = _load_here(ctx.params, err, compiled)
+        bot = compiled_or_not(loaded, given, compiled, compile is None, _spinner(err))[1]
     if debug:  # which weights and kernels answer
         err.print(f"[dim]model {escape(bot.describe())}[/]", highlight=False, soft_wrap=True)
     conversation = Conversation(system=system, messages=[{"role": "user", "content": text}])
@@ -560,7 +385,7 @@ def serve(ctx: typer.Context, host: Annotated[str, typer.Option("--host", help="
     except ValueError as exc:
         raise Fail(f"--allow-origin: {exc}") from None
     given = _setting_flags(ctx.params)
-    _settings(given)  # every flag checked before the (slow) model load
+    settings_for(given)  # every flag checked before the (slow) model load
     try:
         sock = server.bind(host, port)
     except OSError as exc:
@@ -568,7 +393,7 @@ def serve(ctx: typer.Context, host: Annotated[str, typer.Option("--host", help="
     from ladechat.serve.worker import ModelThread
 
     model_thread = ModelThread()  # compiled steps are warmed up where they will answer
-    settings, bot = _chat_bot(ctx.params, given, _spinner(err), model_thread.run)
+    settings, bot = open_bot(ctx.params, given, _spinner(err), model_thread.run)
     _print_notices(bot.notices, err)
     bot.notices.clear()
     model_id = served_model_name or model or bot.name.split(" (")[0]
@@ -640,11 +465,11 @@ def bench(ctx: typer.Context, dataset: Datasets = ["mtbench"],
     if limit is not None and limit < 1:
         raise Fail(f"--limit must be >= 1, got {limit}")
     # every flag checked, and every peer asked for its models, before the (slow) model load
-    peers = peer_bench.connect(peer or [], set(benchmark.METHODS), _settings(given))
-    _quiet_libraries()
-    loaded = _load_here(model, dtype, device, attn, False, False, None, err, compile=compile,
-                        weights=weights or _bench_weights(device, dtype, compile))
-    settings = _settings(given, loaded, compile=compile)
+    peers = peer_bench.connect(peer or [], set(benchmark.METHODS), settings_for(given))
+    quiet_libraries()
+    loaded = _load_here({"model": model, "dtype": dtype, "device": device, "attn": attn,
+                         "weights": weights or _bench_weights(device, dtype, compile)}, err, compile)
+    settings = settings_for(given, loaded, compile=compile)
     results = benchmark.run(loaded, dataset, method_list, settings, limit, compile=compile, single_turn=single_turn,
                             store=store, warm_from=warm_from, warm_limit=warm_limit, peers=peers,
                             progress=lambda name, i, n: err.print(f"[dim]{escape(name)}: {i}/{n}[/]", highlight=False))
@@ -676,13 +501,13 @@ def bench_serving(ctx: typer.Context,
 
     err = stderr_console()
     given = _setting_flags(ctx.params, BENCH_SETTINGS)
-    _settings(given)  # every flag checked before the (slow) model load
+    settings_for(given)  # every flag checked before the (slow) model load
     texts = [item["turns"][0] for name in dataset for item in prompts.load_items(name, limit)]
     remote = RemoteBot(Endpoint.of(api, api_key), None, {}, set())
     serving.check_server(remote)  # before the (slow) model load
-    _quiet_libraries()
-    loaded = _load_here(model, dtype, device, attn, False, False, None, err, weights=weights)
-    settings = _settings(given, loaded)
+    quiet_libraries()
+    loaded = _load_here({"model": model, "dtype": dtype, "device": device, "attn": attn, "weights": weights}, err)
+    settings = settings_for(given, loaded)
     result = serving.run(loaded, settings, remote, texts, progress=lambda i, n: err.print(f"[dim]{i}/{n}[/]", highlight=False))
     if as_json:
         print(json.dumps(result, indent=2))
@@ -722,15 +547,16 @@ def bench_step_cost(model: Model = None,
         raise Fail(f"--context and --reps must be >= 1, got {context} and {reps}")
     if shape is not None and model is not None:
         raise Fail("give --model or --shape, not both")
-    _quiet_libraries()
+    quiet_libraries()
     if shape is not None:
         dev = resolve_device(device)
         with _spinner(err)(f"building a random {shape} model on {dev}"):
             net = steps.random_model(shape, resolve_dtype(dtype, dev), dev, pack_weights=not compile)
             name = f"random {shape}"
     else:
-        loaded = _load_here(model, dtype, device, attn, False, False, None, err, compile=compile,
-                            weights="dense" if compile else weights or _bench_weights(device, dtype, compile))
+        loaded = _load_here({"model": model, "dtype": dtype, "device": device, "attn": attn,
+                             "weights": "dense" if compile else weights or _bench_weights(device, dtype, compile)},
+                            err, compile)
         net, name = loaded.model, loaded.name
     with _spinner(err)("timing steps" + (" (compiling first)" if compile else "")):
         result = steps.run(net, name, size_list, context, reps, compile)

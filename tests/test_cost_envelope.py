@@ -200,7 +200,7 @@ def test_the_first_use_measures_the_step_costs_under_a_progress_message(tmp_path
     ones read them, silently."""
     from contextlib import contextmanager
 
-    from ladechat import cli
+    from ladechat.backends import opener
     from ladechat.engine import step_cost as step_cost_module
     from ladechat.engine.load.loading import LoadedModel
     from ladechat.settings import Settings
@@ -220,9 +220,9 @@ def test_the_first_use_measures_the_step_costs_under_a_progress_message(tmp_path
     tokenizer = None
     loaded = LoadedModel(model, tokenizer, "tiny-llama", torch.device("cpu"), torch.float32, frozenset(), 512)
     assert not loaded.costs_measured()
-    cli._bot(loaded, Settings(), compile=False, progress=progress)
+    opener.bot_for(loaded, Settings(), compile=False, progress=progress)
     assert shown == ["measuring what a step costs on this machine (one time, ~15 s)"]
     assert measured == [shown[0]] * len(CONTEXTS)  # every curve measured while the message showed
     assert loaded.costs_measured()
-    cli._bot(loaded, Settings(), compile=False, progress=progress)
+    opener.bot_for(loaded, Settings(), compile=False, progress=progress)
     assert len(shown) == 1 and len(measured) == len(CONTEXTS)

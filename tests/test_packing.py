@@ -165,11 +165,11 @@ def test_load_packs_cpu_weights_unless_told_not_to(tiny_folder):
 
 
 def test_compile_loads_the_weights_as_they_are_and_refuses_packed_ones(tiny_folder):
-    from ladechat.cli import _load
+    from ladechat.backends.opener import load_model
     from ladechat.engine.runner import CompiledForward
 
     def load_for(compile):
-        return _load(tiny_folder, "float32", "cpu", "sdpa", False, False, None, None, compile=compile)
+        return load_model({"model": tiny_folder, "dtype": "float32", "device": "cpu"}, None, compile=compile)
 
     assert not packing.is_packed(load_for(compile=True).model)
     with pytest.raises(ValueError, match="compiling needs the model's own Linear modules"):

@@ -310,11 +310,11 @@ def test_chat_in_a_pty_against_the_server(server, tmp_path):
 
 def test_a_server_answers_on_the_thread_its_compiled_steps_were_warmed_up_on():
     """CUDA graphs belong to the thread that captured them: `ladechat serve` and the warm server warm
-    a compiled bot up on the model thread (cli._bot's on_model_thread) that then runs every request.
+    a compiled bot up on the model thread (backends/opener.bot_for's on_model_thread) that then runs every request.
     The compiled forward is the model's own here: where it runs is the point, not the compiler."""
     from tiny_models import tiny_loaded
 
-    from ladechat.cli import _bot
+    from ladechat.backends.opener import bot_for
     from ladechat.serve.app import Api, ServeConfig
     from ladechat.serve.worker import ModelThread
     from ladechat.settings import Settings
@@ -329,7 +329,7 @@ def test_a_server_answers_on_the_thread_its_compiled_steps_were_warmed_up_on():
     loaded.__dict__["compiled_forward"] = forward  # the cached_property's slot
     model_thread = ModelThread()
     try:
-        bot = _bot(loaded, Settings(store=False), True, lambda message: contextlib.nullcontext(), model_thread.run)
+        bot = bot_for(loaded, Settings(store=False), True, lambda message: contextlib.nullcontext(), model_thread.run)
         api = Api(bot, loaded.tokenizer, loaded.context_length, Settings(store=False), ServeConfig(model_id="tiny"),
                   model_thread=model_thread)
         assert api.worker.executor is model_thread.executor

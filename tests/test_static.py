@@ -293,13 +293,13 @@ def test_a_warm_up_stopped_by_ctrl_c_is_done_again_at_the_next_turn():
 
 
 def test_a_default_compile_that_fails_leaves_the_steps_uncompiled_with_a_notice():
-    """--compile is the default on a GPU (cli._compiles); a model it cannot compile (here sliding-window
+    """--compile is the default on a GPU (backends/opener.compiles); a model it cannot compile (here sliding-window
     layers, which the fixed-shape cache does not hold) answers uncompiled and says why, unless the
     user asked for --compile."""
     from tiny_models import COMMON, tiny_tokenizer
     from transformers import MistralConfig, MistralForCausalLM
 
-    from ladechat.cli import _compiled_or_not
+    from ladechat.backends.opener import compiled_or_not
     from ladechat.engine.load.loading import LoadedModel
 
     tokenizer = tiny_tokenizer()
@@ -309,20 +309,20 @@ def test_a_default_compile_that_fails_leaves_the_steps_uncompiled_with_a_notice(
                          eos_ids=frozenset(), context_length=256)
     phases = []
     progress = lambda message: phases.append(message) or contextlib.nullcontext()
-    _, bot = _compiled_or_not(loaded, {"store": False}, True, True, progress)
+    _, bot = compiled_or_not(loaded, {"store": False}, True, True, progress)
     assert not bot.compiled and not bot.session.runner.fixed
     [notice] = bot.notices
     assert notice == ("the decoding steps run uncompiled, not compiled: fixed-shape steps (--compile) do not support "
                       "this model's sliding-window layers (--no-compile skips the try)")
     with pytest.raises(ConfigError, match="sliding-window layers"):  # asked for: the error is the user's to see
-        _compiled_or_not(loaded, {"store": False}, True, False, progress)
+        compiled_or_not(loaded, {"store": False}, True, False, progress)
 
 
 def test_compile_is_the_default_on_one_cuda_gpu_only():
     import subprocess
     import sys
 
-    from ladechat.cli import _compiles
+    from ladechat.backends.opener import compiles
     from ladechat.engine.defaults import compiles_by_default
 
     assert compiles_by_default("cuda", quantized=False, mapped=False, weights="auto")
@@ -331,11 +331,11 @@ def test_compile_is_the_default_on_one_cuda_gpu_only():
     assert not compiles_by_default("cuda", quantized=False, mapped=True, weights="auto")  # a device map
     options = {"compile": None, "device": "auto", "load_in_4bit": False, "load_in_8bit": False, "device_map": None,
                "weights": "auto"}
-    assert _compiles({**options, "compile": True}) and not _compiles({**options, "compile": False, "device": "cuda"})
-    assert not _compiles(options) and not _compiles({**options, "device": "cpu"})  # this CPU-only torch
+    assert compiles({**options, "compile": True}) and not compiles({**options, "compile": False, "device": "cuda"})
+    assert not compiles(options) and not compiles({**options, "device": "cpu"})  # this CPU-only torch
     # deciding it on a CPU build of torch does not import torch (the chat's prompt comes at once)
-    code = ("import sys; from ladechat.cli import _compiles; "
-            f"print(_compiles({options!r}), 'torch' in sys.modules)")
+    code = ("import sys; from ladechat.backends.opener import compiles; "
+            f"print(compiles({options!r}), 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False"]
 
@@ -350,7 +350,7 @@ def test_a_torch_build_with_cuda_is_told_from_its_version_file(tmp_path, line, c
     fake.mkdir()
     (fake / "__init__.py").write_text("raise ImportError('not to be imported')\n")
     (fake / "version.py").write_text(f"__version__ = '2.13.0'\ndebug = False\n{line}\nhip = None\n")
-    code = "from ladechat.cli import _torch_has_cuda; print(_torch_has_cuda())"
+    code = "from ladechat.backends.opener import torch_has_cuda; print(torch_has_cuda())"
     env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
     assert out.strip() == str(cuda)

@@ -104,3 +104,16 @@ def test_the_engine_imports_nothing_above_it_but_the_shared_basics():
     outside = {(name, dep) for name, deps in graph().items() if name.startswith("ladechat.engine")
                for dep in deps if not dep.startswith(allowed)}
     assert outside == set()
+
+
+def test_only_the_entry_point_imports_the_command_line():
+    """Front ends build their backends through backends/opener.py: the CLI is a leaf, not a library."""
+    importers = {name for name, deps in graph().items() if "ladechat.cli" in deps}
+    assert importers == {"ladechat.__main__"}
+
+
+def test_the_kernels_read_no_file_and_load_nothing():
+    """engine/kernels/ is the lowest room: loading imports it, never the other way."""
+    upward = {(name, dep) for name, deps in graph().items() if name.startswith("ladechat.engine.kernels")
+              for dep in deps if dep.startswith("ladechat") and not dep.startswith("ladechat.engine.kernels")}
+    assert upward == set()

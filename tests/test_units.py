@@ -199,18 +199,18 @@ def test_compiled_gpu_steps_take_the_paper_defaults_without_measuring():
 
     import torch
 
-    from ladechat.cli import _settings
+    from ladechat.backends.opener import settings_for
 
     def measure():
         raise AssertionError("measured the eager step costs")
 
     knee = {1: 1.0, 16: 1.05, 32: 1.1, 48: 1.3, 64: 2.0, 256: 8.0}
     loaded = SimpleNamespace(device=torch.device("cuda", 0), step_cost=measure, tokenizer=None)
-    compiled = _settings({}, loaded, compile=True)
+    compiled = settings_for({}, loaded, compile=True)
     assert (compiled.window, compiled.ngram, compiled.candidates) == (15, 5, 15)
     loaded.step_cost = lambda: knee
-    assert _settings({}, loaded).window == 6  # eager: from the measured curve
-    assert _settings({"window": 4}, loaded, compile=True).window == 4  # a flag still decides
+    assert settings_for({}, loaded).window == 6  # eager: from the measured curve
+    assert settings_for({"window": 4}, loaded, compile=True).window == 4  # a flag still decides
 
 
 def test_successor_table_keeps_the_latest_top_k_per_token():

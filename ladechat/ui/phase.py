@@ -12,7 +12,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 
 def phases(console: Console) -> Callable[[str], AbstractContextManager]:
-    """progress(message) as engine/load/loading.load and cli._bot take it."""
+    """progress(message) as engine/load/loading.load and backends/opener.bot_for take it."""
 
     @contextmanager
     def phase(message: str) -> Iterator[None]:

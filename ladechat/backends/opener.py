@@ -1,0 +1,202 @@
+"""A local model and the Bot that answers with it, from a command's load options and settings: the
+one place every front end builds a local backend (the chat, `ask`, `serve`, the keep-alive server
+and the bench), as mlx-lm's `load()` serves its generate, chat and server alike.
+
+Load options are a dict with LOAD_OPTIONS' keys (as the flags name them, and as a warm server's
+spec keeps them); `given` is the settings the user gave (ladechat.settings' keys). Nothing here
+prints: progress(message) is the caller's context manager for a slow phase."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
+
+from ladechat.errors import UserError
+
+LOAD_OPTIONS = {"model": None, "dtype": "auto", "device": "auto", "attn": "sdpa", "weights": "auto",
+                "load_in_4bit": False, "load_in_8bit": False, "device_map": None, "max_memory": None,
+                "compile": None}  # compile None: the device decides (compiles())
+Progress = Callable[[str], AbstractContextManager]
+
+
+class OptionError(UserError):
+    """Load options that cannot go together (one line)."""
+
+
+def run_here(fn):
+    return fn()
+
+
+def quiet_libraries() -> None:
+    """transformers' own progress bars and advisory warnings would interleave with our output."""
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def load_options(params: dict) -> dict:
+    """The load options among a command's parameters, the defaults for those it lacks."""
+    return {key: params.get(key, default) for key, default in LOAD_OPTIONS.items()}
+
+
+def load_model(options: dict, progress: Progress | None, compile: bool = False):
+    """The model (engine/load/loading.LoadedModel), progress(message) shown during slow phases; its
+    notices are the caller's. compile: the steps will be compiled, which takes the model's own Linear
+    modules (no packing, no int4)."""
+    from ladechat.engine.load.loading import (
+        LoadSpec,
+        check_weights,
+        load,
+        parse_max_memory,
+        resolve_device,
+        resolve_dtype,
+    )
+
+    options = load_options(options)
+    if compile and options["weights"] not in ("auto", "dense"):
+        raise OptionError(f"--compile compiles the model's own Linear modules: it cannot run --weights "
+                          f"{options['weights']}")
+    max_memory = options["max_memory"]
+    spec = LoadSpec(model=options["model"], dtype=options["dtype"], device=options["device"], attn=options["attn"],
+                    load_in_4bit=options["load_in_4bit"], load_in_8bit=options["load_in_8bit"],
+                    device_map=options["device_map"],
+                    max_memory=parse_max_memory(max_memory) if max_memory is not None else (),
+                    pack_weights=not compile, weights=options["weights"])
+    check_weights(spec)  # flag errors before any slow import
+    resolve_dtype(options["dtype"], resolve_device(options["device"]))
+    return load(spec, progress)
+
+
+def settings_for(given: dict, loaded=None, default_temperature: float = 0.0, compile: bool = False):
+    """Settings (ladechat.settings) from the settings given. What is not given takes the device's
+    defaults (on a GPU, W/N/G from the loaded model's measured step-cost curve; with compile the
+    paper's W = G = 15, N = 5 without measuring: that curve is of eager exact-size steps, and the
+    compiled full step was measured ahead of plain decoding and of smaller steps) and
+    default_temperature. loaded=None: check the values before loading. ConfigError or TemplateError
+    (one line) for a bad value."""
+    from ladechat.engine.defaults import default_lookahead
+    from ladechat.settings import Settings
+    from ladechat.templates import resolve
+
+    device_type = loaded.device.type if loaded is not None else "cpu"
+    measure = device_type == "cuda" and not compile
+    base = default_lookahead(device_type, loaded.step_cost() if measure else None)
+    settings = Settings.for_lookahead(base, temperature=default_temperature).updated(given)
+    resolve(loaded.tokenizer if loaded is not None else None, settings.template)
+    return settings
+
+
+def bot_for(loaded, settings, compile: bool, progress: Progress, on_model_thread=run_here):
+    """The Bot of a loaded model. on_model_thread(fn): runs fn on the thread that will answer (a
+    server's model thread), where compiled steps are warmed up; by default this thread answers."""
+    from ladechat.backends.local import Bot
+    from ladechat.paths import cache_root
+
+    if not compile and not loaded.costs_measured():  # the first use on this machine (or of this version)
+        with progress("measuring what a step costs on this machine (one time, ~15 s)"):
+            loaded.cost_model()
+    bot = Bot(loaded, settings, compile=compile, store_root=cache_root())
+    if compile:
+        with progress("compiling the decoding steps (once per W/N/G)"):
+            on_model_thread(bot.warm_up)
+    return bot
+
+
+def open_bot(options: dict, given: dict, progress: Progress, on_model_thread=run_here):
+    """(settings, Bot) from load options and the settings given: the model loaded, W/N/G for its
+    device, the model's own temperature when it samples. The load's notices are the bot's first."""
+    quiet_libraries()
+    compile = compiles(options)
+    loaded = load_model(options, progress, compile)
+    settings, bot = compiled_or_not(loaded, given, compile, load_options(options)["compile"] is None, progress,
+                                    model_temperature(loaded), on_model_thread)
+    bot.notices[:0] = loaded.notices
+    return settings, bot
+
+
+def compiled_or_not(loaded, given: dict, compile: bool, by_default: bool, progress: Progress,
+                    default_temperature: float = 0.0, on_model_thread=run_here):
+    """(settings, Bot). A compile the user did not ask for (by_default) that fails leaves the
+    steps uncompiled, with a notice saying why: e.g. a model with sliding-window layers, which
+    the fixed-shape cache does not hold, or W/N/G whose full step is over its row limit."""
+    settings = settings_for(given, loaded, default_temperature, compile=compile)
+    try:
+        return settings, bot_for(loaded, settings, compile, progress, on_model_thread)
+    except Exception as exc:  # torch.compile's failures have no common type; the uncompiled steps are the tested path
+        if not (compile and by_default):
+            raise
+        why = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    on_model_thread(lambda: _drop_compiled(loaded))  # where the graphs were made
+    settings = settings_for(given, loaded, default_temperature)
+    bot = bot_for(loaded, settings, False, progress)
+    bot.notices.append(f"the decoding steps run uncompiled, not compiled: {why} (--no-compile skips the try)")
+    return settings, bot
+
+
+def _drop_compiled(loaded) -> None:
+    """What a failed compile left: the model's compiled forward and torch's graphs, and the GPU
+    memory the abandoned fixed-shape cache held, so the uncompiled steps start with all of it."""
+    import gc
+
+    import torch
+
+    loaded.__dict__.pop("compiled_forward", None)  # a functools.cached_property
+    if loaded.device.type == "cuda":
+        from ladechat.engine.runner import own_cudagraph_state
+
+        own_cudagraph_state()  # torch's reset looks for this thread's CUDA-graph bookkeeping
+    torch._dynamo.reset()
+    gc.collect()
+    if loaded.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def model_temperature(loaded) -> float:
+    """The chat follows the model's generation config when it asks for sampling."""
+    config = loaded.model.generation_config
+    if getattr(config, "do_sample", False) and getattr(config, "temperature", None):
+        return float(config.temperature)
+    return 0.0
+
+
+def compiles(options: dict) -> bool:
+    """--compile/--no-compile as given; neither: the device's default (engine/defaults.py), without
+    importing torch where its build has no CUDA (a CPU's chat shows its prompt at once)."""
+    options = load_options(options)
+    if options["compile"] is not None:
+        return options["compile"]
+    from ladechat.engine.defaults import compiles_by_default
+
+    device = options["device"]
+    if device == "cpu" or (device == "auto" and not torch_has_cuda()):
+        return False
+    from ladechat.engine.load.loading import LoadError, resolve_device
+
+    try:
+        kind = resolve_device(device).type
+    except LoadError:  # the load says why, in its own words
+        return False
+    import torch
+
+    if torch.version.hip is not None:  # AMD's GPUs answer as cuda; compiled steps were measured on NVIDIA's
+        return False
+    return compiles_by_default(kind, options["load_in_4bit"] or options["load_in_8bit"],
+                               options["device_map"] is not None, options["weights"])
+
+
+def torch_has_cuda() -> bool:
+    """Whether the installed torch is a CUDA build, read from its version.py (a CPU build says
+    `cuda ... = None`) rather than by importing it (slow); unsure: True (the caller asks torch)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    try:
+        text = (Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text()
+    except OSError:
+        return True
+    return re.search(r"^cuda\b[^=\n]*=\s*None\s*$", text, re.MULTILINE) is None
