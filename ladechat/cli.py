@@ -273,8 +273,9 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
         api: Api = None, api_key: ApiKey = None, weights: Weights = "auto") -> None:
     """One-shot answer to PROMPT, streamed to stdout (greedy unless --temperature is given)."""
     from ladechat.backends.base import interrupt
+    from ladechat.backends.events import Notice
     from ladechat.conversation import Conversation
-    from ladechat.engine.events import Done, Notice
+    from ladechat.engine.events import Done
     from ladechat.ui.stream import StreamPrinter, debug_panel, failure, footer
 
     err = stderr_console()

@@ -224,9 +224,9 @@ def test_the_cache_grows_before_a_turn_never_during_it():
 def test_the_chat_says_why_a_turn_waits_for_the_cache_to_grow():
     from tiny_models import tiny_loaded
 
+    from ladechat.backends.events import Notice
     from ladechat.backends.local import Bot
     from ladechat.conversation import Conversation
-    from ladechat.engine.events import Notice
     from ladechat.settings import Settings
 
     loaded = tiny_loaded()

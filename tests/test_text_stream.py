@@ -3,7 +3,7 @@ of a stop string, whatever the steps' text boundaries."""
 
 import pytest
 
-from ladechat.engine.events import Piece
+from ladechat.backends.events import Piece
 from ladechat.serve.wire import TextStream
 
 

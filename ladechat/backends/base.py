@@ -7,8 +7,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Protocol
 
+from ladechat.backends.events import Notice, Piece
 from ladechat.conversation import Conversation
-from ladechat.engine.events import Done, Notice, Piece
+from ladechat.engine.events import Done
 from ladechat.errors import UserError
 from ladechat.settings import Settings
 

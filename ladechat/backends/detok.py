@@ -3,7 +3,8 @@ front end shows."""
 
 from __future__ import annotations
 
-from ladechat.engine.events import Piece, Step, pieces
+from ladechat.backends.events import Piece, pieces
+from ladechat.engine.events import Step
 
 
 class Detokenizer:

@@ -8,9 +8,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ladechat.backends.events import Notice, Piece
 from ladechat.conversation import Conversation, dropped_notice, prompt_budget
 from ladechat.engine.config import ConfigError
-from ladechat.engine.events import Done, Notice, Piece
+from ladechat.engine.events import Done
 from ladechat.settings import Settings
 
 # torch and transformers are imported only where a Bot is built.

@@ -21,9 +21,10 @@ from urllib.parse import urlsplit
 import httpx
 
 from ladechat.backends.base import RemoteError, ServerFailure
+from ladechat.backends.events import Notice, Piece, pieces
 from ladechat.conversation import Conversation, ConversationError, dropped_notice
 from ladechat.engine.config import ConfigError, LookaheadConfig
-from ladechat.engine.events import Done, Notice, Piece, Stats, Step, Tally, pieces
+from ladechat.engine.events import Done, Stats, Step, Tally
 from ladechat.settings import Settings, group, key, keys
 
 # The settings sent with each request, by key: the lookahead ones in the "ladechat" extension (to

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
 
@@ -50,17 +50,6 @@ WINDOW_SLACK = 0.01
 PROBE_EVERY = 8  # while no draft node looks worth its cost, still feed the likeliest every 8th step
 HITS_PER_CANDIDATE = 4  # conversation hits counted into the draft per context candidate (draft.add_matches)
 STORE_HITS = 8  # hits in the store of past answers counted into the draft
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one Session.step committed."""
-
-    tokens: tuple[int, ...]  # accepted guesses then the model's own (bonus) token, cut by the stop rule
-    guessed: tuple[bool, ...]  # per token: a verified guess
-    source: str  # the source of the accepted guesses ("none" if no guess was accepted)
-    fed: int  # rows in the forward pass
-    stop: str | None  # why generation ends here, None if it goes on
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:
@@ -250,7 +239,7 @@ class Session:
         return tree_layout([[t]], nodes), skipped
 
     # -- one step -----------------------------------------------------------------------------
-    def step(self, t: int, picker: TokenPicker, stop: StopRule) -> StepResult:
+    def step(self, t: int, picker: TokenPicker, stop: StopRule) -> Step:
         """One step from t, its phases in order (see the module's docstring)."""
         la = self.lookahead
         past = len(self.cached)
@@ -276,7 +265,8 @@ class Session:
         block, matched = block[:keep], matched[: keep - 1]
         self._commit(t, past, block, matched)
         guessed = tuple(i < len(matched) for i in range(len(block)))
-        return StepResult(tuple(block), guessed, source if matched else "none", layout.size, why)
+        source = (source if matched else "none") if self.lookahead.enabled else "plain"
+        return Step(tuple(block), guessed, source, layout.size, 0.0, why)
 
     def _pick(self, layout: StepLayout, logits: torch.Tensor, top, picker: TokenPicker):
         """verify's pick(row, path): the model's choice at a row, the path being the draft tokens
@@ -336,15 +326,14 @@ def generate(session: Session, prompt: list[int], sampling: SamplingConfig, eos_
         t = prompt[-1]
         while True:
             step_start = time.perf_counter()
-            result = session.step(t, picker, stop)
-            t, now = result.tokens[-1], time.perf_counter()
-            step = Step(result.tokens, result.guessed, result.source if la.enabled else "plain", result.fed,
-                        now - step_start)
+            step = session.step(t, picker, stop)
+            t, now = step.tokens[-1], time.perf_counter()
+            step = replace(step, seconds=now - step_start)
             tally.add(step)
             ttft = now - start if tally.steps == 1 else ttft
             yield step
-            if result.stop is not None:
-                reason = result.stop
+            if step.stop is not None:
+                reason = step.stop
                 break
     except KeyboardInterrupt:
         session.rollback()

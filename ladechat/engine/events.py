@@ -1,15 +1,13 @@
-"""The typed events of an answer, and how its stream can fail.
+"""The typed events of an answer in token ids, and how its stream can fail.
 
-The engine (decode.generate) streams Step events (token ids), then one Done. A backend (backends/:
-a model in this process, or one behind a server) streams what every front end consumes, the same
-whichever answers: Notices, Pieces (the answer's text, each step's on its last piece), then one
-Done; or it raises OutOfMemory or a RemoteError midway.
+The engine (decode.generate) streams Step events (Session.step's own record, timed), then one
+Done; or it raises OutOfMemory midway. The text events the backends make of them are in
+backends/events.py.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 
@@ -27,7 +25,8 @@ class Step:
     source: str  # the accepted guesses' draft source ("context", "store", "pool", "recycle"); "none" when
     # no guess was accepted; "plain" for every step with lookahead off
     fed: int  # tokens in the forward pass
-    seconds: float
+    seconds: float  # the step's wall time (decode.generate's clock; 0 where none was taken)
+    stop: str | None = None  # why the answer ends with this step ("eos", "length", "stop"), None if it goes on
 
 
 @dataclass(frozen=True)
@@ -142,36 +141,6 @@ class Done:
     text_tokens: tuple[int, ...]  # every token generated, in order (including a final EOS)
     stats: Stats
     text: str = ""  # the whole answer as text, from a backend (the engine deals in ids)
-
-
-@dataclass(frozen=True)
-class Notice:
-    """Something the user should see that is not part of the answer (e.g. turns dropped)."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Answer text, decoded. parallel: it was accepted in parallel (shown highlighted). step: the
-    Step whose text this piece ends, where the backend knows it (a model here, ladechat serve);
-    spelled: that step's tokens each decoded alone (for --debug), where the backend can."""
-
-    text: str
-    parallel: bool = False
-    step: Step | None = None
-    spelled: tuple[str, ...] = ()
-
-
-def pieces(segments: list[tuple[str, bool]], step: Step | None = None, spelled: tuple[str, ...] = ()
-           ) -> Iterator[Piece]:
-    """Text segments (text, parallel) as Pieces, empty ones left out, with the step (and its
-    tokens' spellings) on the last; a step whose text is still held back (half a character)
-    comes as one empty Piece."""
-    segments = [(text, parallel) for text, parallel in segments if text] or ([("", False)] if step else [])
-    for i, (text, parallel) in enumerate(segments):
-        last = i == len(segments) - 1
-        yield Piece(text, parallel, step if last else None, spelled if last else ())
 
 
 class OutOfMemory(RuntimeError):

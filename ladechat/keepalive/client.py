@@ -27,9 +27,9 @@ from pathlib import Path
 import httpx
 
 from ladechat.backends.base import RemoteError, ServerFailure
+from ladechat.backends.events import Notice
 from ladechat.backends.remote import Endpoint, RemoteBot
 from ladechat.engine.config import ConfigError
-from ladechat.engine.events import Notice
 from ladechat.keepalive.runtime import (
     Paths,
     Spec,

@@ -46,9 +46,10 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from ladechat import __version__, templates
+from ladechat.backends.events import Notice, Piece
 from ladechat.conversation import Conversation, prompt_budget
 from ladechat.engine.config import ConfigError
-from ladechat.engine.events import Done, Notice, OutOfMemory, Piece
+from ladechat.engine.events import Done, OutOfMemory
 from ladechat.serve.guard import Guard, read_body
 from ladechat.serve.wire import (
     FINISH,

@@ -12,9 +12,9 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from starlette.responses import JSONResponse
 
+from ladechat.backends.events import Piece
 from ladechat.conversation import Conversation
 from ladechat.engine.config import ConfigError
-from ladechat.engine.events import Piece
 from ladechat.settings import Settings, group, key
 
 MAX_OBJECTS = 8192  # JSON objects in one request (messages, content parts, ...): pydantic holds the GIL

@@ -12,8 +12,8 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from ladechat.backends.events import Piece
 from ladechat.conversation import Conversation
-from ladechat.engine.events import Piece
 from ladechat.engine.threads import release_openmp_team
 from ladechat.serve.wire import ApiError
 from ladechat.settings import Settings

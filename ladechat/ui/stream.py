@@ -14,7 +14,8 @@ from rich.segment import ControlType
 from rich.text import Text
 
 from ladechat.backends.base import RemoteError
-from ladechat.engine.events import Notice, OutOfMemory, Piece, Stats, Step
+from ladechat.backends.events import Notice, Piece
+from ladechat.engine.events import OutOfMemory, Stats, Step
 
 GUESSED_STYLE = "bold cyan"
 # Block-level Markdown worth rendering: code fences, headings, lists, tables, quotes.
