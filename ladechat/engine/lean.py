@@ -34,7 +34,8 @@ from __future__ import annotations
 import torch
 
 from ladechat.engine import kv
-from ladechat.engine.kernels import attention, int4, norms, q4, q6, q8, step_ops
+from ladechat.engine.kernels import attention, int4, norms, q4, step_ops
+from ladechat.engine.kernels.linear import BlockLinear
 from ladechat.engine.layout import StepLayout, step_inputs
 
 FAMILIES = frozenset({"llama", "mistral", "qwen2"})
@@ -84,7 +85,7 @@ def _product(module: torch.nn.Module, dtype: torch.dtype):
     """x (rows, in) -> x W^T (+ b) of one Linear module in a model of `dtype`: a 4-bit module's
     kernel called directly (its forward's reshapes, and in a bf16 model its casts, do nothing to a
     step's rows, each contiguous), any other module's own forward."""
-    if type(module) in (q4.Q4Linear, q6.Q6Linear, q8.Q8Linear) and dtype in (torch.float32, torch.bfloat16):
+    if isinstance(module, BlockLinear) and dtype in (torch.float32, torch.bfloat16):
         return module.product()
     if type(module) is not int4.Int4Linear:
         return module.forward

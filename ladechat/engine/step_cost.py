@@ -20,7 +20,7 @@ import torch
 
 from ladechat.engine import kv, layout, lean
 from ladechat.engine import runner as runners
-from ladechat.engine.kernels import attention, int4, norms, q4, q6, q8, step_ops
+from ladechat.engine.kernels import attention, int4, linear, norms, q4, q6, q8, step_ops
 from ladechat.engine.layout import StepLayout, build_layout
 from ladechat.engine.load import packing, quantized
 from ladechat.engine.load.gguf import source_digest
@@ -87,7 +87,7 @@ def cache_path(model, name: str, *what, threads: int | None = None) -> Path:
     # this measurement), so a change to it measures afresh rather than trusting a curve of the old code
     code = source_digest(attention.__file__, layout.__file__, kv.__file__, lean.__file__, packing.__file__,
                          int4.__file__, q4.__file__, q6.__file__, q8.__file__, q4.SOURCE, runners.__file__, __file__,
-                         step_ops.SOURCE, norms.__file__)
+                         step_ops.SOURCE, norms.__file__, linear.__file__)
     key = json.dumps([code, name, str(model.device), str(model.dtype), quantized.weight_layout(model),
                       model.config._attn_implementation, torch.__version__,
                       threads or torch.get_num_threads(), lean.supported(model) is None, step_ops.loaded(), *what])

@@ -70,6 +70,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -94,9 +95,13 @@ constexpr int64_t PREFETCH_BYTES = 4096;     // how far ahead of its reads a ker
 
 enum Path : int64_t { PORTABLE = 0, AVX2 = 1, VNNI = 2 };
 
-bool has_avx2() {
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+// F16C (the fp16 scales' widening) read from CPUID: __builtin_cpu_supports knows it only from GCC 11
+// and clang 18, and an unknown name there is a compile error.
+bool has_f16c() {
+  unsigned a, b, c, d;
+  return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
 }
+bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && has_f16c(); }
 bool has_vnni() {
   return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
          && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni");

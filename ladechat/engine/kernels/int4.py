@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ladechat.engine.kernels import q4
+from ladechat.engine.kernels.linear import FixedLinear
 
 GROUP = 32  # weights per scale and low
 KERNEL = "_weight_int4pack_mm_for_cpu"
@@ -52,12 +53,13 @@ def check_shape(rows: int, cols: int) -> None:
 
 # -- the module --------------------------------------------------------------------------------
 
-class Int4Linear(torch.nn.Module):
+class Int4Linear(FixedLinear):
     """y = x W^T + b with W as 4-bit codes and a bf16 scale and zero per 32 weights (w = (q - 8) *
     scale + zero), multiplied by
     torch's int4 CPU kernel with bf16 activations (the result is cast back to x's dtype). Inference
-    only, fixed to the CPU: `.weight` (and a state dict) give W dense in fp32, computed from the
-    codes at each read; moving or casting the model is refused (load with --weights dense to do that)."""
+    only, fixed to the CPU (linear.FixedLinear)."""
+
+    WEIGHTS = "int4"
 
     def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tensor | None = None,
                  kind: str = "Q4"):
@@ -73,7 +75,7 @@ class Int4Linear(torch.nn.Module):
         self.kind = kind
         self.register_buffer("packed_weight", packed, persistent=False)
         self.register_buffer("scales_and_zeros", scales_and_zeros, persistent=False)
-        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+        self.keep_bias(bias)
 
     @classmethod
     def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor,
@@ -104,22 +106,14 @@ class Int4Linear(torch.nn.Module):
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
-    @property
-    def weight(self) -> torch.Tensor:
-        # The kernel's scalar fp32 path over an identity matrix: each output is one code times its
-        # scale plus its zero, so this is W exactly as the kernel sees it (a dense copy per read).
+    def dense_weight(self) -> torch.Tensor:
+        """W (out, in) in fp32 exactly as the kernel sees it: its scalar fp32 path over an identity
+        matrix, each output one code times its scale plus its zero."""
         eye = torch.eye(self.in_features, dtype=torch.float32)
         with torch.no_grad():
             dense = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed_weight, GROUP,
                                                                self.scales_and_zeros.float())
         return dense.t().contiguous()
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        destination[prefix + "weight"] = self.weight
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-
-    def _apply(self, fn, recurse=True):
-        raise TypeError("int4 weights stay on the CPU; load with --weights dense to move or cast the model")
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

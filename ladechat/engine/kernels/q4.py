@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from ladechat.engine.kernels import native
+from ladechat.engine.kernels.linear import BlockLinear
 
 SOURCE = Path(__file__).with_name("blocks.cpp")  # also Q8_0's kernel (q8.py): one library
 GROUP = 32  # inputs per scale and low
@@ -203,12 +204,13 @@ def decode_compact(kind: str, data: np.ndarray, rows: int, cols: int) -> tuple[n
             d.astype(np.float32), dmin.astype(np.float32))
 
 
-class Q4Linear(torch.nn.Module):
+class Q4Linear(BlockLinear):
     """y = x W^T + b with W as 4-bit codes and a scale and low per 32 weights (in one of the
     kernel's forms), by ladechat's kernel (its library loaded: load()), the rows quantized to int8
     per 32 inputs. fp32 and bf16 rows run as they are, others through fp32; the result is in x's
-    dtype. Inference only, fixed to the CPU: `.weight` (and a state dict) give W dense in fp32,
-    computed at each read."""
+    dtype. Inference only, fixed to the CPU (linear.FixedLinear)."""
+
+    OP, BUFFERS, WEIGHTS = "q4_mm", ("tiles", "scales", "lows"), "4-bit"
 
     def __init__(self, tiles: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor,
                  bias: torch.Tensor | None = None, kind: str = "Q4", path: int | None = None):
@@ -222,45 +224,12 @@ class Q4Linear(torch.nn.Module):
                              f"and {lows.dtype} {tuple(lows.shape)} do not make one weight")
         self.form = form(scales, lows)
         self.kind = kind
-        self.path = best_path() if path is None else path
-        self.register_buffer("tiles", tiles, persistent=False)
-        self.register_buffer("scales", scales, persistent=False)
-        self.register_buffer("lows", lows, persistent=False)
-        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.dtype not in (torch.float32, torch.bfloat16):
-            rows = rows.float()
-        y = torch.ops.ladechat_blocks.q4_mm(rows.contiguous(), self.tiles, self.scales, self.lows, self.path)
-        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
-
-    def product(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """x (rows, in) contiguous, fp32 or bf16 -> x W^T (+ b) in x's dtype: the kernel called
-        directly, without the forward's reshapes (a lean step calls it ~200 times)."""
-        op, tiles, scales, lows, path, bias = (torch.ops.ladechat_blocks.q4_mm.default, self.tiles, self.scales,
-                                               self.lows, self.path, self.bias)
-        if bias is None:
-            return lambda x: op(x, tiles, scales, lows, path)
-        return lambda x: op(x, tiles, scales, lows, path) + bias
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """W (out, in) in fp32, scale * q + low: a dense copy per read."""
-        return self.dense_weight()
+        self.keep((tiles, scales, lows), bias, best_path() if path is None else path)
 
     def dense_weight(self) -> torch.Tensor:
         q = codes_of(self.tiles).float()
         scales, lows = expand(self.scales, self.lows)
         return q * per_row(scales).repeat_interleave(GROUP, 1) + per_row(lows).repeat_interleave(GROUP, 1)
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        destination[prefix + "weight"] = self.dense_weight()
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-
-    def _apply(self, fn, recurse=True):
-        raise TypeError("4-bit weights stay on the CPU; load with --weights dense to move or cast the model")
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
@@ -278,7 +247,7 @@ class Q4Linear(torch.nn.Module):
 # as before (one row quantized the same way, one output's sums in one fixed order): the same bits.
 
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-BUFFERS = ("tiles", "scales", "lows")
+BUFFERS = Q4Linear.BUFFERS
 
 
 def _group_key(parent: str, names: tuple[str, ...], buffer: str) -> str:

@@ -16,12 +16,11 @@ on every path, so a row gives the same bits alone or among a step's rows, on any
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import torch
 
 from ladechat.engine.kernels import q4
+from ladechat.engine.kernels.linear import BlockLinear
 
 SOURCE = q4.SOURCE
 GROUP = q4.GROUP  # inputs per activation scale, and per tile
@@ -29,7 +28,6 @@ OUT = q4.OUT  # outputs per tile
 SUPER = 256  # weights per d (a Q6_K block)
 BLOCK_BYTES = 210  # 128 low nibbles, 64 bytes of top bits, 16 int8 scales, an fp16 d
 TILE_BYTES = q4.TILE_BYTES + OUT * GROUP // 4 + 2 * OUT  # nibbles, top bits, scales: 416
-BUFFERS = ("tiles", "d")
 
 
 class Q6Error(ValueError):
@@ -90,11 +88,12 @@ def parts_of(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return low | (top << 4), sc.contiguous().view(torch.int8)
 
 
-class Q6Linear(torch.nn.Module):
+class Q6Linear(BlockLinear):
     """y = x W^T + b with W as Q6_K blocks, by ladechat's kernel (its library loaded: q4.load()),
     the rows quantized to int8 per 32 inputs; fp32 and bf16 rows run as they are, others through
-    fp32; the result in x's dtype. Inference only, fixed to the CPU: `.weight` (and a state dict)
-    give W dense in fp32, computed at each read."""
+    fp32; the result in x's dtype. Inference only, fixed to the CPU (linear.FixedLinear)."""
+
+    OP, BUFFERS, WEIGHTS = "q6_mm", ("tiles", "d"), "Q6_K"
 
     def __init__(self, tiles: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None,
                  path: int | None = None):
@@ -107,43 +106,16 @@ class Q6Linear(torch.nn.Module):
             raise Q6Error(f"Q6_K buffers {tiles.dtype} {tuple(tiles.shape)} and {d.dtype} {tuple(d.shape)} "
                           "do not make one weight")
         self.kind = "Q6_K"
-        self.path = q4.best_path() if path is None else path
-        self.register_buffer("tiles", tiles, persistent=False)
-        self.register_buffer("d", d, persistent=False)
-        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.dtype not in (torch.float32, torch.bfloat16):
-            rows = rows.float()
-        y = torch.ops.ladechat_blocks.q6_mm(rows.contiguous(), self.tiles, self.d, self.path)
-        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
-
-    def product(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """x (rows, in) contiguous, fp32 or bf16 -> x W^T (+ b): the kernel called directly."""
-        op, tiles, d, path, bias = torch.ops.ladechat_blocks.q6_mm.default, self.tiles, self.d, self.path, self.bias
-        if bias is None:
-            return lambda x: op(x, tiles, d, path)
-        return lambda x: op(x, tiles, d, path) + bias
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """W (out, in) in fp32, d * sc * (q - 32): a dense copy per read."""
-        return self.dense_weight()
+        self.keep((tiles, d), bias, q4.best_path() if path is None else path)
 
     def dense_weight(self) -> torch.Tensor:
         codes, sc = parts_of(self.tiles)
         d = q4.per_row(self.d).repeat_interleave(SUPER, 1)
         return d * sc.float().repeat_interleave(16, 1) * (codes.float() - 32)
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        destination[prefix + "weight"] = self.dense_weight()
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-
-    def _apply(self, fn, recurse=True):
-        raise TypeError("Q6_K weights stay on the CPU; load with --weights dense to move or cast the model")
-
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"Q6_K blocks, ladechat's {q4.PATHS[self.path]} kernel with int8 activations")
+
+
+BUFFERS = Q6Linear.BUFFERS

@@ -23,18 +23,16 @@ where that is a surprise.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import torch
 
 from ladechat.engine.kernels import q4
+from ladechat.engine.kernels.linear import BlockLinear
 
 SOURCE = q4.SOURCE
 GROUP = q4.GROUP  # weights per scale
 OUT = q4.OUT  # outputs per tile: the 4-bit kernel's, the same library
 BLOCK_BYTES = 2 + GROUP  # fp16 scale, 32 int8 codes
-BUFFERS = ("tiles", "scales", "sums")
 
 
 class Q8Error(ValueError):
@@ -78,11 +76,13 @@ def check_shape(rows: int, cols: int) -> None:
                       f"inputs of {GROUP})")
 
 
-class Q8Linear(torch.nn.Module):
-    """y = x W^T with W as Q8_0 blocks, by ladechat's kernel (its library must be loaded:
+class Q8Linear(BlockLinear):
+    """y = x W^T + b with W as Q8_0 blocks, by ladechat's kernel (its library must be loaded:
     native.load(SOURCE, ...)), the rows quantized to int8 per 32 inputs; the result in x's dtype.
-    Inference only, fixed to the CPU; the state dict gives W dense in fp32. path: the kernel's
-    (q4.PATHS), default the best here."""
+    Inference only, fixed to the CPU (linear.FixedLinear). path: the kernel's (q4.PATHS), default the
+    best here."""
+
+    OP, BUFFERS, WEIGHTS = "q8_mm", ("tiles", "scales", "sums"), "Q8_0"
 
     def __init__(self, tiles: torch.Tensor, scales: torch.Tensor, sums: torch.Tensor, path: int | None = None,
                  bias: torch.Tensor | None = None):
@@ -95,43 +95,11 @@ class Q8Linear(torch.nn.Module):
             raise Q8Error(f"Q8_0 buffers {tiles.dtype} {tuple(tiles.shape)}, {scales.dtype} {tuple(scales.shape)} "
                           f"and {sums.dtype} {tuple(sums.shape)} do not make one weight")
         self.kind = "Q8_0"
-        self.path = q4.best_path() if path is None else path
-        self.register_buffer("tiles", tiles, persistent=False)
-        self.register_buffer("scales", scales, persistent=False)
-        self.register_buffer("sums", sums, persistent=False)
-        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.dtype not in (torch.float32, torch.bfloat16):  # the kernel reads these two (fp16: exact in fp32)
-            rows = rows.float()
-        y = torch.ops.ladechat_blocks.q8_mm(rows.contiguous(), self.tiles, self.scales, self.sums, self.path)
-        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
-
-    def product(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """x (rows, in) contiguous, fp32 or bf16 -> x W^T (+ b): the kernel called directly."""
-        op, tiles, scales, sums, path, bias = (torch.ops.ladechat_blocks.q8_mm.default, self.tiles, self.scales,
-                                               self.sums, self.path, self.bias)
-        if bias is None:
-            return lambda x: op(x, tiles, scales, sums, path)
-        return lambda x: op(x, tiles, scales, sums, path) + bias
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """W (out, in) in fp32, exactly scale * code: a dense copy per read (as Int4Linear's)."""
-        return self.dense_weight()
+        self.keep((tiles, scales, sums), bias, q4.best_path() if path is None else path)
 
     def dense_weight(self) -> torch.Tensor:
         """W (out, in) in fp32, exactly scale * code."""
         return codes_of(self.tiles).float() * q4.per_row(self.scales).repeat_interleave(GROUP, dim=1)
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        destination[prefix + "weight"] = self.dense_weight()
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-
-    def _apply(self, fn, recurse=True):
-        raise TypeError("Q8_0 weights stay on the CPU; load with --weights dense to move or cast the model")
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
@@ -140,6 +108,9 @@ class Q8Linear(torch.nn.Module):
 
 
 def usable() -> bool:
-    """Whether the kernel's library, once loaded, runs here fast: AVX2 and FMA at least (its
+    """Whether the kernel's library, once loaded, runs here fast: AVX2, FMA and F16C at least (its
     portable path is for tests and odd CPUs; the dense layer serves those better)."""
     return q4.best_path() >= 1
+
+
+BUFFERS = Q8Linear.BUFFERS

@@ -101,7 +101,7 @@ def apply(model, gguf_path: Path, folder: Path, kernels: Path,
             except (ValueError, KeyError, IndexError, OSError, EOFError) as exc:
                 detail = " ".join(str(exc).split()) or type(exc).__name__
                 return Applied(False, (f"cannot read the output layer of {name} ({detail}); running it dense",))
-        arrays = dict(zip(("tiles", "scales", "sums"), found, strict=True)) if found else {"none": torch.zeros(1)}
+        arrays = dict(zip(BUFFERS, found, strict=True)) if found else {"none": torch.zeros(1)}
         keep_beside(path, arrays, {"q8_0": "yes" if found else "no", "notices": json.dumps(notices)},
                     f"{CACHE_PREFIX}*.safetensors")  # a read-only cache: read again next time
     if found is None:

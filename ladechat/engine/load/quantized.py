@@ -195,7 +195,7 @@ def _kernel(gguf_path: Path, kernels: Path | None, progress, compiler: str) -> t
     unbuilt = q4.load(kernels, progress, compiler)
     if unbuilt:
         return [f"the 4-bit weights of {Path(gguf_path).name} run on torch's int4 kernel: {unbuilt}"], None
-    if q4.best_path() < 1:  # an x86-64 CPU without AVX2: the kernel's portable loops are slower than torch's
+    if q4.best_path() < 1:  # an x86-64 CPU without AVX2, FMA and F16C: the portable loops are slower than torch's
         return [], None
     return [], q4.best_path()
 
