@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ladechat.backends.opener import compiled_or_not, compiles, load_model, open_bot, quiet_libraries, settings_for
+from ladechat.backends.opener import compiles, load_model, open_bot, quiet_libraries, settings_for
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.errors import UserError
 
@@ -286,12 +286,11 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
     elif keep != 0:  # the model in a local server that keeps it loaded for the next commands
         bot = _warm_bot(ctx, keep, err, _spinner(err), defaults={"temperature": 0.0}, print_notices=True)
     else:
-        given = _setting_flags(ctx.params)
+        given = {"temperature": 0.0, **_setting_flags(ctx.params)}  # greedy unless --temperature, as above
         settings_for(given)  # every flag checked before the (slow) model load
-        quiet_libraries()
-        compiled = compiles(ctx.params)
-        loaded = _load_here(ctx.params, err, compiled)
-        bot = compiled_or_not(loaded, given, compiled, compile is None, _spinner(err))[1]
+        bot = open_bot(ctx.params, given, _spinner(err))[1]
+        _print_notices(bot.notices, err)
+        bot.notices.clear()
     if debug:  # which weights and kernels answer
         err.print(f"[dim]model {escape(bot.describe())}[/]", highlight=False, soft_wrap=True)
     conversation = Conversation(system=system, messages=[{"role": "user", "content": text}])

@@ -109,9 +109,10 @@ def open_bot(options: dict, given: dict, progress: Progress, on_model_thread=run
     """(settings, Bot) from load options and the settings given: the model loaded, W/N/G for its
     device, the model's own temperature when it samples. The load's notices are the bot's first."""
     quiet_libraries()
+    options = load_options(options)
     compile = compiles(options)
     loaded = load_model(options, progress, compile)
-    settings, bot = compiled_or_not(loaded, given, compile, load_options(options)["compile"] is None, progress,
+    settings, bot = compiled_or_not(loaded, given, compile, options["compile"] is None, progress,
                                     model_temperature(loaded), on_model_thread)
     bot.notices[:0] = loaded.notices
     return settings, bot
