@@ -66,7 +66,7 @@ def layout(codes: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> tuple[
     check_shape(rows, cols)
     tiles, groups = rows // OUT, cols // GROUP
     codes = codes.to(torch.uint8)
-    nibbles = q4.layout(codes & 0x0F, torch.zeros(rows, groups), torch.zeros(rows, groups))[0]
+    nibbles = q4.tiles_of(codes & 0x0F)
     # [tile, j, group, v, p, i] -> byte 64 v + 4 j + i, bits 2 p: the top 2 bits of input 4 (4 v + p) + i
     top = (codes >> 4).reshape(tiles, OUT, groups, 2, 4, 4)
     shifts = (2 * torch.arange(4, dtype=torch.uint8)).reshape(1, 1, 1, 1, 4, 1)
