@@ -8,6 +8,8 @@ Llama 3 shapes and larger for Llama 2's): speed, memory and load time are real; 
 
     python3 scripts/gguf_shapes.py llama-3.2-1b /tmp/1b-f16.gguf --quantize Q4_K_M /tmp/1b-q4km.gguf
     python3 scripts/gguf_shapes.py llama-2-7b /tmp/7b-f16.gguf --quantize Q4_0 /tmp/7b-q4_0.gguf
+    python3 scripts/gguf_shapes.py --vocab-only /tmp/vocab.gguf     # the tokenizer alone (~1 MB), to carry
+    python3 scripts/gguf_shapes.py llama-3.2-1b /tmp/1b-f16.gguf --tokenizer-from /tmp/vocab.gguf
 
 llama-quantize: .llama.cpp/bin/llama-quantize (bash scripts/llama_cpp.sh builds it) or --llama-quantize PATH.
 """
@@ -25,6 +27,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 # hidden, intermediate, layers, heads, kv heads, context, tied embeddings, rope base
 SHAPES = {
+    "tiny": (256, 512, 2, 4, 2, 2048, True, 10000.0),  # a dry run of a script meant for a real size
     "llama-3.2-1b": (2048, 8192, 16, 32, 8, 131072, True, 500000.0),
     "llama-3.2-3b": (3072, 8192, 28, 24, 8, 131072, True, 500000.0),
     "llama-2-7b": (4096, 11008, 32, 32, 32, 4096, False, 10000.0),
@@ -46,14 +49,41 @@ def tokenizer_fields(reader) -> list:
     return out
 
 
-def write_f16(shape: str, path: Path, seed: int = 0) -> None:
-    import gguf
-
+def tokenizer_source(path: Path | None) -> Path:
+    if path is not None:
+        return path
     from ladechat.engine.load.gguf import embedded_gguf
 
+    return embedded_gguf()
+
+
+def write_vocab(source: Path, path: Path) -> None:
+    """A GGUF holding `source`'s tokenizer fields and no tensors (a machine without the embedded
+    model's package makes shapes from it)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value, kind, sub in tokenizer_fields(gguf.GGUFReader(source)):
+        writer.add_key_value(key, value, kind, sub_type=sub)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+
+
+def random_f16(rng, dims: tuple[int, ...], period: int = 1 << 24):
+    """N(0, 0.02) weights in F16; past `period` values they repeat (a shifted copy), which keeps an 8B
+    shape's writing to seconds and changes nothing a timing or a memory figure sees."""
+    size = int(np.prod(dims))
+    block = (rng.standard_normal(min(size, period), dtype=np.float32) * 0.02).astype(np.float16)
+    return np.resize(block, size).reshape(dims)
+
+
+def write_f16(shape: str, path: Path, seed: int = 0, tokenizer: Path | None = None) -> None:
+    import gguf
+
     hidden, inter, layers, heads, kv_heads, context, tied, rope = SHAPES[shape]
-    embedded = gguf.GGUFReader(embedded_gguf())
-    fields = tokenizer_fields(embedded)
+    fields = tokenizer_fields(gguf.GGUFReader(tokenizer_source(tokenizer)))
     vocab = len(next(value for key, value, _, _ in fields if key == "tokenizer.ggml.tokens"))
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name(f"random {shape}")
@@ -93,21 +123,30 @@ def write_f16(shape: str, path: Path, seed: int = 0) -> None:
         if len(dims) == 1:
             data = np.ones(dims, np.float32)
         else:
-            data = (rng.standard_normal(dims, dtype=np.float32) * 0.02).astype(np.float16)
+            data = random_f16(rng, dims)
         writer.write_tensor_data(data)
     writer.close()
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("shape", choices=sorted(SHAPES))
-    parser.add_argument("f16", type=Path, help="the F16 file to write")
+    parser.add_argument("shape", nargs="?", choices=sorted(SHAPES))
+    parser.add_argument("f16", nargs="?", type=Path, help="the F16 file to write")
+    parser.add_argument("--tokenizer-from", type=Path, help="a GGUF whose tokenizer the file gets "
+                        "(default: the embedded model's)")
+    parser.add_argument("--vocab-only", type=Path, metavar="OUT",
+                        help="write the tokenizer alone (of --tokenizer-from) to OUT and stop")
     parser.add_argument("--quantize", nargs=2, metavar=("TYPE", "OUT"), help="e.g. Q4_K_M out.gguf")
     parser.add_argument("--llama-quantize", default=str(REPO / ".llama.cpp" / "bin" / "llama-quantize"))
     args = parser.parse_args(argv)
+    if args.vocab_only:
+        write_vocab(tokenizer_source(args.tokenizer_from), args.vocab_only)
+        return 0
+    if args.shape is None or args.f16 is None:
+        parser.error("a shape and the F16 file to write are needed")
     start = time.monotonic()
     if not args.f16.is_file():
-        write_f16(args.shape, args.f16)
+        write_f16(args.shape, args.f16, tokenizer=args.tokenizer_from)
         print(f"{args.f16}: {args.f16.stat().st_size / 2**30:.2f} GiB in {time.monotonic() - start:.0f} s",
               file=sys.stderr)
     if args.quantize:

@@ -246,6 +246,7 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
     if spec.weights == "int4" and gguf_file is None:
         raise LoadError(f"--weights int4 runs a .gguf file's 4-bit (Q4_0, Q4_1, Q4_K) blocks; {name} is not a GGUF file")
     kwargs: dict = {"dtype": dtype, "attn_implementation": attn, **_quantization(spec, dtype, notices)}
+    notices.extend(parting_notices(device.type, dtype, spec.load_in_4bit, spec.load_in_8bit))
     if spec.max_memory and not spec.device_map:
         raise LoadError("--max-memory needs --device-map (e.g. --device-map auto)")
     kwargs.update(placement(spec, device))
@@ -360,12 +361,29 @@ def _quantization(spec: LoadSpec, dtype: torch.dtype, notices: list[str]) -> dic
                         "pip install 'ladechat[quant]'") from None
     from transformers import BitsAndBytesConfig
 
-    if spec.load_in_8bit:
-        notices.append("8-bit weights (LLM.int8) compute each row of a step in ways that depend on the other "
-                       "rows, so lookahead answers can differ from plain decoding after a near-tie; "
-                       "--load-in-4bit keeps them identical")
     return {"quantization_config": BitsAndBytesConfig(load_in_4bit=spec.load_in_4bit, load_in_8bit=spec.load_in_8bit,
                                                       bnb_4bit_compute_dtype=dtype if spec.load_in_4bit else None)}
+
+
+def parting_notices(device_type: str, dtype: torch.dtype, four_bit: bool, eight_bit: bool) -> list[str]:
+    """What a user is told where a lookahead step's rows need not round as plain decoding's one row
+    does, so a greedy answer can part from plain decoding's after a near-tie (measured on an H200:
+    BENCHMARKS.md). A GPU's products pick their kernel and reduction order by the number of rows;
+    LLM.int8 splits outlier columns by all of a step's rows, on any device."""
+    if eight_bit:
+        return ["8-bit weights (LLM.int8) compute each row of a step in ways that depend on the other rows, "
+                "so lookahead answers can differ from plain decoding after a near-tie"
+                + ("; --load-in-4bit keeps them identical" if device_type == "cpu" else "")]
+    if device_type != "cuda":
+        return []
+    if four_bit:
+        return [("4-bit weights (bitsandbytes) on a GPU run a one-row step on another kernel than a step of "
+                 "several rows, so lookahead answers can differ from plain decoding after a near-tie")]
+    if dtype in (torch.bfloat16, torch.float16):
+        return [(f"on a GPU in {str(dtype).removeprefix('torch.')} a lookahead step's rows can round differently "
+                 "from plain decoding's one row, so an answer can part from plain decoding's after a near-tie "
+                 "(--dtype float32 makes that rarer)")]
+    return []
 
 
 def _read(asked: str, source: str, name: str, device: torch.device, kwargs: dict, build=None,
