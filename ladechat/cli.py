@@ -444,7 +444,7 @@ def bench(ctx: typer.Context, dataset: Datasets = ["mtbench"],
           max_new_tokens: MaxNew = MAX_NEW_TOKENS["bench"], temperature: Temperature = None, top_p: TopP = SAMPLING.top_p,
           top_k: TopK = SAMPLING.top_k, seed: Seed = 0, dtype: Dtype = "auto", device: Device = "auto",
           attn: Attn = "sdpa", template: Template = None, compile: Compile = False, as_json: BenchJson = False,
-          weights: Annotated[Optional[str], typer.Option("--weights", help="Linear weights, as for the chat (auto, dense, packed, int4); default packed where this device packs them (the layout the bench's tables compare HF with), else dense (a GPU, --compile).")] = None) -> None:
+          weights: Annotated[Optional[str], typer.Option("--weights", help="Linear weights, as for the chat (auto, dense, packed, int4); default: the chat's own (auto), dense with --compile.")] = None) -> None:
     """Compare HF generate, HF prompt lookup, ladechat plain and lookahead on real prompts, side by side (and other engines' servers: --peer)."""
     if ctx.invoked_subcommand is not None:
         return
@@ -467,8 +467,10 @@ def bench(ctx: typer.Context, dataset: Datasets = ["mtbench"],
     # every flag checked, and every peer asked for its models, before the (slow) model load
     peers = peer_bench.connect(peer or [], set(benchmark.METHODS), settings_for(given))
     quiet_libraries()
+    from ladechat.engine.load.loading import bench_weights
+
     loaded = _load_here({"model": model, "dtype": dtype, "device": device, "attn": attn,
-                         "weights": weights or _bench_weights(device, dtype, compile)}, err, compile)
+                         "weights": weights or bench_weights(compile)}, err, compile)
     settings = settings_for(given, loaded, compile=compile)
     results = benchmark.run(loaded, dataset, method_list, settings, limit, compile=compile, single_turn=single_turn,
                             store=store, warm_from=warm_from, warm_limit=warm_limit, peers=peers,
@@ -515,16 +517,6 @@ def bench_serving(ctx: typer.Context,
         stdout_console().print(serve_bench_table(result))
 
 
-def _bench_weights(device: str, dtype: str, compile: bool) -> str:
-    from ladechat.engine.load.loading import LoadError, bench_weights, resolve_device, resolve_dtype
-
-    try:
-        resolved = resolve_device(device)
-        return bench_weights(resolved, resolve_dtype(dtype, resolved), compile)
-    except LoadError:  # a bad --device or --dtype: the load says so in its own words
-        return "dense"
-
-
 @bench_app.command("step-cost")
 def bench_step_cost(model: Model = None,
                     shape: Annotated[Optional[str], typer.Option("--shape", help="A randomly initialised Llama of this shape instead of --model: llama-2-7b, llama-3-8b, smollm2-135m, tiny.")] = None,
@@ -533,12 +525,12 @@ def bench_step_cost(model: Model = None,
                     reps: Annotated[int, typer.Option("--reps", help="Timed steps per size (median).")] = 10,
                     compile: Compile = False, dtype: Dtype = "auto", device: Device = "auto", attn: Attn = "sdpa",
                     as_json: BenchJson = False,
-                    weights: Annotated[Optional[str], typer.Option("--weights", help="Linear weights, as for the chat (auto, dense, packed, int4); default packed where this device packs them, else dense (a GPU, --compile).")] = None) -> None:
+                    weights: Annotated[Optional[str], typer.Option("--weights", help="Linear weights, as for the chat (auto, dense, packed, int4); default: the chat's own (auto), dense with --compile.")] = None) -> None:
     """What one decoding step costs as it feeds more tokens (exact-size steps through the model's
     forward and, for the Llama family, engine/lean.py, on a GPU too; fixed-shape and --compile'd
     ones), next to HF generate's time per token."""
     from ladechat.bench import steps
-    from ladechat.engine.load.loading import resolve_device, resolve_dtype
+    from ladechat.engine.load.loading import bench_weights, resolve_device, resolve_dtype
     from ladechat.ui.report import step_cost_table
 
     err = stderr_console()
@@ -555,7 +547,7 @@ def bench_step_cost(model: Model = None,
             name = f"random {shape}"
     else:
         loaded = _load_here({"model": model, "dtype": dtype, "device": device, "attn": attn,
-                             "weights": "dense" if compile else weights or _bench_weights(device, dtype, compile)},
+                             "weights": "dense" if compile else weights or bench_weights(compile)},
                             err, compile)
         net, name = loaded.model, loaded.name
     with _spinner(err)("timing steps" + (" (compiling first)" if compile else "")):

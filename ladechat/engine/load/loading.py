@@ -208,11 +208,12 @@ def _source(model: str | None, progress) -> tuple[str, str, Path | None]:
     return model, model, None
 
 
-def bench_weights(device: torch.device, dtype: torch.dtype, compile: bool) -> str:
-    """`ladechat bench`'s Linear weights when --weights is not given: packed where this device and
-    dtype pack them (the layout its tables compare HF with), else dense, as loaded (a GPU, or
-    --compile, which traces the model's own Linear modules)."""
-    return "packed" if not compile and packing.supported(device, dtype) else "dense"
+def bench_weights(compile: bool) -> str:
+    """`ladechat bench`'s Linear weights when --weights is not given: what the chat runs (auto: a
+    GGUF's blocks on ladechat's kernels, the rest packed where this device packs them), so the bench
+    measures what users run; dense, as loaded, with --compile, which traces the model's own Linear
+    modules."""
+    return "dense" if compile else "auto"
 
 
 def check_weights(spec: LoadSpec) -> None:
