@@ -58,6 +58,7 @@ EightBit = Annotated[bool, typer.Option("--load-in-8bit", help="Quantize weights
 DeviceMap = Annotated[Optional[str], typer.Option("--device-map", help="accelerate device map, e.g. 'auto' to spread a large model over GPUs and CPU memory.")]
 MaxMemory = Annotated[Optional[str], typer.Option("--max-memory", help="With --device-map: memory per device, e.g. '0=20GiB,cpu=64GiB'; what fits nowhere is offloaded to disk.")]
 Attn = Annotated[str, typer.Option("--attn", help="Attention kernel: sdpa, eager or flash.")]
+ContextSize = Annotated[Optional[int], typer.Option("--ctx", help="Most tokens a conversation holds, the answer included (default: the model's context, at most 8192); the oldest turns are dropped past it.")]
 Weights = Annotated[str, typer.Option("--weights", help="Linear weights: auto (a GGUF's 4-bit blocks as int4 on the CPU, the rest packed for oneDNN; else packed where that runs), dense (as transformers loads them), packed (oneDNN's layout, fp32/bf16) or int4.")]
 Template = Annotated[Optional[str], typer.Option("--template", help="Chat template to use instead of the model's own (see: ladechat templates).")]
 System = Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.")]
@@ -73,7 +74,8 @@ ApiKey = Annotated[str | None, typer.Option("--api-key", envvar=["LADECHAT_API_K
 KeepAlive = Annotated[str, typer.Option("--keep-alive", envvar="LADECHAT_KEEP_ALIVE", show_envvar=True, help="How long the model stays loaded after an answer, in a local server the next ask or chat uses (5m, 30s, 1h30m; 0: load in this command and keep nothing; -1: until 'ladechat stop').")]
 # Options about loading a model here: refused with --api (the server loaded its model).
 LOCAL_ONLY = ("dtype", "device", "load_in_4bit", "load_in_8bit", "device_map", "max_memory", "attn", "template", "compile",
-              "weights")
+              "weights", "context_size")
+FLAG_OF = {"context_size": "--ctx"}  # parameters whose flag is not their name
 
 
 def stdout_console() -> Console:
@@ -128,7 +130,8 @@ def _remote_bot(ctx: typer.Context, api: str, api_key: str | None, defaults: dic
         raise Fail("--store/--no-store: with --api the store of past answers is the server's (start it with --no-store)")
     for name in LOCAL_ONLY:
         if name in given:
-            raise Fail(f"--{name.replace('_', '-')} is about loading a model here; with --api the server has loaded it")
+            flag = FLAG_OF.get(name, f"--{name.replace('_', '-')}")
+            raise Fail(f"{flag} is about loading a model here; with --api the server has loaded it")
     values, chosen = _request_settings(ctx, given, defaults)
     Settings().updated({k: values[k] for k in chosen})  # ConfigError before connecting
     return RemoteBot(Endpoint.of(api, api_key), ctx.params["model"], values, chosen)
@@ -213,7 +216,7 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = LOOKAHE
          keep_alive: KeepAlive = "5m",
          max_memory: MaxMemory = None, attn: Attn = "sdpa", template: Template = None, system: System = None, stop: Stop = None,
          compile: AutoCompile = None, store: Store = LOOKAHEAD.store, markdown: Markdown = True, debug: Debug = False,
-         api: Api = None, api_key: ApiKey = None, weights: Weights = "auto") -> None:
+         api: Api = None, api_key: ApiKey = None, weights: Weights = "auto", context_size: ContextSize = None) -> None:
     """Interactive multi-turn chat (the default command). Type /help inside for commands."""
     if ctx.invoked_subcommand is not None:
         return
@@ -270,7 +273,7 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
         attn: Attn = "sdpa",
         template: Template = None, system: System = None, stop: Stop = None, compile: AutoCompile = None,
         store: Store = LOOKAHEAD.store, markdown: Markdown = True, debug: Debug = False, as_json: AsJson = False,
-        api: Api = None, api_key: ApiKey = None, weights: Weights = "auto") -> None:
+        api: Api = None, api_key: ApiKey = None, weights: Weights = "auto", context_size: ContextSize = None) -> None:
     """One-shot answer to PROMPT, streamed to stdout (greedy unless --temperature is given)."""
     from ladechat.backends.base import interrupt
     from ladechat.backends.events import Notice
@@ -366,7 +369,7 @@ def serve(ctx: typer.Context, host: Annotated[str, typer.Option("--host", help="
           seed: Seed = None, dtype: Dtype = "auto", device: Device = "auto", load_in_4bit: FourBit = False,
           load_in_8bit: EightBit = False, device_map: DeviceMap = None, max_memory: MaxMemory = None,
           attn: Attn = "sdpa", template: Template = None, stop: Stop = None, compile: AutoCompile = None,
-          store: Store = LOOKAHEAD.store, weights: Weights = "auto") -> None:
+          store: Store = LOOKAHEAD.store, weights: Weights = "auto", context_size: ContextSize = None) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions), with lookahead decoding."""
     from ladechat.serve import app as server
     from ladechat.serve.guard import allowed_hosts, is_loopback, normal_origin

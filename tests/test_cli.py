@@ -62,6 +62,10 @@ def test_ask_json_fields(embedded_fp32):
     (["ask", "--model", "nobody/no-such-model-xyz", "hi"], "hub cannot be reached"),
     (["ask", "--max-memory", "cpu=lots", "--device-map", "auto", "hi"], "--max-memory wants DEVICE=SIZE pairs"),
     (["ask", "--max-memory", "cpu=4GiB", "hi"], "--max-memory needs --device-map"),
+    (["ask", "--ctx", "10", "hi"], "--ctx must be at least 64 tokens, got 10"),
+    (["ask", "--ctx", "100000", "hi"], "--ctx 100000 is more than the model's context of 8192 tokens"),
+    (["ask", "--api", "http://127.0.0.1:9/v1", "--ctx", "512", "hi"],
+     "--ctx is about loading a model here; with --api the server has loaded it"),
     (["ask", "--compile", "-W", "64", "-N", "16", "-G", "64", "hi"], "more than the 512 a fixed-shape step allows"),
     (["bench", "step-cost", "--sizes", "1,3"], "step sizes must be 1 or multiples of 4"),
     (["bench", "step-cost", "--shape", "llama-99b"], "unknown --shape 'llama-99b'"),
@@ -244,6 +248,17 @@ def test_prompt_longer_than_the_context():
     err = r.stderr.decode().strip()
     assert r.returncode == 1 and "Traceback" not in err
     assert err.startswith("ladechat: error: the prompt is") and "that fit in the model's context" in err
+
+
+def test_ctx_caps_the_conversation_and_the_footer_says_how_full_it_is():
+    r = ladechat("ask", "--ctx", "256", "--max-new-tokens", "8", "What is the capital of France?")
+    assert r.returncode == 0, r.stderr
+    used = re.search(r"tokens/step, lookahead .*, context (\d+)/256$", r.stderr.decode().strip())
+    assert used and 8 < int(used.group(1)) <= 256
+    long = ladechat("ask", "--ctx", "128", "--max-new-tokens", "8", stdin=("lorem ipsum " * 100).encode())
+    err = long.stderr.decode().strip()
+    assert long.returncode == 1 and "Traceback" not in err
+    assert "more than the 120 that fit in the model's context" in err  # 128, less room for 8 new tokens
 
 
 def test_flash_attention_falls_back_to_sdpa_with_a_notice(tmp_path):

@@ -475,6 +475,19 @@ def test_choose_dtype(name, device_type, native, expected):
     assert choose_dtype(name, device_type, native) == expected
 
 
+def test_the_context_cap_defaults_to_the_model_up_to_8192_and_never_exceeds_it():
+    from ladechat.engine.load.loading import LoadError, context_cap
+
+    assert context_cap(131072, None) == 8192  # a 128k model's cache cannot grow until memory runs out
+    assert context_cap(2048, None) == 2048
+    assert context_cap(131072, 32768) == 32768
+    assert context_cap(2048, 2048) == 2048
+    with pytest.raises(LoadError, match="--ctx 4096 is more than the model's context of 2048 tokens"):
+        context_cap(2048, 4096)
+    with pytest.raises(LoadError, match="--ctx must be at least 64 tokens, got 8"):
+        context_cap(2048, 8)
+
+
 def test_the_bench_runs_the_chats_own_weights():
     """`ladechat bench` without --weights measures what users run: the chat's auto (a GGUF's blocks on
     ladechat's kernels); dense with --compile, which traces the model's own Linear modules."""

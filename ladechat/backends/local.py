@@ -130,7 +130,8 @@ class Bot:
         text = StepText(tokenizer)
 
         def with_text(done: Done) -> Done:
-            return replace(done, text=tokenizer.decode(list(done.text_tokens), skip_special_tokens=True))
+            return replace(done, text=tokenizer.decode(list(done.text_tokens), skip_special_tokens=True),
+                           stats=replace(done.stats, context_length=self.loaded.context_length))
 
         run = generate(self.session, ids, sampling, self.loaded.eos_ids, tokenizer.decode)
         try:

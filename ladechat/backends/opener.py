@@ -17,7 +17,7 @@ from ladechat.errors import UserError
 
 LOAD_OPTIONS = {"model": None, "dtype": "auto", "device": "auto", "attn": "sdpa", "weights": "auto",
                 "load_in_4bit": False, "load_in_8bit": False, "device_map": None, "max_memory": None,
-                "compile": None}  # compile None: the device decides (compiles())
+                "compile": None, "context_size": None}  # compile None: the device decides (compiles())
 Progress = Callable[[str], AbstractContextManager]
 
 
@@ -48,6 +48,7 @@ def load_model(options: dict, progress: Progress | None, compile: bool = False):
     modules (no packing, no int4)."""
     from ladechat.engine.load.loading import (
         LoadSpec,
+        check_context_size,
         check_weights,
         load,
         parse_max_memory,
@@ -64,8 +65,9 @@ def load_model(options: dict, progress: Progress | None, compile: bool = False):
                     load_in_4bit=options["load_in_4bit"], load_in_8bit=options["load_in_8bit"],
                     device_map=options["device_map"],
                     max_memory=parse_max_memory(max_memory) if max_memory is not None else (),
-                    pack_weights=not compile, weights=options["weights"])
+                    pack_weights=not compile, weights=options["weights"], context_size=options["context_size"])
     check_weights(spec)  # flag errors before any slow import
+    check_context_size(spec.context_size)
     resolve_dtype(options["dtype"], resolve_device(options["device"]))
     return load(spec, progress)
 

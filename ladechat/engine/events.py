@@ -54,6 +54,7 @@ class Stats:
     # per draft source: (accepted nodes the planner expected, accepted nodes seen) over the nodes
     # whose parent was accepted; close numbers mean the planner's estimates are calibrated
     calibration: dict[str, tuple[float, float]] = field(default_factory=dict)
+    context_length: int = 0  # the most tokens the conversation may hold (--ctx); 0 where not known
 
     @property
     def compression(self) -> float:
@@ -91,6 +92,7 @@ class Stats:
             "G": self.candidates,
             "finish_reason": self.finish_reason,
             "calibration": {src: {"predicted": p, "observed": o} for src, (p, o) in self.calibration.items()},
+            "context_length": self.context_length,
         }
 
     @staticmethod
@@ -103,7 +105,8 @@ class Stats:
             accepted_by_position=tuple(d["accepted_by_position"]), source_counts=dict(d["source_counts"]),
             pool_size=d["pool_size"], mean_fed=d["mean_fed"], lookahead=d["lookahead"], window=d["W"], ngram=d["N"],
             candidates=d["G"], finish_reason=d["finish_reason"],
-            calibration={k: (v["predicted"], v["observed"]) for k, v in d.get("calibration", {}).items()})
+            calibration={k: (v["predicted"], v["observed"]) for k, v in d.get("calibration", {}).items()},
+            context_length=d.get("context_length", 0))
 
 
 @dataclass

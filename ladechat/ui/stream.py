@@ -89,8 +89,10 @@ def footer(stats: Stats, backend) -> str:
         return (f"{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tok/s, first token after {stats.ttft_s:.2f} s, "
                 f"as {backend.host} reported{extra}")
     mode = f"lookahead W={stats.window} N={stats.ngram} G={stats.candidates}" if stats.lookahead else "lookahead off"
+    used = (f", context {stats.prompt_tokens + stats.new_tokens:,}/{stats.context_length:,}"
+            if stats.context_length else "")
     return (f"{stats.new_tokens} tokens, {stats.decode_tokens_per_s:.1f} tok/s, "
-            f"{stats.compression:.2f} tokens/step, {mode}{extra}")
+            f"{stats.compression:.2f} tokens/step, {mode}{extra}{used}")
 
 
 def failure(exc: Exception) -> str | None:

@@ -52,6 +52,7 @@ class LoadSpec:
     # then every Linear stays as loaded, whatever `weights` says.
     pack_weights: bool = True
     weights: str = "auto"  # one of WEIGHTS
+    context_size: int | None = None  # --ctx: the most tokens a conversation holds; None: context_cap's default
 
 
 @dataclass(frozen=True)
@@ -289,8 +290,9 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
     # pack() itself leaves weights on devices and in dtypes it does not pack.
     if layouts and spec.weights != "dense":
         packing.pack(model)
+    cap = context_cap(context_length(model.config), spec.context_size)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, device=model.device, dtype=model.dtype,
-                       eos_ids=eos_ids(model, tokenizer), context_length=context_length(model.config),
+                       eos_ids=eos_ids(model, tokenizer), context_length=cap,
                        notices=tuple(notices), weights=quantized.describe(model),
                        threads=_governed(threads, model, name, source, gguf_file, progress))
 
@@ -324,6 +326,7 @@ def _checked(spec: LoadSpec) -> tuple[torch.device, torch.dtype]:
     """The device and dtype `spec` asks for, once its options are known to go together."""
     if spec.attn not in ATTENTION:
         raise LoadError(f"unknown --attn {spec.attn!r} (choose sdpa, eager, flash)")
+    check_context_size(spec.context_size)
     if spec.load_in_4bit and spec.load_in_8bit:
         raise LoadError("choose one of --load-in-4bit and --load-in-8bit")
     check_weights(spec)
@@ -546,6 +549,26 @@ def eos_ids(model, tokenizer) -> frozenset[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return frozenset(ids)
+
+
+DEFAULT_CONTEXT = 8192  # a 128k-context model's cache would otherwise grow until memory runs out
+MIN_CONTEXT = 64
+
+
+def check_context_size(size: int | None) -> None:
+    if size is not None and size < MIN_CONTEXT:
+        raise LoadError(f"--ctx must be at least {MIN_CONTEXT} tokens, got {size}")
+
+
+def context_cap(model_length: int, asked: int | None) -> int:
+    """The tokens a conversation may hold: --ctx where given (no more than the model's own length),
+    else the model's length up to DEFAULT_CONTEXT."""
+    if asked is None:
+        return min(model_length, DEFAULT_CONTEXT)
+    check_context_size(asked)
+    if asked > model_length:
+        raise LoadError(f"--ctx {asked} is more than the model's context of {model_length} tokens")
+    return asked
 
 
 def context_length(config) -> int:
