@@ -182,6 +182,17 @@ def read(gguf: Path):
     return reader(Path(gguf), stat.st_size, stat.st_mtime_ns)
 
 
+def output_tensor(reader, config):
+    """The GGUF tensor of the model's output layer: its own, or the input embedding it is tied to
+    (None: neither)."""
+    by_name = {t.name: t for t in reader.tensors}
+    if "output.weight" in by_name:
+        return by_name["output.weight"]
+    if getattr(config, "tie_word_embeddings", False):
+        return by_name.get("token_embd.weight")
+    return None
+
+
 INDEX = "tensors.json"  # in the prepared folder: where each of the model's tensors lies in the file
 
 
@@ -265,6 +276,39 @@ def read_tensors(model, gguf: Path, index: dict, dtype, device, wanted: set[str]
     for name, tensor in parsed["tensors"].items():
         state.setdefault(name, tensor.to(device=device, dtype=dtype))
     return state
+
+
+def keep_embedding_as_blocks(model, gguf: Path, index: dict, dtype) -> bool:
+    """Put in a kernels.embedding.BlockEmbedding for `model`'s token embedding (built empty), whose
+    rows are dequantized as they are looked up, where the file's table can serve so: a plain
+    nn.Embedding (not one that scales its rows), rows as the file has them, and an output layer that
+    does not need the table dense (its own tensor, or tied blocks already on a kernel). Whether it did."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    from ladechat.engine.kernels.embedding import BlockEmbedding
+
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if type(embedding) is not torch.nn.Embedding or not embedding.weight.is_meta:
+        return False
+    names = {module: key for key, module in model.named_modules()}
+    if type(head) is torch.nn.Linear and (head.weight is embedding.weight or f"{names[head]}.weight" not in index["tensors"]):
+        return False  # tied, and the output layer runs on the table's dense form
+    name = f"{names[embedding]}.weight"
+    where = index["tensors"].get(name)
+    if where is None:
+        return False
+    processor = TENSOR_PROCESSORS.get(index["arch"], TensorProcessor)(config=model.config.to_dict())
+    rows = int(where["shape"][0])
+    if rows != embedding.num_embeddings or not _rows_kept(processor, where["name"], rows):
+        return False
+    blocks = np.memmap(gguf, dtype=np.dtype(where["dtype"]), mode="r", offset=where["offset"],
+                       shape=tuple(where["shape"]))
+    model.set_input_embeddings(BlockEmbedding(blocks, GGMLQuantizationType(where["type"]),
+                                              embedding.embedding_dim, dtype))
+    return True
 
 
 DEQUANTIZED_AT_ONCE = 1 << 22  # weights (16 MB in float32) per slice of a large tensor

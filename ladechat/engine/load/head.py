@@ -31,23 +31,13 @@ from ladechat.engine.kernels.q8 import (
 CACHE_PREFIX = "q8-"
 
 
-def output_tensor(reader, config):
-    """The GGUF tensor of the model's output layer: its own, or the input embedding it is tied to."""
-    by_name = {t.name: t for t in reader.tensors}
-    if "output.weight" in by_name:
-        return by_name["output.weight"]
-    if getattr(config, "tie_word_embeddings", False):
-        return by_name.get("token_embd.weight")
-    return None
-
-
 def read_gguf(gguf_path: Path, model) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The kernel's codes and scales of the output layer of `gguf_path` (`model`: built from the
     file's config), None when it is not Q8_0 blocks. Q8Error when they cannot run."""
     from ladechat.engine.load import gguf as gguf_files
 
     reader = gguf_files.read(gguf_path)
-    tensor = output_tensor(reader, model.config)
+    tensor = gguf_files.output_tensor(reader, model.config)
     if tensor is None or tensor.tensor_type.name != "Q8_0":
         return None
     head = model.get_output_embeddings()

@@ -470,6 +470,8 @@ def _build_from_gguf(folder: Path, gguf_file: Path, config, kwargs: dict, device
         # its Q8_0 output layer at 8 bits too
         applied = quantized.Applied(four_bit.replaced, four_bit.kinds,
                                four_bit.notices + head.apply(model, gguf_file, folder, kernels, progress).notices)
+    if device.type == "cpu":
+        gguf.keep_embedding_as_blocks(model, gguf_file, index, dtype)
     empty = {name for name, tensor in (*model.named_parameters(), *model.named_buffers()) if tensor.is_meta}
     state = gguf.read_tensors(model, gguf_file, index, dtype, device, empty, progress)
     loaded = model.load_state_dict(state, strict=False, assign=True)

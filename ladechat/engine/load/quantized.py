@@ -69,12 +69,12 @@ def read_gguf(gguf_path: Path, model) -> tuple[dict[str, torch.Tensor], list[str
     notices: list[str] = []
     head = model.get_output_embeddings()
     by_name = {tensor.name: tensor for tensor in reader.tensors}
-    if "output.weight" not in by_name and "token_embd.weight" in by_name \
-            and getattr(model.config, "tie_word_embeddings", False) and type(head) is torch.nn.Linear:
+    tied = gguf_files.output_tensor(reader, model.config) if "output.weight" not in by_name else None
+    if tied is not None and type(head) is torch.nn.Linear:
         # the output layer is the input embedding's blocks, whichever kernel's they are (q8.py takes a Q8_0 one)
         names = {**names, "output.weight": next(key for key, module in model.named_modules() if module is head)
                  + ".weight"}
-        by_name["output.weight"] = by_name["token_embd.weight"]
+        by_name["output.weight"] = tied
     for name, tensor in by_name.items():
         kind = tensor.tensor_type.name
         target = names.get(name, "")
@@ -265,6 +265,7 @@ def weight_layout(model) -> str:
 def describe(model) -> str:
     """The Linear weights and their kernels in words (for the banner, /show and --debug); empty for
     a model whose Linear modules are all as transformers loads them."""
+    from ladechat.engine.kernels.embedding import BlockEmbedding
     from ladechat.engine.kernels.norms import NativeRMSNorm
     from ladechat.engine.kernels.q8 import Q8Linear
     from ladechat.engine.load.packing import PackedLinear
@@ -296,6 +297,9 @@ def describe(model) -> str:
     if packed:
         dtype = str(packed[0].packed_weight.dtype).removeprefix("torch.")
         parts.append(f"{len(packed)} packed {dtype} (oneDNN)")
+    embedding = model.get_input_embeddings()
+    if type(embedding) is BlockEmbedding:
+        parts.append(f"the token embedding as {embedding.kind.name} blocks (rows dequantized when looked up)")
     if parts and dense:
         parts.append(f"{dense} dense")
     norms = sum(type(m) is NativeRMSNorm for m in model.modules())
