@@ -42,7 +42,8 @@ def test_chat_session_end_to_end(tmp_path):
     first_screen = child.before
     child.expect(PROMPT)
     say(child, "/lookahead off", "lookahead off from the next answer")
-    say(child, "And of Germany?", r"tokens/step, lookahead off")
+    say(child, "And of Germany?", r"tokens/step, lookahead off, context \d+/8,192")
+    say(child, "/context", r"context: \d+ of 8,192 tokens \(\d+%\) after the last answer")
     say(child, "/set n=3 w=4", "W=4 N=3")
     say(child, "/stats", r"lookahead: 1 answers", r"plain: 1 answers")
     say(child, "/bogus", "unknown command /bogus")
@@ -54,6 +55,7 @@ def test_chat_session_end_to_end(tmp_path):
     words = re.findall(r"[A-Za-z]{2,}", data["messages"][1]["content"])
     assert words and all(word in first_screen for word in words[:3]) and data["settings"]["N"] == 3
     say(child, "/clear", "new conversation")
+    say(child, "/context", "no answer yet in this conversation")
     say(child, f"/load {saved}", "loaded 4 messages")
     say(child, "/load /no/such/file.json", "no such file")
     say(child, "/save /proc/forbidden/x.json", "error")

@@ -679,3 +679,29 @@ def test_a_tree_mask_needs_each_parent_before_its_children():
     assert sees.tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]] and depth.tolist() == [0, 1, 1, 2]
     with pytest.raises(ValueError, match="row 1's parent 2 does not come before it"):
         tree_mask([-1, 2, 0])
+
+
+def stats_for_context(prompt: int, new: int, cap: int):
+    from ladechat.engine.events import Stats
+
+    return Stats(new_tokens=new, steps=new, prompt_tokens=prompt, prefill_tokens=prompt, prefill_s=0.1, ttft_s=0.1,
+                 decode_s=1.0, total_s=1.1, accepted_histogram={1: new}, accepted_by_position=(), source_counts={},
+                 pool_size=0, mean_fed=1.0, lookahead=False, window=1, ngram=2, candidates=1, finish_reason="eos",
+                 context_length=cap)
+
+
+def test_the_context_in_view_and_the_warning_before_it_is_full():
+    from ladechat.engine.events import Stats
+    from ladechat.ui.stream import context_line, nearly_full
+
+    assert context_line(None).startswith("no answer yet")
+    assert context_line(stats_for_context(10, 5, 0)) == "the server does not report its context size"
+    line = context_line(stats_for_context(1000, 24, 8192))
+    assert line.startswith("context: 1,024 of 8,192 tokens (12%) after the last answer (1,000 in the conversation")
+    assert nearly_full(stats_for_context(1000, 24, 8192)) is None
+    assert nearly_full(stats_for_context(10, 5, 0)) is None
+    full = nearly_full(stats_for_context(6000, 600, 8192))
+    assert full.startswith("the conversation fills 81% of the context (6,600 of 8,192 tokens)")
+    # what a server sends survives the trip
+    again = Stats.from_dict(stats_for_context(6000, 600, 8192).as_dict())
+    assert again.context_length == 8192 and Stats.from_dict({**again.as_dict(), "context_length": 0}).context_length == 0

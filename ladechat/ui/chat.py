@@ -20,7 +20,7 @@ from ladechat.paths import state_root
 from ladechat.settings import Settings, group, key, keys
 from ladechat.ui import commands
 from ladechat.ui.phase import phases
-from ladechat.ui.stream import StreamPrinter, debug_panel, failure, footer
+from ladechat.ui.stream import StreamPrinter, context_line, debug_panel, failure, footer, nearly_full
 
 
 class Totals:
@@ -58,6 +58,7 @@ class ChatApp:
         self.out = out
         self.err = err
         self.totals = Totals()
+        self.last_stats: Stats | None = None  # of this conversation's last answer (/context)
 
     # -- answering ----------------------------------------------------------------------------
     def answer(self) -> None:
@@ -110,6 +111,9 @@ class ChatApp:
             if self.debug:
                 self.err.print(debug_panel(stats))
             self.err.print(f"[dim]{escape(footer(stats, self.bot))}[/]", highlight=False)
+            self.last_stats = stats
+            if (full := nearly_full(stats)) is not None:
+                self.err.print(f"[yellow]{escape(full)}[/]", highlight=False)
         if failed:
             self.error(f"{failed} (the partial answer is kept; /retry answers again)")
         elif interrupted and printer.text:
@@ -177,10 +181,14 @@ class ChatApp:
         elif cmd.name == "/markdown":
             self.markdown = commands.on_off(cmd.arg, "/markdown")
             self.info(f"markdown rendering of finished answers {'on' if self.markdown else 'off'}")
+        elif cmd.name == "/context":
+            self.info(context_line(self.last_stats))
         elif cmd.name == "/system":
+            self.last_stats = None
             self.conversation = Conversation(system=cmd.arg or None)
             self.info("system prompt set; new conversation" if cmd.arg else "system prompt removed; new conversation")
         elif cmd.name == "/clear":
+            self.last_stats = None
             self.conversation = Conversation(system=self.conversation.system)
             self.info("new conversation")
         elif cmd.name in ("/undo", "/retry"):
@@ -189,6 +197,7 @@ class ChatApp:
             self._save(cmd.arg)
         elif cmd.name == "/load":
             self._load(cmd.arg)
+            self.last_stats = None
         return True
 
     def _store(self, arg: str) -> None:

@@ -24,6 +24,7 @@ HELP = f"""\
 {_set_keys()}
 /show                 current settings
 /stats                session totals per mode: tokens, steps, tokens/step, tok/s
+/context              how much of the model's context the conversation holds (--ctx sets it)
 /debug on|off         per-step acceptance and a per-turn statistics panel
 /markdown on|off      redraw finished answers with code blocks, lists or headings as Markdown
 /system TEXT          set the system prompt (empty: remove it); starts a new conversation
@@ -36,7 +37,7 @@ HELP = f"""\
 Input: Enter sends; Alt+Enter (or Esc then Enter) adds a new line; a message that starts with
 \"\"\" continues until a line that ends with \"\"\". Ctrl-C stops an answer or clears the line."""
 
-COMMANDS = ("/help", "/lookahead", "/store", "/set", "/show", "/stats", "/debug", "/markdown", "/system", "/clear",
+COMMANDS = ("/help", "/lookahead", "/store", "/set", "/show", "/stats", "/context", "/debug", "/markdown", "/system", "/clear",
             "/undo", "/retry", "/save", "/load", "/exit", "/quit")
 
 NULLABLE = {"seed": ("none", "random"), "template": ("none",)}  # what `/set KEY=...` takes for unset

@@ -95,6 +95,31 @@ def footer(stats: Stats, backend) -> str:
             f"{stats.compression:.2f} tokens/step, {mode}{extra}{used}")
 
 
+NEARLY_FULL = 0.8  # of the context: past it, the footer's line is followed by a warning
+
+
+def context_line(stats: Stats | None) -> str:
+    """/context: how much of the context the conversation holds, as of the last answer."""
+    if stats is None:
+        return "no answer yet in this conversation: its tokens are counted with each answer"
+    if not stats.context_length:
+        return "the server does not report its context size"
+    used = stats.prompt_tokens + stats.new_tokens
+    return (f"context: {used:,} of {stats.context_length:,} tokens ({100 * used / stats.context_length:.0f}%) "
+            f"after the last answer ({stats.prompt_tokens:,} in the conversation it answered, {stats.new_tokens:,} "
+            "in the answer); when a question does not fit, the oldest exchanges are dropped")
+
+
+def nearly_full(stats: Stats) -> str | None:
+    """The warning after an answer that leaves the context nearly full, else None."""
+    used = stats.prompt_tokens + stats.new_tokens
+    if not stats.context_length or used < NEARLY_FULL * stats.context_length:
+        return None
+    return (f"the conversation fills {100 * used / stats.context_length:.0f}% of the context ({used:,} of "
+            f"{stats.context_length:,} tokens): the oldest exchange is dropped when the next question does not fit "
+            "(/clear starts afresh)")
+
+
 def failure(exc: Exception) -> str | None:
     """The one line for an error that ends an answer midway and is no bug: out of memory (with what
     makes room), a server gone or failing. None for anything else."""
