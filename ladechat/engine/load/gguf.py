@@ -129,11 +129,28 @@ def ensure_prepared(gguf: Path, progress: Callable[[str], AbstractContextManager
     with status:
         try:
             _prepare(gguf, target)
+        except NotImplementedError:  # gguf-py or transformers: an architecture they do not map
+            raise BadGGUF(unsupported_architecture(gguf)) from None
         except (ValueError, KeyError, IndexError, EOFError, struct.error) as exc:
             # transformers' GGUF reader fails with whatever it meets first in a cut or corrupt file
             detail = " ".join(str(exc).split()) or type(exc).__name__
             raise BadGGUF(f"cannot read {gguf}: it is truncated or corrupt ({detail})") from None
     return target
+
+
+def unsupported_architecture(gguf: Path) -> str:
+    """The one line for a GGUF whose architecture transformers cannot build (the file reads)."""
+    from gguf import MODEL_ARCH_NAMES
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    try:
+        arch = repr(str(read(gguf).fields["general.architecture"].contents()))
+    except (ValueError, KeyError, IndexError, EOFError, struct.error):
+        arch = "(unnamed)"
+    # what transformers configures and gguf-py names the tensors of, decoder-only
+    known = ", ".join(sorted(set(GGUF_CONFIG_MAPPING) & set(MODEL_ARCH_NAMES.values()) - {"t5", "t5encoder", "umt5"}))
+    return (f"{gguf.name} is a model of architecture {arch}, which ladechat cannot build from a GGUF "
+            f"(it builds: {known})")
 
 
 def check_header(gguf: Path) -> None:
@@ -219,6 +236,8 @@ def tensor_index(model, gguf: Path, folder: Path) -> dict:
         tensors = {names[t.name]: {"name": t.name, "type": int(t.tensor_type), "offset": int(t.data_offset),
                                    "shape": [int(n) for n in t.data.shape], "dtype": t.data.dtype.str}
                    for t in file.tensors if t.name in names}
+    except NotImplementedError:  # gguf-py names no tensors for the architecture
+        raise BadGGUF(unsupported_architecture(gguf)) from None
     except (ValueError, KeyError, IndexError, EOFError, struct.error) as exc:
         detail = " ".join(str(exc).split()) or type(exc).__name__
         raise BadGGUF(f"cannot read {gguf}: it is truncated or corrupt ({detail})") from None

@@ -268,6 +268,9 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
         def build(config):
             return _from_gguf(Path(source), gguf_file, config, kwargs, device, kernels if to_int4 else None, progress)
     tokenizer, model, applied = _read(spec.model or source, source, name, device, kwargs, build, gguf_file)
+    if attn == "sdpa" and model.config._attn_implementation == "eager":
+        notices.append(f"{name}: transformers has no sdpa attention for {type(model).__name__}; using eager")
+        attn = "eager"
     layouts = layouts and getattr(model, "hf_quantizer", None) is None
     if applied is not None:  # the GGUF's 4-bit blocks and Q8_0 output layer, put in as the model was built
         notices.extend(applied.notices)
@@ -416,6 +419,8 @@ def _read(asked: str, source: str, name: str, device: torch.device, kwargs: dict
     except (OSError, ValueError, TypeError) as exc:
         raise LoadError(f"cannot load the tokenizer of {name}: {_one_line(exc)}" if local
                         else _not_found(asked, exc)) from None
+    if kwargs.get("attn_implementation") == "sdpa" and not _has_sdpa(config):
+        kwargs["attn_implementation"] = "eager"  # load() says so
     try:
         if build is not None:
             return tokenizer, *build(config)
@@ -439,6 +444,16 @@ def _read(asked: str, source: str, name: str, device: torch.device, kwargs: dict
                             "gives (a mismatched or corrupt checkpoint)") from None
         raise
     return tokenizer, model.eval(), None
+
+
+def _has_sdpa(config) -> bool:
+    """Whether transformers' model class for `config` runs torch's SDPA (Gemma 2 does not)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return bool(getattr(AutoModelForCausalLM._model_mapping[type(config)], "_supports_sdpa", True))
+    except (KeyError, ValueError, AttributeError):  # a class transformers maps otherwise: it says so itself
+        return True
 
 
 def _from_gguf(folder: Path, gguf_file: Path, config, kwargs: dict, device: torch.device, kernels: Path | None,
