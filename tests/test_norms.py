@@ -93,6 +93,7 @@ def test_the_replaced_classes_compute_what_the_kernel_does():
         assert inspect.getsource(cls.forward) == llama, name
 
 
+@pytest.mark.slow
 def test_the_embedded_model_on_4bit_weights_runs_its_norms_on_the_kernel(kernel):
     if not int4.supported(torch.device("cpu")):
         pytest.skip("the embedded model's 4-bit path runs on x86-64 only")
@@ -107,6 +108,7 @@ def test_the_embedded_model_on_4bit_weights_runs_its_norms_on_the_kernel(kernel)
         assert "norm" not in quantized.weight_layout(model)
 
 
+@pytest.mark.slow
 def test_without_a_compiler_everything_runs_on_torchs_ops(tmp_path):
     """In a fresh process (this one may have the kernels loaded): the reason in one line, the
     norms stay transformers' modules, the lean step rotates and the runner ranks with torch's ops."""

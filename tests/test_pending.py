@@ -46,6 +46,7 @@ def answer_tokens(backend) -> list[int]:
     return list(done[0].text_tokens)
 
 
+@pytest.mark.slow
 def test_nothing_waits_for_the_load_until_the_model_is_needed():
     loaded = tiny_loaded()
     load, release, phases = gated(lambda: Bot(loaded, SETTINGS))
@@ -73,6 +74,7 @@ def chat_while_loading(seconds: float):
     return pending, ChatApp(pending, None, False, quiet(), quiet())
 
 
+@pytest.mark.slow
 def test_a_question_typed_during_the_load_is_answered_once_it_ends():
     _, app = chat_while_loading(0.5)
     app.ask("hello there")

@@ -201,6 +201,7 @@ def write_q4_k_m_gguf(path: Path, more_bits: str = "Q6_K") -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_a_q4_k_m_like_layout_runs_every_tensor_at_its_own_bits_and_lookahead_answers_as_plain(kernel, tmp_path):
     from test_int4 import INT8_ERROR, dense_from_gguf, relative_error
 

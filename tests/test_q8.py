@@ -124,6 +124,7 @@ def test_decode_reads_q8_0_blocks_as_gguf_dequantizes_them():
     assert tiles[1, 1, 64 * 5 + 4 * 7 + 2] == codes[16 + 7, 32 + 4 * 5 + 2]
 
 
+@pytest.mark.slow
 def test_the_embedded_models_output_layer_runs_its_q8_0_blocks(kernel):
     """Its output layer is tied to the Q8_0 input embedding: at 8 bits, exactly those weights (the
     dense fp32 copy the converted model holds), and the model's logits as the dense layer gives them."""
@@ -153,6 +154,7 @@ def test_a_kernel_that_cannot_be_built_is_one_line(tmp_path):
     assert "\n" not in str(caught.value) and not list(tmp_path.glob("*.so"))  # nothing half-built
 
 
+@pytest.mark.slow
 def test_without_a_compiler_the_output_layer_stays_as_it_was(tmp_path):
     """In a fresh process (this one has the kernel loaded): the model loads, with one notice."""
     script = (
@@ -226,6 +228,7 @@ def test_a_gguf_with_an_output_layer_of_its_own(kernel, tmp_path):
                                 "numbers (a corrupt block)"),)
 
 
+@pytest.mark.slow
 @needs_compiler
 def test_a_load_waits_for_the_prebuild_instead_of_compiling_again(tmp_path):
     """prebuild() compiles on a background thread while the model converts; a load() meanwhile

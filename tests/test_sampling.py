@@ -91,6 +91,7 @@ def test_verify_rule_matches_exact_distribution():
     assert stat < chi2_critical(dof), (stat, dof)
 
 
+@pytest.mark.slow
 def test_batched_verification_matches_exact_distribution():
     """The GPU path: every row the trie could visit penalized and sampled at once (one uniform
     draw per depth), then walked."""
@@ -105,6 +106,7 @@ def test_batched_verification_matches_exact_distribution():
 
 @pytest.mark.parametrize("cfg", [dict(temperature=0.0, repetition_penalty=1.5),
                                  dict(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.3)])
+@pytest.mark.slow
 def test_batched_rows_see_the_same_penalties_as_rows_one_at_a_time(cfg):
     """Each row's repetition penalty covers the history and its own path through the trie, as
     when rows are chosen one at a time: greedy picks are equal, sampled ones share a distribution."""
@@ -181,6 +183,7 @@ SETTINGS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg,la", SETTINGS)
 def test_lookahead_sampling_matches_plain_sampling(cfg, la):
     model = tiny_model("llama", seed=3)
