@@ -273,7 +273,8 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
         attn: Attn = "sdpa",
         template: Template = None, system: System = None, stop: Stop = None, compile: AutoCompile = None,
         store: Store = LOOKAHEAD.store, markdown: Markdown = True, debug: Debug = False, as_json: AsJson = False,
-        api: Api = None, api_key: ApiKey = None, weights: Weights = "auto", context_size: ContextSize = None) -> None:
+        api: Api = None, api_key: ApiKey = None, weights: Weights = "auto", context_size: ContextSize = None,
+        files: Annotated[Optional[list[str]], typer.Option("--file", "-f", help="A text file to put into the question, under its name (repeatable); with no PROMPT the files are the question.")] = None) -> None:
     """One-shot answer to PROMPT, streamed to stdout (greedy unless --temperature is given)."""
     from ladechat.backends.base import interrupt
     from ladechat.backends.events import Notice
@@ -281,8 +282,11 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
     from ladechat.engine.events import Done
     from ladechat.ui.stream import StreamPrinter, debug_panel, failure, footer
 
+    from ladechat.ui.files import attachment, with_attachments
+
     err = stderr_console()
-    text = _read_prompt(prompt)
+    attached = [attachment(path) for path in files or []]  # before any load: a bad file is one line
+    text = with_attachments(attached, _read_prompt(prompt, files_only=bool(attached)))
     keep = _keep_alive(keep_alive) if api is None else 0.0
     if api is not None:
         bot = _remote_bot(ctx, api, api_key, defaults={"temperature": 0.0})  # greedy unless --temperature
@@ -336,8 +340,12 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
         raise typer.Exit(130)
 
 
-def _read_prompt(prompt: str | None) -> str:
+def _read_prompt(prompt: str | None, files_only: bool = False) -> str:
+    """The question from the argument or stdin. files_only: --file gave the message, so none is
+    needed (and stdin is read only when piped or asked for with '-')."""
     if prompt is None and sys.stdin.isatty():
+        if files_only:
+            return ""
         raise Fail("no prompt: give it as an argument, or pipe it in (e.g. echo hi | ladechat ask)")
     if prompt is None or prompt == "-":
         data = sys.stdin.buffer.read()
@@ -348,6 +356,8 @@ def _read_prompt(prompt: str | None) -> str:
         if "\x00" in prompt:
             raise Fail("stdin looks binary (it contains NUL bytes); pass text")
     if not prompt.strip():
+        if files_only:
+            return ""
         raise Fail("empty prompt")
     return prompt.strip("\n")
 

@@ -9,6 +9,9 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+# How long a test waits for a child process or thread before calling it hung: a guard, never a speed
+# limit (a model load of 20 s on a quiet 2-core machine takes minutes on one kept busy).
+PATIENCE_S = 1200
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 
@@ -45,7 +48,7 @@ os.environ["LADECHAT_KEEP_ALIVE"] = "0"
 # a new test file joins the fast tier by being named here.
 FAST_MODULES = {"test_units", "test_settings", "test_templates", "test_text_stream", "test_structure", "test_docs",
                 "test_embedding", "test_pending", "test_template_injection", "test_q4", "test_q6", "test_q8",
-                "test_attend", "test_norms", "test_sampling", "test_stream"}
+                "test_attend", "test_norms", "test_sampling", "test_stream", "test_files"}
 
 
 def pytest_collection_modifyitems(items):

@@ -56,6 +56,17 @@ def test_chat_session_end_to_end(tmp_path):
     assert words and all(word in first_screen for word in words[:3]) and data["settings"]["N"] == 3
     say(child, "/clear", "new conversation")
     say(child, "/context", "no answer yet in this conversation")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("The lighthouse keeper's name is Ada.\n")
+    say(child, f"/read {tmp_path / 'missing.txt'}", "error: no such file")
+    say(child, f"/read {notes}", r"read notes.txt \(\d+ characters\): it goes with your next message")
+    say(child, "What is the keeper's name?", "tokens/step")
+    say(child, f"/read {notes} And again, briefly?", "tokens/step")
+    said = tmp_path / "read.json"
+    say(child, f"/save {said}", "saved 4 messages")
+    asked = [m["content"] for m in json.loads(said.read_text())["messages"] if m["role"] == "user"]
+    fenced = "notes.txt:\n```\nThe lighthouse keeper's name is Ada.\n```\n\n"
+    assert asked == [fenced + "What is the keeper's name?", fenced + "And again, briefly?"]
     say(child, f"/load {saved}", "loaded 4 messages")
     say(child, "/load /no/such/file.json", "no such file")
     say(child, "/save /proc/forbidden/x.json", "error")

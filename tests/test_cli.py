@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ladechat_bin
+from conftest import PATIENCE_S, ladechat_bin
 
 from ladechat.engine.load import packing
 
@@ -21,7 +21,7 @@ PACKED = packing.supported(torch.device("cpu"), torch.float32)
 HF_REFERENCES = ["hf", "hf-packed"] if PACKED else ["hf"]
 
 
-def ladechat(*args, stdin=None, env_extra=None, timeout=240):
+def ladechat(*args, stdin=None, env_extra=None, timeout=PATIENCE_S):
     env = {**os.environ, "NO_COLOR": "", **(env_extra or {})}
     return subprocess.run([ladechat_bin(), *args], input=stdin, capture_output=True, timeout=timeout, env=env)
 
@@ -62,6 +62,7 @@ def test_ask_json_fields(embedded_fp32):
     (["ask", "--model", "nobody/no-such-model-xyz", "hi"], "hub cannot be reached"),
     (["ask", "--max-memory", "cpu=lots", "--device-map", "auto", "hi"], "--max-memory wants DEVICE=SIZE pairs"),
     (["ask", "--max-memory", "cpu=4GiB", "hi"], "--max-memory needs --device-map"),
+    (["ask", "-f", "/no/such/notes.txt", "hi"], "no such file: /no/such/notes.txt"),
     (["ask", "--ctx", "10", "hi"], "--ctx must be at least 64 tokens, got 10"),
     (["ask", "--ctx", "100000", "hi"], "--ctx 100000 is more than the model's context of 8192 tokens"),
     (["ask", "--api", "http://127.0.0.1:9/v1", "--ctx", "512", "hi"],

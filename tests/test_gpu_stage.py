@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import PATIENCE_S, REPO
 
 GPU_SCRIPTS = REPO / "scripts" / "gpu"
 sys.path.insert(0, str(GPU_SCRIPTS))
@@ -189,7 +189,7 @@ def test_the_launcher_keeps_a_callers_pythonpath_first(staged, tmp_path):
     (tmp_path / "typer").mkdir()
     (tmp_path / "typer" / "__init__.py").write_text('raise ImportError("the stand-in typer of the caller")\n')
     launcher = staged["repo"] / ".gpu/state/bin/ladechat"
-    r = subprocess.run([str(launcher), "--version"], check=False, capture_output=True, text=True, timeout=300,
+    r = subprocess.run([str(launcher), "--version"], check=False, capture_output=True, text=True, timeout=PATIENCE_S,
                        env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert r.returncode != 0 and "the stand-in typer of the caller" in r.stderr, r.stderr[-2000:]
 

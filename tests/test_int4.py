@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import PATIENCE_S
 
 from ladechat import templates
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
@@ -270,7 +271,7 @@ def test_without_a_compiler_the_4bit_weights_run_on_torchs_kernel(tiny_gguf, tmp
         "applied = quantized.apply(model, gguf, tmp, tmp / 'kernels', compiler='no-such-c++')\n"
         "print(applied.replaced, quantized.weight_layout(model))\n"
         "print(*applied.notices, sep='\\n')\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=PATIENCE_S, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [
         f"{6 * LAYERS} int4:{6 * LAYERS},dense:{LAYERS + 1}",

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pexpect
 import pytest
-from conftest import REPO
+from conftest import PATIENCE_S, REPO
 
 QUESTION = "What is the capital of France?"
 LONG = "Write a very long story about a dragon who learns to bake bread."
@@ -57,7 +57,7 @@ class Run:
     def command(self, *args) -> list[str]:
         return [sys.executable, "-m", "ladechat", *args]
 
-    def __call__(self, *args, stdin=None, timeout=300, **env) -> subprocess.CompletedProcess:
+    def __call__(self, *args, stdin=None, timeout=PATIENCE_S, **env) -> subprocess.CompletedProcess:
         return subprocess.run(self.command(*args), input=stdin, capture_output=True, text=True, timeout=timeout,
                               env=self.env(**env), cwd=self.base, check=False)
 

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from conftest import PATIENCE_S
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from ladechat.engine.kernels import int4, native, norms, step_ops
@@ -127,7 +128,7 @@ def test_without_a_compiler_everything_runs_on_torchs_ops(tmp_path):
         "print(norms.apply(model), type(model.model.norm).__name__)\n"
         "print(lean.LeanStep(model).rope is lean._torch_rope)\n"
         "print(sorted(runner.top_k(torch.tensor([[0.5, 2.0, 1.0] * 4]))[0][:4].tolist()))\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=PATIENCE_S, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["no C++ compiler (no-such-c++) to build step_ops.cpp", "0 LlamaRMSNorm",
                                         "True", "[1, 4, 7, 10]"]

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import PATIENCE_S
 
 from ladechat.engine.kernels import int4, native, q4, q8
 from ladechat.engine.load import head, quantized
@@ -168,7 +169,7 @@ def test_without_a_compiler_the_output_layer_stays_as_it_was(tmp_path):
         f"applied = head.apply(model, gguf, Path({str(tmp_path)!r}), Path({str(tmp_path)!r}), compiler='no-such-c++')\n"
         "print(applied.replaced, type(model.lm_head).__name__)\n"
         "print(*applied.notices, sep='\\n')\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=PATIENCE_S, check=False)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "False Linear"
@@ -184,7 +185,7 @@ def test_the_library_is_built_once_per_source_and_torch(kernel):
         script = ("from ladechat.engine.kernels import native, q8\n"
                   "from ladechat.paths import cache_root\n"
                   f"print(native.load(q8.SOURCE, cache_root() / 'kernels', compiler={compiler!r}))")
-        again = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+        again = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=PATIENCE_S,
                                check=False)
         assert again.returncode == 0, again.stderr
         assert Path(again.stdout.strip()) == built and built.stat().st_mtime_ns == stamp
@@ -246,7 +247,7 @@ def test_a_load_waits_for_the_prebuild_instead_of_compiling_again(tmp_path):
     built = tmp_path / "built"
     thread = native.prebuild([source], built, compiler=str(wrapper))
     path = native.load(source, built, compiler=str(wrapper))
-    thread.join(timeout=300)
+    thread.join(timeout=PATIENCE_S)
     assert log.read_text().splitlines() == ["built"]
     assert list(built.glob("*.so")) == [path]
     assert getattr(torch.ops, namespace).twice(21) == 42

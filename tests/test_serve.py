@@ -14,7 +14,7 @@ import httpx
 import openai
 import pexpect
 import pytest
-from conftest import ladechat_bin
+from conftest import PATIENCE_S, ladechat_bin
 from serve_process import Server
 
 KEY = "test-key-123"
@@ -38,7 +38,7 @@ def client(server):
 
 
 def ladechat(*args, stdin=None, env=None):
-    return subprocess.run([ladechat_bin(), *args], input=stdin, capture_output=True, timeout=300, text=True, check=False,
+    return subprocess.run([ladechat_bin(), *args], input=stdin, capture_output=True, timeout=PATIENCE_S, text=True, check=False,
                           env={**os.environ, "NO_COLOR": "1", **(env or {})})
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import shlex
 import signal
 import sys
 from collections import defaultdict
@@ -20,6 +21,7 @@ from ladechat.paths import state_root
 from ladechat.settings import Settings, group, key, keys
 from ladechat.ui import commands
 from ladechat.ui.phase import phases
+from ladechat.ui.files import attachment, with_attachments
 from ladechat.ui.stream import StreamPrinter, context_line, debug_panel, failure, footer, nearly_full
 
 
@@ -59,6 +61,7 @@ class ChatApp:
         self.err = err
         self.totals = Totals()
         self.last_stats: Stats | None = None  # of this conversation's last answer (/context)
+        self.attached: list[str] = []  # files read with /read, for the next message
 
     # -- answering ----------------------------------------------------------------------------
     def answer(self) -> None:
@@ -122,8 +125,28 @@ class ChatApp:
             self.err.print("[yellow]interrupted before the answer began (/retry answers again)[/]")
 
     def ask(self, text: str) -> None:
+        text, self.attached = with_attachments(self.attached, text), []
         self.conversation.messages.append({"role": "user", "content": text})
         self.answer()
+
+    def _read(self, arg: str) -> None:
+        """/read PATH [QUESTION]: the file into the next message, or with QUESTION into this one."""
+        lexer = shlex.shlex(arg, posix=True)
+        lexer.whitespace_split = True
+        try:
+            path = lexer.get_token()  # a path with spaces in quotes, as a shell takes it
+        except ValueError as exc:
+            raise commands.CommandError(f"/read: {exc}") from None
+        if not path:
+            raise commands.CommandError("/read needs a file: /read PATH [question]")
+        question = lexer.instream.read().strip()
+        self.attached.append(attachment(path))
+        if question:
+            self.ask(question)
+            return
+        count = len(self.attached)
+        self.info(f"read {Path(path).name} ({len(self.attached[-1]):,} characters): it goes with your next message"
+                  + (f" ({count} files)" if count > 1 else ""))
 
     def interrupted_outside_stream(self) -> None:
         """Ctrl-C landed in a command or just before/after an answer's stream. The conversation
@@ -181,6 +204,8 @@ class ChatApp:
         elif cmd.name == "/markdown":
             self.markdown = commands.on_off(cmd.arg, "/markdown")
             self.info(f"markdown rendering of finished answers {'on' if self.markdown else 'off'}")
+        elif cmd.name == "/read":
+            self._read(cmd.arg)
         elif cmd.name == "/context":
             self.info(context_line(self.last_stats))
         elif cmd.name == "/system":
@@ -188,7 +213,7 @@ class ChatApp:
             self.conversation = Conversation(system=cmd.arg or None)
             self.info("system prompt set; new conversation" if cmd.arg else "system prompt removed; new conversation")
         elif cmd.name == "/clear":
-            self.last_stats = None
+            self.last_stats, self.attached = None, []
             self.conversation = Conversation(system=self.conversation.system)
             self.info("new conversation")
         elif cmd.name in ("/undo", "/retry"):
@@ -274,6 +299,25 @@ class ChatApp:
         self.info(f"loaded {len(conversation.messages)} messages from {arg}")
 
 
+def _chat_completer(commands_completer):
+    """The commands' names, and after `/read ` the paths of files."""
+    from prompt_toolkit.completion import Completer, PathCompleter
+    from prompt_toolkit.document import Document
+
+    paths = PathCompleter(expanduser=True)
+
+    class ChatCompleter(Completer):
+        def get_completions(self, document, complete_event):
+            before = document.text_before_cursor
+            if before.startswith("/read ") and " " not in before[len("/read "):]:
+                typed = before[len("/read "):]
+                yield from paths.get_completions(Document(typed, len(typed)), complete_event)
+            else:
+                yield from commands_completer.get_completions(document, complete_event)
+
+    return ChatCompleter()
+
+
 def _prompt_session():
     from prompt_toolkit import PromptSession
     from prompt_toolkit.completion import WordCompleter
@@ -288,7 +332,7 @@ def _prompt_session():
     def _newline(event) -> None:
         event.current_buffer.insert_text("\n")
 
-    completer = WordCompleter(list(commands.COMMANDS), sentence=True, match_middle=False)
+    completer = _chat_completer(WordCompleter(list(commands.COMMANDS), sentence=True, match_middle=False))
     return PromptSession(history=FileHistory(str(folder / "history")), key_bindings=bindings, completer=completer,
                          complete_while_typing=True)
 

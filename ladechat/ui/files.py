@@ -1,0 +1,54 @@
+"""Files put into a message (`/read PATH` in the chat, `ladechat ask -f PATH`): the text of each,
+under its name, fenced so the model sees where it begins and ends."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ladechat.errors import UserError
+
+MAX_BYTES = 4 * 1024 * 1024  # far past any context: a larger file is a mistake, not a document
+
+
+class FileError(UserError):
+    """A file that cannot go into a message; one line, nothing sent."""
+
+
+def read_text(path: str) -> tuple[str, str]:
+    """(its name, its text): FileError for a missing file, a folder, an unreadable, binary or
+    oversized one."""
+    file = Path(path).expanduser()
+    if not file.exists():
+        raise FileError(f"no such file: {path}")
+    if file.is_dir():
+        raise FileError(f"{path} is a folder, not a file")
+    try:
+        size = file.stat().st_size
+        if size > MAX_BYTES:
+            raise FileError(f"{path} is {size / 2**20:.1f} MiB, too large for a message (at most {MAX_BYTES // 2**20} MiB)")
+        data = file.read_bytes()
+    except PermissionError:
+        raise FileError(f"cannot read {path}: permission denied") from None
+    except OSError as exc:
+        raise FileError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if b"\x00" in data:
+        raise FileError(f"{path} looks binary (it contains NUL bytes); only text files go into a message")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise FileError(f"{path} is not UTF-8 text; only text files go into a message") from None
+    return file.name, text
+
+
+def attachment(path: str) -> str:
+    """The file as it goes into a message: its name, then its text in a fence longer than any
+    run of backticks inside it."""
+    name, text = read_text(path)
+    fence = "```"
+    while fence in text:
+        fence += "`"
+    return f"{name}:\n{fence}\n{text.rstrip(chr(10))}\n{fence}"
+
+
+def with_attachments(attached: list[str], text: str) -> str:
+    return "\n\n".join([*attached, text] if text.strip() else attached)

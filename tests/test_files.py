@@ -1,0 +1,36 @@
+"""Files put into a message (/read in the chat, ask -f): the text under its name in a fence, and a
+one-line error for whatever cannot go in."""
+
+import pytest
+
+from ladechat.ui.files import MAX_BYTES, FileError, attachment, with_attachments
+
+
+def test_a_text_file_goes_in_under_its_name_fenced(tmp_path):
+    notes = tmp_path / "notes.md"
+    notes.write_text("# Plan\n\nuse ``` fences\n\n", encoding="utf-8")
+    block = attachment(str(notes))
+    assert block == "notes.md:\n````\n# Plan\n\nuse ``` fences\n````"  # a fence longer than any inside
+    assert with_attachments([block], "Summarise it.") == block + "\n\nSummarise it."
+    assert with_attachments([block, block], "  ") == block + "\n\n" + block
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda d: d / "missing.txt", "no such file: {}"),
+    (lambda d: d, "{} is a folder, not a file"),
+    (lambda d: (d / "b.bin").write_bytes(b"\x7fELF\x00\x01") and d / "b.bin", "{} looks binary (it contains NUL bytes)"),
+    (lambda d: (d / "l.txt").write_bytes("café".encode("latin-1")) and d / "l.txt", "{} is not UTF-8 text"),
+])
+def test_what_cannot_go_in_is_one_line(tmp_path, make, message):
+    path = make(tmp_path)
+    with pytest.raises(FileError) as caught:
+        attachment(str(path))
+    assert str(caught.value).startswith(message.format(path)) and "\n" not in str(caught.value)
+
+
+def test_a_file_past_any_context_is_refused_before_it_is_read(tmp_path):
+    big = tmp_path / "big.log"
+    with open(big, "wb") as fh:
+        fh.truncate(MAX_BYTES + 1)  # sparse: no bytes written
+    with pytest.raises(FileError, match="too large for a message"):
+        attachment(str(big))
