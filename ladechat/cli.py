@@ -342,10 +342,10 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
 
 def _read_prompt(prompt: str | None, files_only: bool = False) -> str:
     """The question from the argument or stdin. files_only: --file gave the message, so none is
-    needed (and stdin is read only when piped or asked for with '-')."""
+    needed (and stdin is read only when '-' asks for it)."""
+    if prompt is None and files_only:  # stdin (a loop's list, say) is not the question unless '-' says so
+        return ""
     if prompt is None and sys.stdin.isatty():
-        if files_only:
-            return ""
         raise Fail("no prompt: give it as an argument, or pipe it in (e.g. echo hi | ladechat ask)")
     if prompt is None or prompt == "-":
         data = sys.stdin.buffer.read()

@@ -71,9 +71,10 @@ def write_vocab(source: Path, path: Path) -> None:
     writer.close()
 
 
-def random_f16(rng, dims: tuple[int, ...], period: int = 1 << 24):
-    """N(0, 0.02) weights in F16; past `period` values they repeat (a shifted copy), which keeps an 8B
-    shape's writing to seconds and changes nothing a timing or a memory figure sees."""
+def random_f16(rng, dims: tuple[int, ...], period: int = (1 << 24) + 7):
+    """N(0, 0.02) weights in F16; past `period` values they repeat (shifted against the rows: the
+    period is no multiple of a row), which keeps an 8B shape's writing to seconds and changes nothing
+    a timing or a memory figure sees."""
     size = int(np.prod(dims))
     block = (rng.standard_normal(min(size, period), dtype=np.float32) * 0.02).astype(np.float16)
     return np.resize(block, size).reshape(dims)
@@ -145,8 +146,10 @@ def main(argv: list[str]) -> int:
     if args.shape is None or args.f16 is None:
         parser.error("a shape and the F16 file to write are needed")
     start = time.monotonic()
-    if not args.f16.is_file():
-        write_f16(args.shape, args.f16, tokenizer=args.tokenizer_from)
+    if not args.f16.is_file():  # written whole or not at all: a cut-short run leaves no file behind
+        partial = args.f16.with_name(args.f16.name + ".partial")
+        write_f16(args.shape, partial, tokenizer=args.tokenizer_from)
+        partial.rename(args.f16)
         print(f"{args.f16}: {args.f16.stat().st_size / 2**30:.2f} GiB in {time.monotonic() - start:.0f} s",
               file=sys.stderr)
     if args.quantize:

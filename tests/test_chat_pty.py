@@ -42,8 +42,8 @@ def test_chat_session_end_to_end(tmp_path):
     first_screen = child.before
     child.expect(PROMPT)
     say(child, "/lookahead off", "lookahead off from the next answer")
-    say(child, "And of Germany?", r"tokens/step, lookahead off, context \d+/8,192")
-    say(child, "/context", r"context: \d+ of 8,192 tokens \(\d+%\) after the last answer")
+    say(child, "And of Germany?", r"tokens/step, lookahead off, context [\d,]+/8,192")
+    say(child, "/context", r"context: [\d,]+ of 8,192 tokens \(\d+%\) after the last answer")
     say(child, "/set n=3 w=4", "W=4 N=3")
     say(child, "/stats", r"lookahead: 1 answers", r"plain: 1 answers")
     say(child, "/bogus", "unknown command /bogus")

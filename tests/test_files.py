@@ -1,6 +1,8 @@
 """Files put into a message (/read in the chat, ask -f): the text under its name in a fence, and a
 one-line error for whatever cannot go in."""
 
+import os
+
 import pytest
 
 from ladechat.ui.files import MAX_BYTES, FileError, attachment, with_attachments
@@ -28,9 +30,18 @@ def test_what_cannot_go_in_is_one_line(tmp_path, make, message):
     assert str(caught.value).startswith(message.format(path)) and "\n" not in str(caught.value)
 
 
-def test_a_file_past_any_context_is_refused_before_it_is_read(tmp_path):
+def test_a_file_past_any_context_is_refused_and_read_no_further(tmp_path):
     big = tmp_path / "big.log"
     with open(big, "wb") as fh:
-        fh.truncate(MAX_BYTES + 1)  # sparse: no bytes written
-    with pytest.raises(FileError, match="too large for a message"):
+        fh.truncate(4 * MAX_BYTES)  # sparse: no bytes written
+    with pytest.raises(FileError, match="larger than 4 MiB, too large for a message"):
         attachment(str(big))
+
+
+def test_a_device_or_a_pipe_is_refused_not_read_forever(tmp_path):
+    with pytest.raises(FileError, match="/dev/zero is not a regular file"):
+        attachment("/dev/zero")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(FileError, match="is not a regular file"):
+        attachment(str(fifo))

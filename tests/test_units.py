@@ -705,3 +705,22 @@ def test_the_context_in_view_and_the_warning_before_it_is_full():
     # what a server sends survives the trip
     again = Stats.from_dict(stats_for_context(6000, 600, 8192).as_dict())
     assert again.context_length == 8192 and Stats.from_dict({**again.as_dict(), "context_length": 0}).context_length == 0
+
+
+def test_users_are_told_where_a_lookahead_answer_can_part_from_plain_decoding():
+    """From given facts, so every machine checks the GPU's cases: the CPU's paths that are identical
+    say nothing; a GPU in half precision, bitsandbytes' 4-bit on a GPU and LLM.int8 anywhere say so
+    (the H200's measurements: BENCHMARKS.md)."""
+    from ladechat.engine.load.loading import parting_notices
+
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    assert parting_notices("cpu", fp32, False, False) == []
+    assert parting_notices("cpu", bf16, True, False) == []
+    assert parting_notices("cuda", fp32, False, False) == []
+    gpu = parting_notices("cuda", bf16, False, False)
+    assert len(gpu) == 1 and "on a GPU in bfloat16" in gpu[0] and "--dtype float32" in gpu[0]
+    assert "float16" in parting_notices("cuda", fp16, False, False)[0]
+    four = parting_notices("cuda", bf16, True, False)
+    assert len(four) == 1 and four[0].startswith("4-bit weights (bitsandbytes) on a GPU")
+    assert "--load-in-4bit keeps them identical" in parting_notices("cpu", fp32, False, True)[0]
+    assert "--load-in-4bit" not in parting_notices("cuda", bf16, False, True)[0]

@@ -20,8 +20,8 @@ from ladechat.errors import UserError
 from ladechat.paths import state_root
 from ladechat.settings import Settings, group, key, keys
 from ladechat.ui import commands
-from ladechat.ui.phase import phases
 from ladechat.ui.files import attachment, with_attachments
+from ladechat.ui.phase import phases
 from ladechat.ui.stream import StreamPrinter, context_line, debug_panel, failure, footer, nearly_full
 
 
@@ -133,6 +133,7 @@ class ChatApp:
         """/read PATH [QUESTION]: the file into the next message, or with QUESTION into this one."""
         lexer = shlex.shlex(arg, posix=True)
         lexer.whitespace_split = True
+        lexer.commenters = ""  # a '#' in a file name is part of it
         try:
             path = lexer.get_token()  # a path with spaces in quotes, as a shell takes it
         except ValueError as exc:
@@ -209,7 +210,7 @@ class ChatApp:
         elif cmd.name == "/context":
             self.info(context_line(self.last_stats))
         elif cmd.name == "/system":
-            self.last_stats = None
+            self.last_stats, self.attached = None, []
             self.conversation = Conversation(system=cmd.arg or None)
             self.info("system prompt set; new conversation" if cmd.arg else "system prompt removed; new conversation")
         elif cmd.name == "/clear":

@@ -15,22 +15,24 @@ class FileError(UserError):
 
 
 def read_text(path: str) -> tuple[str, str]:
-    """(its name, its text): FileError for a missing file, a folder, an unreadable, binary or
-    oversized one."""
+    """(its name, its text): FileError for a missing file, a folder, a device or pipe, an unreadable,
+    binary or oversized one."""
     file = Path(path).expanduser()
-    if not file.exists():
-        raise FileError(f"no such file: {path}")
-    if file.is_dir():
-        raise FileError(f"{path} is a folder, not a file")
     try:
-        size = file.stat().st_size
-        if size > MAX_BYTES:
-            raise FileError(f"{path} is {size / 2**20:.1f} MiB, too large for a message (at most {MAX_BYTES // 2**20} MiB)")
-        data = file.read_bytes()
+        if not file.exists():
+            raise FileError(f"no such file: {path}")
+        if file.is_dir():
+            raise FileError(f"{path} is a folder, not a file")
+        if not file.is_file():  # a device or a pipe: no size to judge it by, and maybe no end
+            raise FileError(f"{path} is not a regular file")
+        with open(file, "rb") as fh:
+            data = fh.read(MAX_BYTES + 1)
     except PermissionError:
         raise FileError(f"cannot read {path}: permission denied") from None
     except OSError as exc:
         raise FileError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if len(data) > MAX_BYTES:
+        raise FileError(f"{path} is larger than {MAX_BYTES // 2**20} MiB, too large for a message")
     if b"\x00" in data:
         raise FileError(f"{path} looks binary (it contains NUL bytes); only text files go into a message")
     try:

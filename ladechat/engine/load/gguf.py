@@ -132,6 +132,8 @@ def ensure_prepared(gguf: Path, progress: Callable[[str], AbstractContextManager
         except NotImplementedError:  # gguf-py or transformers: an architecture they do not map
             raise BadGGUF(unsupported_architecture(gguf)) from None
         except (ValueError, KeyError, IndexError, EOFError, struct.error) as exc:
+            if isinstance(exc, ValueError) and "is not supported yet" in str(exc):  # transformers: no config for it
+                raise BadGGUF(unsupported_architecture(gguf)) from None
             # transformers' GGUF reader fails with whatever it meets first in a cut or corrupt file
             detail = " ".join(str(exc).split()) or type(exc).__name__
             raise BadGGUF(f"cannot read {gguf}: it is truncated or corrupt ({detail})") from None

@@ -266,7 +266,8 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
     build = None
     if gguf_file is not None and not spec.device_map:  # else transformers' own GGUF load spreads it
         def build(config):
-            return _from_gguf(Path(source), gguf_file, config, kwargs, device, kernels if to_int4 else None, progress)
+            return _from_gguf(Path(source), gguf_file, config, kwargs, device, kernels if to_int4 else None, progress,
+                              blocks_embedding=spec.pack_weights)
     tokenizer, model, applied = _read(spec.model or source, source, name, device, kwargs, build, gguf_file)
     if attn == "sdpa" and model.config._attn_implementation == "eager":
         notices.append(f"{name}: transformers has no sdpa attention for {type(model).__name__}; using eager")
@@ -457,7 +458,7 @@ def _has_sdpa(config) -> bool:
 
 
 def _from_gguf(folder: Path, gguf_file: Path, config, kwargs: dict, device: torch.device, kernels: Path | None,
-               progress) -> tuple:
+               progress, blocks_embedding: bool = True) -> tuple:
     """(the model of `gguf_file`, built from its blocks as they are, in eval mode on `device`;
     quantized.Applied or None). Built empty (parameters on the meta device); with `kernels` (a CPU that
     runs them), its Q4_0/Q4_1/Q4_K Linear weights and its Q8_0 output layer go into the kernels'
@@ -465,13 +466,13 @@ def _from_gguf(folder: Path, gguf_file: Path, config, kwargs: dict, device: torc
     tensor is dequantized on its own into the model's dtype on `device` (gguf.read_tensors). No
     dense copy of the weights is made at any point."""
     try:
-        return _build_from_gguf(folder, gguf_file, config, kwargs, device, kernels, progress)
+        return _build_from_gguf(folder, gguf_file, config, kwargs, device, kernels, progress, blocks_embedding)
     finally:
         gguf.reader.cache_clear()  # the first load's parsed metadata: not kept with the model
 
 
 def _build_from_gguf(folder: Path, gguf_file: Path, config, kwargs: dict, device: torch.device, kernels: Path | None,
-                     progress) -> tuple:
+                     progress, blocks_embedding: bool) -> tuple:
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -485,7 +486,7 @@ def _build_from_gguf(folder: Path, gguf_file: Path, config, kwargs: dict, device
         # its Q8_0 output layer at 8 bits too
         applied = quantized.Applied(four_bit.replaced, four_bit.kinds,
                                four_bit.notices + head.apply(model, gguf_file, folder, kernels, progress).notices)
-    if device.type == "cpu":
+    if device.type == "cpu" and blocks_embedding:  # not for --compile: graphs cannot trace gguf-py's lookup
         gguf.keep_embedding_as_blocks(model, gguf_file, index, dtype)
     empty = {name for name, tensor in (*model.named_parameters(), *model.named_buffers()) if tensor.is_meta}
     state = gguf.read_tensors(model, gguf_file, index, dtype, device, empty, progress)
