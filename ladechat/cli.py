@@ -280,9 +280,8 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
     from ladechat.backends.events import Notice
     from ladechat.conversation import Conversation
     from ladechat.engine.events import Done
-    from ladechat.ui.stream import StreamPrinter, debug_panel, failure, footer
-
     from ladechat.ui.files import attachment, with_attachments
+    from ladechat.ui.stream import StreamPrinter, debug_panel, failure, footer
 
     err = stderr_console()
     attached = [attachment(path) for path in files or []]  # before any load: a bad file is one line
