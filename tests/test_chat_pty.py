@@ -1,5 +1,6 @@
 """Drive the real interactive `ladechat` in a pseudo-terminal, as a user would."""
 
+import base64
 import json
 import os
 import re
@@ -15,10 +16,10 @@ from ladechat.ui.stream import MARKDOWN_BLOCKS
 PROMPT = ">>>"  # prompt-toolkit wraps the prompt in escape codes
 
 
-def spawn(tmp_path, sigint_ignored=False):
+def spawn(tmp_path, sigint_ignored=False, env_extra=None):
     """sigint_ignored: start the chat as a script's background job would (SIGINT inherited ignored)."""
     env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state"), "TERM": "xterm", "PROMPT_TOOLKIT_NO_CPR": "1",
-           "NO_COLOR": "1"}
+           "NO_COLOR": "1", **(env_extra or {})}
     disposition = signal.SIG_IGN if sigint_ignored else signal.SIG_DFL
     child = pexpect.spawn(ladechat_bin(), ["--dtype", "float32", "--max-new-tokens", "48"], env=env,
                           encoding="utf-8", timeout=120, dimensions=(40, 200),
@@ -256,3 +257,30 @@ def test_a_question_too_long_for_the_context_leaves_the_conversation_before_it(t
         if server is not None:
             server.stop()
         subprocess.run([ladechat_bin(), "stop", "--all"], env=env, capture_output=True, timeout=60, check=False)
+
+
+def test_edit_writes_the_message_in_the_editor_and_copy_puts_the_answer_on_the_clipboard(tmp_path):
+    """/edit runs $EDITOR on a file and sends what it holds; an editor that fails sends nothing.
+    /copy writes the last answer to the terminal as OSC 52, the clipboard request terminals take."""
+    editor = tmp_path / "editor.sh"
+    editor.write_text('#!/bin/sh\n[ -f "$EDITOR_FAILS" ] && exit 3\nprintf "What is two plus two?\\n" >> "$1"\n')
+    editor.chmod(0o755)
+    fails = tmp_path / "fails"
+    child = spawn(tmp_path, env_extra={"VISUAL": str(editor), "EDITOR_FAILS": str(fails)})
+    say(child, "/copy", "error: no answer to copy yet")
+    fails.touch()
+    say(child, "/edit", r"the editor '.*editor.sh' ended with status 3; nothing sent")
+    fails.unlink()
+    say(child, "/edit", "tokens/step")
+    child.sendline("/copy")
+    child.expect("\x1b\\]52;c;([A-Za-z0-9+/=]+)\x07")
+    copied = base64.b64decode(child.match.group(1)).decode("utf-8")
+    child.expect("copied the last answer")
+    child.expect(PROMPT)
+    saved = tmp_path / "edit.json"
+    say(child, f"/save {saved}", "saved 2 messages")
+    messages = json.loads(saved.read_text())["messages"]
+    assert messages[0]["content"] == "What is two plus two?"
+    assert copied == messages[1]["content"] and copied.strip()
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)

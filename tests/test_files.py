@@ -45,3 +45,24 @@ def test_a_device_or_a_pipe_is_refused_not_read_forever(tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(FileError, match="is not a regular file"):
         attachment(str(fifo))
+
+
+def test_the_clipboard_request_and_the_editor(monkeypatch, tmp_path):
+    import base64
+
+    from ladechat.ui import outside
+
+    sequence = outside.osc52("héllo\nworld")
+    assert sequence.startswith("\x1b]52;c;") and sequence.endswith("\x07")
+    assert base64.b64decode(sequence[7:-1]).decode("utf-8") == "héllo\nworld"
+    monkeypatch.setenv("VISUAL", "code -w")
+    assert outside.editor_command() == ["code", "-w"]
+    monkeypatch.delenv("VISUAL")
+    monkeypatch.setenv("EDITOR", str(tmp_path / "no-such-editor"))
+    with pytest.raises(outside.OutsideError, match="cannot start the editor .*no-such-editor.*set VISUAL or EDITOR"):
+        outside.edit("draft")
+    script = tmp_path / "upper.sh"
+    script.write_text('#!/bin/sh\ntr a-z A-Z < "$1" > "$1.new" && mv "$1.new" "$1"\n')
+    script.chmod(0o755)
+    monkeypatch.setenv("EDITOR", str(script))
+    assert outside.edit("draft\n") == "DRAFT"

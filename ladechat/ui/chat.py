@@ -19,7 +19,7 @@ from ladechat.engine.events import Done, Stats
 from ladechat.errors import UserError
 from ladechat.paths import state_root
 from ladechat.settings import Settings, group, key, keys
-from ladechat.ui import commands
+from ladechat.ui import commands, outside
 from ladechat.ui.files import attachment, with_attachments
 from ladechat.ui.phase import phases
 from ladechat.ui.stream import StreamPrinter, context_line, debug_panel, failure, footer, nearly_full
@@ -207,6 +207,14 @@ class ChatApp:
             self.info(f"markdown rendering of finished answers {'on' if self.markdown else 'off'}")
         elif cmd.name == "/read":
             self._read(cmd.arg)
+        elif cmd.name == "/copy":
+            self._copy()
+        elif cmd.name == "/edit":
+            text = outside.edit(cmd.arg)
+            if not text:
+                self.info("the editor left the message empty: nothing sent")
+            else:
+                self.ask(text)
         elif cmd.name == "/context":
             self.info(context_line(self.last_stats))
         elif cmd.name == "/system":
@@ -277,6 +285,18 @@ class ChatApp:
                 msgs.pop()
             self.answer()
 
+    def _copy(self) -> None:
+        """/copy: the last answer onto the clipboard, through the terminal (OSC 52)."""
+        answers = [m["content"] for m in self.conversation.messages if m["role"] == "assistant" and m["content"]]
+        if not answers:
+            raise commands.CommandError("no answer to copy yet")
+        if not self.out.is_terminal:
+            raise commands.CommandError("the chat's output is not a terminal, so no clipboard can be reached: nothing copied")
+        self.out.file.write(outside.osc52(answers[-1]))
+        self.out.file.flush()
+        self.info(f"copied the last answer ({len(answers[-1]):,} characters) through the terminal (OSC 52; "
+                  "a terminal without it ignores the request)")
+
     def _save(self, arg: str) -> None:
         if not arg:
             raise commands.CommandError("usage: /save PATH")
@@ -335,6 +355,7 @@ def _prompt_session():
 
     completer = _chat_completer(WordCompleter(list(commands.COMMANDS), sentence=True, match_middle=False))
     return PromptSession(history=FileHistory(str(folder / "history")), key_bindings=bindings, completer=completer,
+                         enable_open_in_editor=True,  # Ctrl-X Ctrl-E, as shells do
                          complete_while_typing=True)
 
 

@@ -28,6 +28,8 @@ HELP = f"""\
 /debug on|off         per-step acceptance and a per-turn statistics panel
 /markdown on|off      redraw finished answers with code blocks, lists or headings as Markdown
 /read PATH [TEXT]     put a text file into the next message, or with TEXT into this one (Tab completes paths)
+/edit [TEXT]          write the message in $VISUAL or $EDITOR (Ctrl-X Ctrl-E too); it is sent when the editor closes
+/copy                 the last answer onto the clipboard (through the terminal: OSC 52)
 /system TEXT          set the system prompt (empty: remove it); starts a new conversation
 /clear                start a new conversation (settings are kept)
 /undo                 drop the last question and its answer
@@ -38,7 +40,7 @@ HELP = f"""\
 Input: Enter sends; Alt+Enter (or Esc then Enter) adds a new line; a message that starts with
 \"\"\" continues until a line that ends with \"\"\". Ctrl-C stops an answer or clears the line."""
 
-COMMANDS = ("/help", "/lookahead", "/store", "/set", "/show", "/stats", "/context", "/read", "/debug", "/markdown", "/system", "/clear",
+COMMANDS = ("/help", "/lookahead", "/store", "/set", "/show", "/stats", "/context", "/read", "/edit", "/copy", "/debug", "/markdown", "/system", "/clear",
             "/undo", "/retry", "/save", "/load", "/exit", "/quit")
 
 NULLABLE = {"seed": ("none", "random"), "template": ("none",)}  # what `/set KEY=...` takes for unset
