@@ -66,6 +66,7 @@ Stop = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop the answ
 Compile = Annotated[bool, typer.Option("--compile", help="Fixed-shape steps on a pre-allocated KV cache, compiled with torch.compile (CUDA graphs on a GPU); every lookahead step is a full one. Compiles at start.")]
 AutoCompile = Annotated[Optional[bool], typer.Option("--compile/--no-compile", show_default=False, help="Fixed-shape steps on a pre-allocated KV cache, compiled with torch.compile (CUDA graphs on a GPU); every lookahead step is a full one. Compiles at start (~30-50 s on a GPU). Default: on for a model on one NVIDIA GPU without --load-in-4bit/8bit or --device-map (uncompiled steps there if it fails, with a notice), off elsewhere.")]
 Store = Annotated[bool, typer.Option("--store/--no-store", help="Draft from (and add each answer to) this model's store of past answers, kept under the cache folder (see: ladechat store).")]
+HideThinking = Annotated[bool, typer.Option("--hide-thinking", help="Leave a reasoning model's <think>...</think> off the screen (shown dim otherwise; never kept in the conversation; ask --json gives it as 'reasoning').")]
 Markdown = Annotated[bool, typer.Option("--markdown/--no-markdown", help="On a terminal, redraw a finished answer that has code blocks, lists or headings as rendered Markdown.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print one JSON object (text, token_ids, stats) instead of streaming.")]
 Debug = Annotated[bool, typer.Option("--debug", help="Show per-step acceptance and a per-turn statistics panel on stderr.")]
@@ -215,7 +216,7 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = LOOKAHE
          load_in_4bit: FourBit = False, load_in_8bit: EightBit = False, device_map: DeviceMap = None,
          keep_alive: KeepAlive = "5m",
          max_memory: MaxMemory = None, attn: Attn = "sdpa", template: Template = None, system: System = None, stop: Stop = None,
-         compile: AutoCompile = None, store: Store = LOOKAHEAD.store, markdown: Markdown = True, debug: Debug = False,
+         compile: AutoCompile = None, store: Store = LOOKAHEAD.store, markdown: Markdown = True, hide_thinking: HideThinking = False, debug: Debug = False,
          api: Api = None, api_key: ApiKey = None, weights: Weights = "auto", context_size: ContextSize = None) -> None:
     """Interactive multi-turn chat (the default command). Type /help inside for commands."""
     if ctx.invoked_subcommand is not None:
@@ -224,7 +225,7 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = LOOKAHE
 
     err = stderr_console()
     if api is not None:
-        run_chat(_remote_bot(ctx, api, api_key), system=system, debug=debug, markdown=markdown, out=stdout_console(),
+        run_chat(_remote_bot(ctx, api, api_key), system=system, debug=debug, markdown=markdown, hide_thinking=hide_thinking, out=stdout_console(),
                  err=err)
         return
     from ladechat.backends.pending import LoadFailed, PendingBot
@@ -236,19 +237,19 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = LOOKAHE
     if keep != 0:  # the model in a local server that keeps it loaded for the next commands
         warm = _warm_bot(ctx, keep, err)  # one that holds it already
         if warm is not None:
-            run_chat(warm, system=system, debug=debug, markdown=markdown, out=stdout_console(), err=err)
+            run_chat(warm, system=system, debug=debug, markdown=markdown, hide_thinking=hide_thinking, out=stdout_console(), err=err)
             return
         load = lambda progress: _warm_bot(ctx, keep, err, progress)
     elif compiles(ctx.params):
         # Compiled steps are captured (CUDA graphs) per thread: warm them up on the thread that
         # answers, before the prompt.
         bot = open_bot(ctx.params, given, _spinner(err))[1]
-        run_chat(bot, system=system, debug=debug, markdown=markdown, out=stdout_console(), err=err)
+        run_chat(bot, system=system, debug=debug, markdown=markdown, hide_thinking=hide_thinking, out=stdout_console(), err=err)
         return
     # The prompt comes at once; the model loads meanwhile and the first answer waits for it.
     bot = PendingBot(load, label=model or "the embedded model", err=err)
     try:
-        run_chat(bot, system=system, debug=debug, markdown=markdown, out=stdout_console(), err=err)
+        run_chat(bot, system=system, debug=debug, markdown=markdown, hide_thinking=hide_thinking, out=stdout_console(), err=err)
     except LoadFailed as exc:
         raise Fail(str(exc)) from None
     if not bot.settled:
@@ -272,7 +273,7 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
         keep_alive: KeepAlive = "5m",
         attn: Attn = "sdpa",
         template: Template = None, system: System = None, stop: Stop = None, compile: AutoCompile = None,
-        store: Store = LOOKAHEAD.store, markdown: Markdown = True, debug: Debug = False, as_json: AsJson = False,
+        store: Store = LOOKAHEAD.store, markdown: Markdown = True, hide_thinking: HideThinking = False, debug: Debug = False, as_json: AsJson = False,
         api: Api = None, api_key: ApiKey = None, weights: Weights = "auto", context_size: ContextSize = None,
         files: Annotated[Optional[list[str]], typer.Option("--file", "-f", help="A text file to put into the question, under its name (repeatable); with no PROMPT the files are the question.")] = None) -> None:
     """One-shot answer to PROMPT, streamed to stdout (greedy unless --temperature is given)."""
@@ -282,6 +283,7 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
     from ladechat.engine.events import Done
     from ladechat.ui.files import attachment, with_attachments
     from ladechat.ui.stream import StreamPrinter, debug_panel, failure, footer
+    from ladechat.ui.thinking import split as split_thinking
 
     err = stderr_console()
     attached = [attachment(path) for path in files or []]  # before any load: a bad file is one line
@@ -301,7 +303,7 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
         err.print(f"[dim]model {escape(bot.describe())}[/]", highlight=False, soft_wrap=True)
     conversation = Conversation(system=system, messages=[{"role": "user", "content": text}])
     out = stdout_console()
-    printer = StreamPrinter(out, err, debug=debug, markdown=markdown)
+    printer = StreamPrinter(out, err, debug=debug, markdown=markdown, hide_thinking=hide_thinking)
     done = None
     interrupted = False  # Ctrl-C reached this loop (after the answer's Done too: still exit 130)
     events = bot.reply(conversation)
@@ -328,13 +330,16 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
         raise Fail("generation ended without a result")
     stats = done.stats
     if as_json:
-        record = {"text": done.text, "token_ids": list(done.text_tokens), "model": bot.name, "stats": stats.as_dict()}
+        reasoning, answer = split_thinking(done.text)
+        record = {"text": answer, "token_ids": list(done.text_tokens), "model": bot.name, "stats": stats.as_dict()}
+        if reasoning:
+            record["reasoning"] = reasoning
         sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
     else:
         printer.finish(complete=stats.finish_reason != "interrupted")
         if debug and bot.stats_reported:
             err.print(debug_panel(stats))
-        err.print(f"[dim]{escape(footer(stats, bot))}[/]", highlight=False)
+        err.print(f"[dim]{escape(footer(stats, bot))}[/]", highlight=False, soft_wrap=True)  # one line, piped too
     if interrupted or stats.finish_reason == "interrupted":
         raise typer.Exit(130)
 

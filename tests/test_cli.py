@@ -208,7 +208,8 @@ def test_ctrl_c_ends_ask_with_the_partial_answer_and_its_statistics(tmp_path):
     proc.send_signal(signal.SIGINT)
     assert proc.wait(60) == 130
     out, err = first + proc.stdout.read(), proc.stderr.read().decode()
-    assert re.search(r"\d+ tokens, .* tokens/step, lookahead W=\d+ N=\d+ G=\d+ \(interrupted\)\n", err), err
+    assert re.search(r"\d+ tokens, .* tokens/step, lookahead W=\d+ N=\d+ G=\d+ \(interrupted\), context [\d,]+/[\d,]+\n",
+                     err), err
     assert "Traceback" not in err and len(out.decode().rstrip("\n")) >= 20  # the answer so far stays
 
 

@@ -52,11 +52,12 @@ class Totals:
 
 class ChatApp:
     def __init__(self, bot: Backend, system: str | None, debug: bool, out: Console, err: Console,
-                 markdown: bool = True) -> None:
+                 markdown: bool = True, hide_thinking: bool = False) -> None:
         self.bot = bot
         self.conversation = Conversation(system=system)
         self.debug = debug
         self.markdown = markdown
+        self.hide_thinking = hide_thinking
         self.out = out
         self.err = err
         self.totals = Totals()
@@ -72,7 +73,8 @@ class ChatApp:
                 self.conversation.messages.append({"role": "assistant", "content": "", "interrupted": True})
                 self.err.print("[yellow]interrupted while the model loads (it goes on loading; /retry answers)[/]")
                 return
-        printer = StreamPrinter(self.out, self.err, debug=self.debug, markdown=self.markdown)
+        printer = StreamPrinter(self.out, self.err, debug=self.debug, markdown=self.markdown,
+                                hide_thinking=self.hide_thinking)
         events = self.bot.reply(self.conversation)
         stats = None
         failed = None
@@ -113,7 +115,7 @@ class ChatApp:
                 self.totals.add(stats)
             if self.debug:
                 self.err.print(debug_panel(stats))
-            self.err.print(f"[dim]{escape(footer(stats, self.bot))}[/]", highlight=False)
+            self.err.print(f"[dim]{escape(footer(stats, self.bot))}[/]", highlight=False, soft_wrap=True)
             self.last_stats = stats
             if (full := nearly_full(stats)) is not None:
                 self.err.print(f"[yellow]{escape(full)}[/]", highlight=False)
@@ -409,11 +411,12 @@ def _load_watch(bot: Backend) -> dict:
     return {"pre_run": lambda: get_app().create_background_task(watch())}
 
 
-def run_chat(bot: Backend, system: str | None, debug: bool, out: Console, err: Console, markdown: bool = True) -> None:
+def run_chat(bot: Backend, system: str | None, debug: bool, out: Console, err: Console, markdown: bool = True,
+             hide_thinking: bool = False) -> None:
     interactive = sys.stdin.isatty()
     if isinstance(bot, PendingBot) and not interactive:
         bot = bot.bot()  # a script gains nothing from an early prompt, and a failed load is its error at once
-    app = ChatApp(bot, system, debug, out, err, markdown=markdown)
+    app = ChatApp(bot, system, debug, out, err, markdown=markdown, hide_thinking=hide_thinking)
     err.print(_banner(bot), highlight=False)
     if interactive:
         # Ctrl-C is how a user stops an answer. A process started from a script's background job

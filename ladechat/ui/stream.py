@@ -16,6 +16,7 @@ from rich.text import Text
 from ladechat.backends.base import RemoteError
 from ladechat.backends.events import Notice, Piece
 from ladechat.engine.events import OutOfMemory, Stats, Step
+from ladechat.ui.thinking import ThinkingSplitter
 
 GUESSED_STYLE = "bold cyan"
 # Block-level Markdown worth rendering: code fences, headings, lists, tables, quotes.
@@ -25,25 +26,39 @@ MARKDOWN_BLOCKS = re.compile(r"^\s*(```|#{1,6} |[-*+] \S|\d+[.)] \S|\|.*\|\s*$|>
 class StreamPrinter:
     """Consumes a backend's Piece and Notice events. Content goes to `out`, everything else to `err`."""
 
-    def __init__(self, out: Console, err: Console, debug: bool = False, markdown: bool = False) -> None:
-        self.text = ""  # the answer so far: the Pieces' text
+    def __init__(self, out: Console, err: Console, debug: bool = False, markdown: bool = False,
+                 hide_thinking: bool = False) -> None:
         self.out = out
         self.err = err
         self.debug = debug
         self.markdown = markdown
+        self.hide_thinking = hide_thinking
+        self.split = ThinkingSplitter()  # a reasoning model's <think>...</think>: shown dim, or not at all
         self.shown = ""  # exactly what went to the screen, to know how many rows it covers
+
+    @property
+    def text(self) -> str:
+        """The answer so far, its thinking left out (what a conversation keeps)."""
+        return self.split.answer + (self.split.held if not self.split.inside else "")
+
+    @property
+    def thinking(self) -> str:
+        return self.split.thinking
 
     def handle(self, event) -> None:
         if isinstance(event, Notice):
             self.err.print(f"[yellow]notice:[/] {escape(event.text)}", highlight=False)
         elif isinstance(event, Piece):
-            self.text += event.text
-            self._show(event.text, event.parallel)
+            for thought, text in self.split.feed(event.text):
+                self._show(text, event.parallel, thought)
             if self.debug and event.step is not None:
                 self._debug_line(event.step, event.spelled)
 
-    def _show(self, piece: str, parallel: bool) -> None:
-        text = Text(piece, style=GUESSED_STYLE if parallel else "")
+    def _show(self, piece: str, parallel: bool, thought: bool = False) -> None:
+        if thought and self.hide_thinking:
+            return
+        style = "dim" if thought else ""
+        text = Text(piece, style=f"{style} {GUESSED_STYLE}".strip() if parallel else style)
         self.out.print(text, end="", soft_wrap=True, highlight=False)
         self.shown += text.plain
 
@@ -62,6 +77,8 @@ class StreamPrinter:
         erased and printed once more, rendered, if it is still entirely on the screen. Not with
         --debug (stderr lines are interleaved) and only on a terminal.
         """
+        for thought, text in self.split.flush():
+            self._show(text, False, thought)
         rows = screen_rows(self.shown, self.out.size.width)
         redraw = (complete and self.markdown and not self.debug and self.out.is_terminal
                   and MARKDOWN_BLOCKS.search(self.shown) is not None and rows < self.out.size.height)
@@ -73,6 +90,8 @@ class StreamPrinter:
         self.out.control(Control(*codes))
         from rich.markdown import Markdown  # markdown-it and pygments: only for an answer that has blocks
 
+        if self.thinking.strip() and not self.hide_thinking:  # the thinking stays above the answer, dim
+            self.out.print(Text(self.thinking.strip("\n"), style="dim"))
         self.out.print(Markdown(self.text.strip("\n")))
 
 
