@@ -54,7 +54,10 @@ def test_chat_session_end_to_end(tmp_path):
     assert [m["role"] for m in data["messages"]] == ["user", "assistant", "user", "assistant"]
     # what was saved is what the screen showed (whatever the model answered)
     words = re.findall(r"[A-Za-z]{2,}", data["messages"][1]["content"])
-    assert words and all(word in first_screen for word in words[:3]) and data["settings"]["N"] == 3
+    # tokens accepted in parallel are bold (NO_COLOR keeps bold): where the codes fall inside a word
+    # depends on how the steps were planned, so compare the screen's text without them
+    screen = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", first_screen)
+    assert words and all(word in screen for word in words[:3]) and data["settings"]["N"] == 3
     say(child, "/clear", "new conversation")
     say(child, "/context", "no answer yet in this conversation")
     notes = tmp_path / "notes.txt"
