@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ladechat.backends.opener import compiles, load_model, open_bot, quiet_libraries, settings_for
+from ladechat.backends.opener import compiles, flag_of, load_model, open_bot, quiet_libraries, settings_for
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.errors import UserError
 
@@ -76,7 +76,6 @@ KeepAlive = Annotated[str, typer.Option("--keep-alive", envvar="LADECHAT_KEEP_AL
 # Options about loading a model here: refused with --api (the server loaded its model).
 LOCAL_ONLY = ("dtype", "device", "load_in_4bit", "load_in_8bit", "device_map", "max_memory", "attn", "template", "compile",
               "weights", "context_size")
-FLAG_OF = {"context_size": "--ctx"}  # parameters whose flag is not their name
 
 
 def stdout_console() -> Console:
@@ -131,8 +130,7 @@ def _remote_bot(ctx: typer.Context, api: str, api_key: str | None, defaults: dic
         raise Fail("--store/--no-store: with --api the store of past answers is the server's (start it with --no-store)")
     for name in LOCAL_ONLY:
         if name in given:
-            flag = FLAG_OF.get(name, f"--{name.replace('_', '-')}")
-            raise Fail(f"{flag} is about loading a model here; with --api the server has loaded it")
+            raise Fail(f"{flag_of(name)} is about loading a model here; with --api the server has loaded it")
     values, chosen = _request_settings(ctx, given, defaults)
     Settings().updated({k: values[k] for k in chosen})  # ConfigError before connecting
     return RemoteBot(Endpoint.of(api, api_key), ctx.params["model"], values, chosen)

@@ -19,6 +19,12 @@ LOAD_OPTIONS = {"model": None, "dtype": "auto", "device": "auto", "attn": "sdpa"
                 "load_in_4bit": False, "load_in_8bit": False, "device_map": None, "max_memory": None,
                 "compile": None, "context_size": None}  # compile None: the device decides (compiles())
 Progress = Callable[[str], AbstractContextManager]
+FLAGS = {"context_size": "--ctx"}  # load options whose flag is not their name (typer keeps `ctx` for itself)
+
+
+def flag_of(option: str) -> str:
+    """The command-line flag of a load option, e.g. --device-map for device_map."""
+    return FLAGS.get(option, "--" + option.replace("_", "-"))
 
 
 class OptionError(UserError):

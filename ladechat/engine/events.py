@@ -57,6 +57,11 @@ class Stats:
     context_length: int = 0  # the most tokens the conversation may hold (--ctx); 0 where not known
 
     @property
+    def context_used(self) -> int:
+        """Tokens the conversation holds after this answer: what it was given and what it added."""
+        return self.prompt_tokens + self.new_tokens
+
+    @property
     def compression(self) -> float:
         """Tokens per forward pass: how many sequential steps lookahead saved."""
         return self.new_tokens / self.steps if self.steps else 0.0

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ladechat import __version__
-from ladechat.backends.opener import LOAD_OPTIONS
+from ladechat.backends.opener import LOAD_OPTIONS, flag_of
 from ladechat.errors import UserError
 from ladechat.paths import cache_root
 
@@ -36,7 +36,6 @@ FOREVER = -1.0  # --keep-alive -1 (any negative duration)
 SOCKET_PATH_MAX = 103 if sys.platform == "darwin" else 107  # sun_path less its NUL byte
 # The load options a warm server is started with (backends/opener.py's), and their defaults.
 LOAD_DEFAULTS = LOAD_OPTIONS
-FLAG_NAMES = {"context_size": "ctx"}  # load options whose flag is not their name
 # Environment that changes which devices and files a load sees: part of a server's identity too
 # (the rest of the environment is the starting command's, e.g. HF_HUB_OFFLINE or OMP_NUM_THREADS).
 LOAD_ENVIRONMENT = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "XDG_CACHE_HOME", "HF_HOME")
@@ -270,7 +269,7 @@ class Spec:
 
     def describe_options(self) -> str:
         """The options that differ from the defaults, as flags would give them ('-' for none)."""
-        given = [(FLAG_NAMES.get(k, k.replace("_", "-")), v) for k, v in self.options.items()
+        given = [(flag_of(k).removeprefix("--"), v) for k, v in self.options.items()
                  if k != "model" and v != LOAD_DEFAULTS[k]]
         return " ".join(k if v is True else f"{k}={v}" for k, v in given) or "-"
 

@@ -220,12 +220,10 @@ class ChatApp:
         elif cmd.name == "/context":
             self.info(context_line(self.last_stats))
         elif cmd.name == "/system":
-            self.last_stats, self.attached = None, []
-            self.conversation = Conversation(system=cmd.arg or None)
+            self._start_over(cmd.arg or None)
             self.info("system prompt set; new conversation" if cmd.arg else "system prompt removed; new conversation")
         elif cmd.name == "/clear":
-            self.last_stats, self.attached = None, []
-            self.conversation = Conversation(system=self.conversation.system)
+            self._start_over(self.conversation.system)
             self.info("new conversation")
         elif cmd.name in ("/undo", "/retry"):
             self._undo_or_retry(cmd.name)
@@ -286,6 +284,12 @@ class ChatApp:
             if answer:
                 msgs.pop()
             self.answer()
+
+    def _start_over(self, system: str | None) -> None:
+        """A new conversation: what belonged to the old one (its last answer's figures, files read
+        for its next message) goes with it."""
+        self.last_stats, self.attached = None, []
+        self.conversation = Conversation(system=system)
 
     def _copy(self) -> None:
         """/copy: the last answer onto the clipboard, through the terminal (OSC 52)."""

@@ -108,8 +108,7 @@ def footer(stats: Stats, backend) -> str:
         return (f"{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tok/s, first token after {stats.ttft_s:.2f} s, "
                 f"as {backend.host} reported{extra}")
     mode = f"lookahead W={stats.window} N={stats.ngram} G={stats.candidates}" if stats.lookahead else "lookahead off"
-    used = (f", context {stats.prompt_tokens + stats.new_tokens:,}/{stats.context_length:,}"
-            if stats.context_length else "")
+    used = f", context {stats.context_used:,}/{stats.context_length:,}" if stats.context_length else ""
     return (f"{stats.new_tokens} tokens, {stats.decode_tokens_per_s:.1f} tok/s, "
             f"{stats.compression:.2f} tokens/step, {mode}{extra}{used}")
 
@@ -123,7 +122,7 @@ def context_line(stats: Stats | None) -> str:
         return "no answer yet in this conversation: its tokens are counted with each answer"
     if not stats.context_length:
         return "the server does not report its context size"
-    used = stats.prompt_tokens + stats.new_tokens
+    used = stats.context_used
     return (f"context: {used:,} of {stats.context_length:,} tokens ({100 * used / stats.context_length:.0f}%) "
             f"after the last answer ({stats.prompt_tokens:,} in the conversation it answered, {stats.new_tokens:,} "
             "in the answer); when a question does not fit, the oldest exchanges are dropped")
@@ -131,7 +130,7 @@ def context_line(stats: Stats | None) -> str:
 
 def nearly_full(stats: Stats) -> str | None:
     """The warning after an answer that leaves the context nearly full, else None."""
-    used = stats.prompt_tokens + stats.new_tokens
+    used = stats.context_used
     if not stats.context_length or used < NEARLY_FULL * stats.context_length:
         return None
     return (f"the conversation fills {100 * used / stats.context_length:.0f}% of the context ({used:,} of "

@@ -212,6 +212,14 @@ def output_tensor(reader, config):
     return None
 
 
+def tensor_processor(arch: str, config: dict):
+    """transformers' GGUF tensor processor for `arch` (the rows llama.cpp reorders, the tensors it
+    merges), for a model of `config` (a dict)."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    return TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config)
+
+
 INDEX = "tensors.json"  # in the prepared folder: where each of the model's tensors lies in the file
 
 
@@ -228,12 +236,12 @@ def tensor_index(model, gguf: Path, folder: Path) -> dict:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         pass
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
     try:
         file = read(gguf)
         arch = str(file.fields["general.architecture"].contents())
-        processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=model.config.to_dict())
+        processor = tensor_processor(arch, model.config.to_dict())
         names = get_gguf_hf_weights_map(model, processor)
         tensors = {names[t.name]: {"name": t.name, "type": int(t.tensor_type), "offset": int(t.data_offset),
                                    "shape": [int(n) for n in t.data.shape], "dtype": t.data.dtype.str}
@@ -262,10 +270,9 @@ def read_tensors(model, gguf: Path, index: dict, dtype, device, wanted: set[str]
     import numpy as np
     import torch
     from gguf import GGMLQuantizationType, dequantize
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     config = model.config.to_dict()
-    processor = TENSOR_PROCESSORS.get(index["arch"], TensorProcessor)(config=config)
+    processor = tensor_processor(index["arch"], config)
     mapping = {where["name"]: name for name, where in index["tensors"].items()}
     parsed: dict = {"config": config, "tensors": {}}
     state = {}
@@ -307,7 +314,6 @@ def keep_embedding_as_blocks(model, gguf: Path, index: dict, dtype) -> bool:
     import numpy as np
     import torch
     from gguf import GGMLQuantizationType
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     from ladechat.engine.kernels.embedding import BlockEmbedding
 
@@ -321,7 +327,7 @@ def keep_embedding_as_blocks(model, gguf: Path, index: dict, dtype) -> bool:
     where = index["tensors"].get(name)
     if where is None:
         return False
-    processor = TENSOR_PROCESSORS.get(index["arch"], TensorProcessor)(config=model.config.to_dict())
+    processor = tensor_processor(index["arch"], model.config.to_dict())
     rows = int(where["shape"][0])
     if rows != embedding.num_embeddings or not _rows_kept(processor, where["name"], rows):
         return False

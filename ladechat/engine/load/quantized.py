@@ -56,13 +56,13 @@ def read_gguf(gguf_path: Path, model) -> tuple[dict[str, torch.Tensor], list[str
     q8.kernel_layout's tiles/scales/sums}, notices, {module: block type}). A tensor
     that cannot run so keeps its dense weight, with a notice when that is a surprise (a corrupt
     block, rows transformed on loading), none for the types that have no kernel."""
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
     from ladechat.engine.load import gguf as gguf_files
 
     reader = gguf_files.read(gguf_path)
     arch = str(reader.fields["general.architecture"].contents())
-    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=model.config.to_dict())
+    processor = gguf_files.tensor_processor(arch, model.config.to_dict())
     names = get_gguf_hf_weights_map(model, processor)
     arrays: dict[str, torch.Tensor] = {}
     kinds: dict[str, str] = {}
