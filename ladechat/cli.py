@@ -72,6 +72,9 @@ AsJson = Annotated[bool, typer.Option("--json", help="Print one JSON object (tex
 Debug = Annotated[bool, typer.Option("--debug", help="Show per-step acceptance and a per-turn statistics panel on stderr.")]
 Api = Annotated[str | None, typer.Option("--api", help="Answer with the model behind an OpenAI-compatible server at URL (ladechat serve, vLLM, ...) instead of loading one; --model then names the server's model.")]
 ApiKey = Annotated[str | None, typer.Option("--api-key", envvar=["LADECHAT_API_KEY", "OPENAI_API_KEY"], show_envvar=True, help="With --api: the server's API key.")]
+KeepHistory = Annotated[bool, typer.Option("--history/--no-history", envvar="LADECHAT_HISTORY", show_envvar=True, help="Keep this chat as it goes, in a private file under the state folder (see: ladechat history).")]
+Continue = Annotated[bool, typer.Option("--continue", "-c", help="Go on with the last chat kept (its conversation and settings).")]
+Resume = Annotated[bool, typer.Option("--resume", help="List the chats kept and open the one you choose.")]
 KeepAlive = Annotated[str, typer.Option("--keep-alive", envvar="LADECHAT_KEEP_ALIVE", show_envvar=True, help="How long the model stays loaded after an answer, in a local server the next ask or chat uses (5m, 30s, 1h30m; 0: load in this command and keep nothing; -1: until 'ladechat stop').")]
 # Options about loading a model here: refused with --api (the server loaded its model).
 LOCAL_ONLY = ("dtype", "device", "load_in_4bit", "load_in_8bit", "device_map", "max_memory", "attn", "template", "compile",
@@ -215,13 +218,18 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = LOOKAHE
          keep_alive: KeepAlive = "5m",
          max_memory: MaxMemory = None, attn: Attn = "sdpa", template: Template = None, system: System = None, stop: Stop = None,
          compile: AutoCompile = None, store: Store = LOOKAHEAD.store, markdown: Markdown = True, hide_thinking: HideThinking = False, debug: Debug = False,
-         api: Api = None, api_key: ApiKey = None, weights: Weights = "auto", context_size: ContextSize = None) -> None:
+         api: Api = None, api_key: ApiKey = None, weights: Weights = "auto", context_size: ContextSize = None,
+         history: KeepHistory = True, continue_: Continue = False, resume: Resume = False) -> None:
     """Interactive multi-turn chat (the default command). Type /help inside for commands."""
     if ctx.invoked_subcommand is not None:
         return
+    from functools import partial
+
     from ladechat.ui.chat import run_chat
 
     err = stderr_console()
+    log, reopen = _chat_log(history, continue_, resume, err)
+    run_chat = partial(run_chat, log=log, reopen=reopen)
     if api is not None:
         run_chat(_remote_bot(ctx, api, api_key), system=system, debug=debug, markdown=markdown, hide_thinking=hide_thinking, out=stdout_console(),
                  err=err)
@@ -258,6 +266,63 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = LOOKAHE
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+def _chat_log(keep: bool, latest: bool, pick: bool, err: Console):
+    """(where the chat is kept or None, the kept chat to reopen or None) for --history,
+    --continue and --resume."""
+    from ladechat.ui.history import ChatLog, chats_root, find_chat, list_chats
+
+    if (latest or pick) and not keep:
+        raise Fail(f"{'--continue' if latest else '--resume'} opens a kept chat, and --no-history (or LADECHAT_HISTORY) "
+                   "turns keeping them off")
+    if latest and pick:
+        raise Fail("--continue opens the last chat and --resume the one you choose: give one of them")
+    root = chats_root()
+    if latest:
+        return ChatLog(root), find_chat(root, "1")
+    if not pick:
+        return (ChatLog(root) if keep else None), None
+    chats = list_chats(root)
+    if not chats:
+        raise Fail("no chats have been kept yet")
+    if not sys.stdin.isatty():
+        raise Fail("--resume asks which chat to open, and the input is not a terminal: use --continue for the last "
+                   "one, or /history N in the chat")
+    for number, chat in enumerate(chats[:20], 1):
+        err.print(chat.line(number), highlight=False, markup=False, soft_wrap=True)
+    try:
+        choice = input("open which chat (number or id; Enter: a new chat)? ").strip()
+    except EOFError:
+        choice = ""
+    return ChatLog(root), (find_chat(root, choice) if choice else None)
+
+
+@app.command()
+def history(chat: Annotated[Optional[str], typer.Argument(help="A kept chat: its number in the listing (1: the newest) or its id. Without it: the listing.")] = None,
+            as_json: Annotated[bool, typer.Option("--json", help="Print the chat as JSON (the /save format, which /load reads) instead of Markdown.")] = False,
+            delete: Annotated[bool, typer.Option("--delete", help="Delete the chat instead of printing it.")] = False) -> None:
+    """The chats kept as they went (newest first), or one of them as Markdown or JSON."""
+    from ladechat.ui.history import chats_root, find_chat, list_chats, markdown
+
+    root = chats_root()
+    if chat is None:
+        if as_json or delete:
+            raise Fail("--json and --delete act on one chat: name it (ladechat history N)")
+        chats = list_chats(root)
+        if not chats:
+            stderr_console().print(f"no chats kept yet (they are kept in {root})", highlight=False, markup=False)
+        for number, saved in enumerate(chats, 1):
+            print(saved.line(number))
+        return
+    path = find_chat(root, chat)
+    if delete:
+        path.unlink()
+        stderr_console().print(f"deleted chat {path.stem}", highlight=False, markup=False)
+    elif as_json:
+        sys.stdout.write(path.read_text(encoding="utf-8"))
+    else:
+        sys.stdout.write(markdown(path))
 
 
 @app.command()

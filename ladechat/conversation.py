@@ -47,8 +47,12 @@ def prompt_budget(context_length: int, max_new_tokens: int) -> int:
 
 @dataclass
 class Conversation:
+    """messages: those the model reads, oldest first; dropped: older ones the context could no
+    longer hold (forget_oldest), kept for the transcript that /save and the chat history write."""
+
     system: str | None = None
     messages: list[dict] = field(default_factory=list)
+    dropped: list[dict] = field(default_factory=list)
 
     def chat_messages(self) -> list[dict]:
         return self._chat_messages(0)
@@ -72,7 +76,7 @@ class Conversation:
             except templates.TemplateError as exc:
                 raise ConversationError(str(exc)) from None
             if len(ids) <= budget:
-                del self.messages[:start]
+                self.forget_oldest(start)
                 return ids, start
             if len(self.messages) - start <= 1:
                 raise ConversationError(f"the prompt is {len(ids)} tokens, more than the {budget} that fit in the "
@@ -82,12 +86,23 @@ class Conversation:
     def drop_oldest_exchange(self) -> int:
         """Drop the oldest exchange (never the system prompt); how many messages that was."""
         count = oldest_exchange(self.messages)
-        del self.messages[:count]
+        self.forget_oldest(count)
         return count
 
+    def forget_oldest(self, count: int) -> None:
+        """The oldest `count` messages leave what the model reads; the transcript keeps them."""
+        self.dropped.extend(self.messages[:count])
+        del self.messages[:count]
+
+    def transcript(self) -> list[dict]:
+        """Every message of the conversation, those dropped for the context's sake first."""
+        return self.dropped + self.messages
+
     def to_json(self, model: str, settings: dict) -> str:
+        """The file format above, with the whole transcript (loaded again, messages the context
+        cannot hold are dropped at the next answer, with a notice)."""
         return json.dumps({"format": FORMAT, "version": 1, "model": model, "system": self.system,
-                           "messages": self.messages, "settings": settings}, indent=2, ensure_ascii=False)
+                           "messages": self.transcript(), "settings": settings}, indent=2, ensure_ascii=False)
 
     @staticmethod
     def from_file(path: Path) -> tuple[Conversation, dict]:

@@ -30,8 +30,12 @@ def _test_cache_home() -> Path:
     return home
 
 
-# Set before any test runs: in-process code and every `ladechat` subprocess read it.
+# Set before any test runs: in-process code and every `ladechat` subprocess read it. The state
+# folder (input history, kept chats) too: a chat a test drives is never kept among the user's.
 os.environ["XDG_CACHE_HOME"] = str(_test_cache_home())
+_STATE_HOME = tempfile.mkdtemp(prefix="ladechat-test-state-")
+atexit.register(shutil.rmtree, _STATE_HOME, ignore_errors=True)
+os.environ["XDG_STATE_HOME"] = _STATE_HOME
 # The children the suite sends SIGINT (ask, serve) get it as a command typed at a terminal does. A
 # suite started as a script's background job inherits SIGINT ignored, and so would they (a
 # non-interactive child keeps it so, as such a job should; the chat takes it back itself); a

@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 
 import pexpect
 import pytest
@@ -16,12 +17,16 @@ from ladechat.ui.stream import MARKDOWN_BLOCKS
 PROMPT = ">>>"  # prompt-toolkit wraps the prompt in escape codes
 
 
-def spawn(tmp_path, sigint_ignored=False, env_extra=None):
+def chat_env(tmp_path, env_extra=None):
+    return {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state"), "TERM": "xterm", "PROMPT_TOOLKIT_NO_CPR": "1",
+            "NO_COLOR": "1", **(env_extra or {})}
+
+
+def spawn(tmp_path, sigint_ignored=False, env_extra=None, args=()):
     """sigint_ignored: start the chat as a script's background job would (SIGINT inherited ignored)."""
-    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state"), "TERM": "xterm", "PROMPT_TOOLKIT_NO_CPR": "1",
-           "NO_COLOR": "1", **(env_extra or {})}
+    env = chat_env(tmp_path, env_extra)
     disposition = signal.SIG_IGN if sigint_ignored else signal.SIG_DFL
-    child = pexpect.spawn(ladechat_bin(), ["--dtype", "float32", "--max-new-tokens", "48"], env=env,
+    child = pexpect.spawn(ladechat_bin(), ["--dtype", "float32", "--max-new-tokens", "48", *args], env=env,
                           encoding="utf-8", timeout=120, dimensions=(40, 200),
                           preexec_fn=lambda: signal.signal(signal.SIGINT, disposition))
     child.expect(PROMPT)
@@ -287,3 +292,58 @@ def test_edit_writes_the_message_in_the_editor_and_copy_puts_the_answer_on_the_c
     assert copied == messages[1]["content"] and copied.strip()
     child.sendline("/exit")
     child.expect(pexpect.EOF)
+
+
+def test_a_killed_chat_is_kept_listed_printed_and_continued(tmp_path):
+    """The chat is kept as it goes: the question is in its file before the answer begins, so a chat
+    killed then (or later) loses nothing; `ladechat --continue` goes on with it, in the same file."""
+    from conftest import PATIENCE_S
+
+    env = chat_env(tmp_path)
+    child = spawn(tmp_path)
+    say(child, "What is the capital of France?", "tokens/step")
+    child.sendline("Name a colour.")
+    chats = tmp_path / "state" / "ladechat" / "chats"
+    deadline = time.monotonic() + PATIENCE_S
+    while not any("Name a colour." in p.read_text() for p in chats.glob("*.json")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child.kill(signal.SIGKILL)  # the terminal is gone, whether the answer had ended or not
+    child.close()
+
+    def history(*args):
+        done = subprocess.run([ladechat_bin(), "history", *args], env=env, capture_output=True, text=True, check=False,
+                              timeout=PATIENCE_S)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    listing = history().splitlines()
+    assert len(listing) == 1 and "What is the capital of France?" in listing[0]
+    kept = json.loads(history("1", "--json"))["messages"]
+    assert [(m["role"], m["content"]) for m in kept[::2]] == [("user", "What is the capital of France?"),
+                                                                ("user", "Name a colour.")]
+    assert history("1").startswith(f"# Chat {listing[0].split()[3]}\n\nModel: SmolLM2")
+    assert "## You\n\nName a colour." in history("1")
+
+    child = spawn(tmp_path, args=["--continue"])
+    assert re.search(rf"reopened chat {listing[0].split()[3]}: {len(kept)} messages", child.before)
+    say(child, "/retry", "tokens/step")  # the question answered (again, if it had been)
+    say(child, "And of Germany?", "tokens/step")
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+    assert len(history().splitlines()) == 1  # the same chat, gone on
+    roles = [m["role"] for m in json.loads(history("1", "--json"))["messages"]]
+    assert roles == ["user", "assistant"] * 3
+
+    child = spawn(tmp_path, args=["--no-history"])
+    say(child, "/history", "chats are not kept in this session")
+    say(child, "Hello?", "tokens/step")
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+    assert len(history().splitlines()) == 1
+    refused = subprocess.run([ladechat_bin(), "--continue", "--no-history"], env=env, capture_output=True, check=False,
+                             text=True, timeout=PATIENCE_S)
+    assert refused.returncode == 1 and refused.stderr.startswith("ladechat: error: --continue opens a kept chat")
+    missing = subprocess.run([ladechat_bin(), "history", "7"], env=env, capture_output=True, text=True, check=False,
+                             timeout=PATIENCE_S)
+    expected = "ladechat: error: no chat number 7: there are 1 (see: ladechat history)\n"
+    assert (missing.returncode, missing.stderr) == (1, expected)

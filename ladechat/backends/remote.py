@@ -120,7 +120,7 @@ class RemoteBot:
         """Stream the answer. A conversation the server's context cannot hold loses its oldest
         exchanges, as locally (with a Notice), once what is left fits; when even the last question
         alone does not, ConversationError leaves the conversation as it was."""
-        trial = dataclasses.replace(conversation, messages=list(conversation.messages))
+        trial = dataclasses.replace(conversation, messages=list(conversation.messages), dropped=[])
         while True:
             try:
                 stream = self._open(trial)
@@ -131,7 +131,7 @@ class RemoteBot:
                 trial.drop_oldest_exchange()
         dropped = len(conversation.messages) - len(trial.messages)
         if dropped:
-            del conversation.messages[:dropped]
+            conversation.forget_oldest(dropped)
             yield Notice(dropped_notice(dropped, "server's"))
         yield from self._events(stream)
 

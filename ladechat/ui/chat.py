@@ -21,6 +21,7 @@ from ladechat.paths import state_root
 from ladechat.settings import Settings, group, key, keys
 from ladechat.ui import commands, outside
 from ladechat.ui.files import attachment, with_attachments
+from ladechat.ui.history import ChatLog, find_chat, list_chats
 from ladechat.ui.phase import phases
 from ladechat.ui.stream import StreamPrinter, context_line, debug_panel, failure, footer, nearly_full
 
@@ -52,7 +53,8 @@ class Totals:
 
 class ChatApp:
     def __init__(self, bot: Backend, system: str | None, debug: bool, out: Console, err: Console,
-                 markdown: bool = True, hide_thinking: bool = False) -> None:
+                 markdown: bool = True, hide_thinking: bool = False, log: ChatLog | None = None) -> None:
+        """log: where the chat is kept as it goes (None: --no-history)."""
         self.bot = bot
         self.conversation = Conversation(system=system)
         self.debug = debug
@@ -63,6 +65,8 @@ class ChatApp:
         self.totals = Totals()
         self.last_stats: Stats | None = None  # of this conversation's last answer (/context)
         self.attached: list[str] = []  # files read with /read, for the next message
+        self.log = log
+        self.pending_settings: dict | None = None  # a reopened chat's, put in once the model has loaded
 
     # -- answering ----------------------------------------------------------------------------
     def answer(self) -> None:
@@ -73,6 +77,7 @@ class ChatApp:
                 self.conversation.messages.append({"role": "assistant", "content": "", "interrupted": True})
                 self.err.print("[yellow]interrupted while the model loads (it goes on loading; /retry answers)[/]")
                 return
+        self._settings()
         printer = StreamPrinter(self.out, self.err, debug=self.debug, markdown=self.markdown,
                                 hide_thinking=self.hide_thinking)
         events = self.bot.reply(self.conversation)
@@ -129,7 +134,81 @@ class ChatApp:
     def ask(self, text: str) -> None:
         text, self.attached = with_attachments(self.attached, text), []
         self.conversation.messages.append({"role": "user", "content": text})
-        self.answer()
+        self.keep()  # the question is kept before the answer begins: a crash mid-answer loses nothing
+        try:
+            self.answer()
+        finally:
+            self.keep()
+
+    # -- the chat kept as it goes -------------------------------------------------------------
+    def keep(self) -> None:
+        """Write the conversation to its chat file (history.py), if the chat is kept."""
+        if self.log is None:
+            return
+        model = self.bot.name if self.bot.ready else getattr(self.bot, "label", "?")
+        settled = self.bot.ready and self.pending_settings is None  # else the file's settings stay
+        failed = self.log.keep(self.conversation, model, self.bot.settings.as_dict() if settled else None)
+        if failed is not None:
+            self.error(f"this chat is not being kept ({failed}); /save still works")
+
+    def reopen(self, path: Path) -> None:
+        """Make the kept chat at `path` the conversation (its settings too, once the model has
+        loaded), and write on to its file; the last few messages are shown again."""
+        conversation, saved = Conversation.from_file(path)
+        known = {key: value for key, value in saved.items() if key in keys()}
+        try:
+            Settings().updated(known)  # a bad value is refused before anything changes
+        except UserError as exc:
+            raise ConversationError(f"{path} has bad settings: {exc}") from None
+        self._start_over(conversation.system)
+        self.conversation = conversation
+        self.pending_settings = known
+        if self.log is not None:
+            self.log.path, self.log.settings = path, saved
+        if self.bot.ready:
+            self._settings()
+        self._recap(path)
+
+    def _recap(self, path: Path, shown: int = 4) -> None:
+        messages = self.conversation.messages
+        earlier = len(messages) - shown
+        self.info(f"reopened chat {path.stem}: {len(messages)} messages"
+                  + (f", the last {shown} below" if earlier > 0 else ""))
+        for message in messages[max(0, earlier):]:
+            if message["role"] == "user":
+                self.err.print(f">>> {message['content']}", highlight=False, markup=False, soft_wrap=True)
+            else:
+                self.out.print(message["content"], highlight=False, markup=False, soft_wrap=True)
+        if messages and messages[-1]["role"] == "user":
+            self.info("the last question has no answer yet: /retry answers it")
+
+    def _history(self, arg: str) -> None:
+        """/history: the kept chats; /history N|ID: open one (this one is kept as it is)."""
+        if self.log is None:
+            raise commands.CommandError("chats are not kept in this session (--no-history)")
+        if arg:
+            self.keep()
+            self.reopen(find_chat(self.log.root, arg))
+            return
+        chats = list_chats(self.log.root)
+        if not chats:
+            self.info("no chats kept yet")
+            return
+        shown = chats[:HISTORY_SHOWN]
+        lines = [chat.line(number) + ("  (this chat)" if chat.path == self.log.path else "")
+                 for number, chat in enumerate(shown, 1)]
+        more = f"\n... {len(chats) - len(shown)} older (ladechat history lists them all)" if len(chats) > len(shown) else ""
+        self.info("\n".join(lines) + more + "\n/history N opens chat N")
+
+    def _settings(self) -> Settings:
+        """The bot's settings, a reopened chat's put in first (they wait for the model)."""
+        if self.pending_settings is not None:
+            known, self.pending_settings = self.pending_settings, None
+            try:
+                self._configure(self.bot.settings.updated(known))
+            except UserError as exc:
+                self.error(f"the chat's saved settings were not applied: {exc}")
+        return self.bot.settings
 
     def _read(self, arg: str) -> None:
         """/read PATH [QUESTION]: the file into the next message, or with QUESTION into this one."""
@@ -187,12 +266,12 @@ class ChatApp:
         if cmd.name == "/help":
             self.info(commands.HELP)
         elif cmd.name == "/lookahead":
-            self._configure(self.bot.settings.updated({"lookahead": commands.on_off(cmd.arg, "/lookahead")}))
+            self._configure(self._settings().updated({"lookahead": commands.on_off(cmd.arg, "/lookahead")}))
             self.info(f"lookahead {'on' if self.bot.settings.lookahead else 'off'} from the next answer")
         elif cmd.name == "/store":
             self._store(cmd.arg)
         elif cmd.name == "/set":
-            self._configure(self.bot.settings.updated(commands.parse_set(cmd.arg), strict=False))
+            self._configure(self._settings().updated(commands.parse_set(cmd.arg), strict=False))
             self.info(self._show())
         elif cmd.name == "/show":
             self.info(self._show())
@@ -232,6 +311,8 @@ class ChatApp:
         elif cmd.name == "/load":
             self._load(cmd.arg)
             self.last_stats = None
+        elif cmd.name == "/history":
+            self._history(cmd.arg)
         return True
 
     def _store(self, arg: str) -> None:
@@ -243,7 +324,7 @@ class ChatApp:
             on = commands.on_off(arg, "/store")
         except commands.CommandError:
             raise commands.CommandError("usage: /store on|off|clear") from None
-        self._configure(self.bot.settings.updated({"store": on}))
+        self._configure(self._settings().updated({"store": on}))
         self.info(f"store of past answers {'on' if on else 'off'} from the next answer")
 
     def _need_stats(self, name: str) -> None:
@@ -257,7 +338,7 @@ class ChatApp:
                 self.bot.warm_up()
 
     def _show(self) -> str:
-        values = self.bot.settings.as_dict()
+        values = self._settings().as_dict()
         lookahead = " ".join(f"{key(k)}={values.pop(key(k))}" for k in group("lookahead") if k != "lookahead")
         enabled = values.pop("lookahead")
         store = values.pop("store")
@@ -290,6 +371,8 @@ class ChatApp:
         for its next message) goes with it."""
         self.last_stats, self.attached = None, []
         self.conversation = Conversation(system=system)
+        if self.log is not None:
+            self.log.start_over()
 
     def _copy(self) -> None:
         """/copy: the last answer onto the clipboard, through the terminal (OSC 52)."""
@@ -307,11 +390,11 @@ class ChatApp:
         if not arg:
             raise commands.CommandError("usage: /save PATH")
         path = Path(arg).expanduser()
-        data = self.conversation.to_json(self.bot.name, self.bot.settings.as_dict())
+        data = self.conversation.to_json(self.bot.name, self._settings().as_dict())
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(data + "\n", encoding="utf-8")
         tmp.replace(path)
-        self.info(f"saved {len(self.conversation.messages)} messages to {path}")
+        self.info(f"saved {len(self.conversation.transcript())} messages to {path}")
 
     def _load(self, arg: str) -> None:
         if not arg:
@@ -319,11 +402,15 @@ class ChatApp:
         conversation, saved = Conversation.from_file(Path(arg).expanduser())
         known = {key: value for key, value in saved.items() if key in keys()}  # a newer file's extras: ignored
         try:
-            self._configure(self.bot.settings.updated(known))  # a bad template is refused now
+            self._configure(self._settings().updated(known))  # a bad template is refused now
         except UserError as exc:
             raise ConversationError(f"{arg} has bad settings: {exc}") from None
+        self._start_over(conversation.system)  # a chat file of its own
         self.conversation = conversation
         self.info(f"loaded {len(conversation.messages)} messages from {arg}")
+
+
+HISTORY_SHOWN = 20  # kept chats /history lists
 
 
 def _chat_completer(commands_completer):
@@ -416,12 +503,15 @@ def _load_watch(bot: Backend) -> dict:
 
 
 def run_chat(bot: Backend, system: str | None, debug: bool, out: Console, err: Console, markdown: bool = True,
-             hide_thinking: bool = False) -> None:
+             hide_thinking: bool = False, log: ChatLog | None = None, reopen: Path | None = None) -> None:
+    """log: where the chat is kept (None: not kept); reopen: a kept chat to go on with."""
     interactive = sys.stdin.isatty()
     if isinstance(bot, PendingBot) and not interactive:
         bot = bot.bot()  # a script gains nothing from an early prompt, and a failed load is its error at once
-    app = ChatApp(bot, system, debug, out, err, markdown=markdown, hide_thinking=hide_thinking)
+    app = ChatApp(bot, system, debug, out, err, markdown=markdown, hide_thinking=hide_thinking, log=log)
     err.print(_banner(bot), highlight=False)
+    if reopen is not None:
+        app.reopen(reopen)
     if interactive:
         # Ctrl-C is how a user stops an answer. A process started from a script's background job
         # (or a launcher that ignores SIGINT) inherits SIGINT ignored, and Python then never raises
@@ -464,3 +554,5 @@ def chat_loop(app: ChatApp, read_line) -> None:
             app.interrupted_outside_stream()
         except UserError as exc:  # the commands report their own; this catches what an answer raises
             app.error(str(exc))
+        finally:
+            app.keep()

@@ -36,12 +36,13 @@ HELP = f"""\
 /retry                answer the last question again
 /save PATH            save the conversation and settings as JSON
 /load PATH            load a conversation saved with /save
+/history [N]          the chats kept so far (newest first); /history N opens chat N (ladechat --continue: the last)
 /exit                 leave (Ctrl-D works too)
 Input: Enter sends; Alt+Enter (or Esc then Enter) adds a new line; a message that starts with
 \"\"\" continues until a line that ends with \"\"\". Ctrl-C stops an answer or clears the line."""
 
 COMMANDS = ("/help", "/lookahead", "/store", "/set", "/show", "/stats", "/context", "/read", "/edit", "/copy", "/debug", "/markdown", "/system", "/clear",
-            "/undo", "/retry", "/save", "/load", "/exit", "/quit")
+            "/undo", "/retry", "/save", "/load", "/history", "/exit", "/quit")
 
 NULLABLE = {"seed": ("none", "random"), "template": ("none",)}  # what `/set KEY=...` takes for unset
 
