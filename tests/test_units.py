@@ -452,18 +452,81 @@ def test_cost_model_interpolates_in_cached_length():
 def test_step_cost_curve_is_measured_once_then_read_back(tmp_path, monkeypatch):
     from tiny_models import tiny_model
 
-    from ladechat.engine.step_cost import cached_curve
+    from ladechat.engine.step_cost import SIZES, cached_curve
     from ladechat.paths import cache_root
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     model = tiny_model("llama")
     first = cached_curve(model, "tiny-llama", context=16)
     curves = list((cache_root() / "step-cost").iterdir())
-    assert len(curves) == 1 and set(first) >= {1, 2, 8}
+    # the sizes up to where a step got dear (measure()): at least two, from the first on
+    assert len(curves) == 1 and len(first) >= 2 and sorted(first) == list(SIZES[: len(first)])
     assert cached_curve(model, "tiny-llama", context=16) == first  # read back: a new measurement would differ
     assert len(list((cache_root() / "step-cost").iterdir())) == 1
     cached_curve(model, "tiny-llama", context=32)  # another cache length is another curve
     assert len(list((cache_root() / "step-cost").iterdir())) == 2
+
+
+def fake_steps(monkeypatch, seconds_of):
+    """step_cost.time_step replaced: each step takes seconds_of(rows) (no step runs); the sizes
+    timed, in order, are returned."""
+    from ladechat.engine import step_cost
+
+    timed = []
+    monkeypatch.setattr(step_cost, "time_step", lambda runner, layout, past: timed.append(layout.size) or seconds_of(layout.size))
+    monkeypatch.setattr(step_cost, "prefill_random", lambda runner, context: None)
+    return timed
+
+
+def test_a_curve_stops_at_the_first_size_past_three_one_row_steps(monkeypatch):
+    """On a 7B on 2 cores every row costs: sizes that no draft could pay for are not measured (the
+    planner extrapolates past the last), and slow steps are timed fewer times."""
+    from tiny_models import tiny_model
+
+    from ladechat.engine.step_cost import AFFORDABLE, SLOW_REPS, SLOW_STEP_S, SIZES, measure
+
+    model = tiny_model("llama")
+    timed = fake_steps(monkeypatch, lambda rows: 0.001 * (1 + 0.25 * rows))  # 3x the first at 10.25 rows
+    curve = measure(model, SIZES, 16, reps=5)
+    assert AFFORDABLE == 3.0 and list(curve) == [1, 2, 4, 8, 12]  # 12 is the first past: measured, the last
+    assert timed == [1, 2, 4, 8, 12] * 6  # a warm-up round and five
+    timed = fake_steps(monkeypatch, lambda rows: SLOW_STEP_S * 2 * (1 + rows))
+    curve = measure(model, SIZES, 16, reps=5)
+    assert list(curve) == [1, 2, 4, 8] and timed == [1, 2, 4, 8] * (1 + SLOW_REPS)
+    timed = fake_steps(monkeypatch, lambda rows: 0.001)  # flat: every size
+    assert list(measure(model, SIZES, 16, reps=1)) == list(SIZES)
+    timed = fake_steps(monkeypatch, lambda rows: 0.001 * rows)
+    assert list(measure(model, (2, 4, 8), 16, reps=1, affordable=None)) == [2, 4, 8]  # exactly these sizes
+
+
+def test_the_longer_context_is_measured_at_the_sizes_of_the_shorter(tmp_path, monkeypatch):
+    from tiny_models import tiny_model
+
+    from ladechat.engine.step_cost import CONTEXTS, cached_cost_model
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    model = tiny_model("llama")
+    fake_steps(monkeypatch, lambda rows: 0.001 * rows)  # dearer than 3x one row from 4 rows on
+    costs = cached_cost_model(model, "tiny-llama")
+    assert [list(costs.curves[context]) for context in CONTEXTS] == [[1, 2, 4]] * len(CONTEXTS)
+
+
+def test_a_long_context_is_the_prefilled_one_repeated():
+    """prefill_random computes PREFILLED tokens and repeats their keys and values to the length asked
+    (what a step attends over, not what it holds, is what it costs)."""
+    from tiny_models import tiny_model
+
+    from ladechat.engine import kv
+    from ladechat.engine.runner import DynamicRunner
+    from ladechat.engine.step_cost import PREFILLED, prefill_random
+
+    runner = DynamicRunner(tiny_model("llama"))
+    prefill_random(runner, 100)
+    assert kv.cache_length(runner.cache) == 100
+    for layer in runner.cache.layers:
+        assert torch.equal(layer.keys[..., PREFILLED : 2 * PREFILLED, :], layer.keys[..., :PREFILLED, :])
+        assert torch.equal(layer.values[..., 96:100, :], layer.values[..., :4, :])
+    assert not kv.repeat_to(kv.new_cache(), 10)  # nothing to repeat: the caller prefills
 
 
 @pytest.mark.parametrize("name,device_type,native,expected", [

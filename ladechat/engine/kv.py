@@ -97,6 +97,29 @@ class GrowingCache(DynamicCache):
         Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
 
 
+def repeat_to(cache, length: int) -> bool:
+    """Lengthen every layer of a GrowingCache to `length` positions by repeating the positions it
+    holds: a long context to time steps after, without the prefill that would compute one (a
+    step's cost follows how many positions it attends over, not what they hold). False, and the
+    cache as it was, for any other cache or an empty one."""
+    layers = getattr(cache, "layers", None) or []
+    if not layers or not all(isinstance(layer, GrowingLayer) and layer.is_initialized and layer.keys.numel()
+                             for layer in layers):
+        return False
+    with torch.inference_mode():
+        for layer in layers:
+            held = layer.keys.shape[-2]
+            if held >= length:
+                continue
+            _, keys, values = layer.room(length - held)
+            for start in range(held, length, held):
+                count = min(held, length - start)
+                keys[..., start : start + count, :] = keys[..., :count, :]
+                values[..., start : start + count, :] = values[..., :count, :]
+            layer.filled(length)
+    return True
+
+
 def new_cache() -> DynamicCache:
     # Plain full-attention layers: lookahead passes its own 4D mask, so every layer sees the
     # same explicit mask and the cache must keep every position the mask can point at.

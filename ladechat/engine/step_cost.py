@@ -30,6 +30,14 @@ from ladechat.paths import cache_root
 SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 CONTEXTS = (192, 1536)  # cached tokens: a fresh question, and a conversation a few turns in
 GPU_SIZES = (1, 8, 16, 32, 64, 96, 128, 160, 192, 256)  # a GPU's curve stays flat much longer
+# A step that costs this many one-row steps would need that many tokens accepted to pay: the curve
+# stops at the first size past it (the planner extrapolates beyond, proportionally).
+AFFORDABLE = 3.0
+# A step this slow (a 7B on a few cores) is timed fewer times: its median is steady, and every
+# repetition of every size costs seconds at a model's first use.
+SLOW_STEP_S = 0.05
+SLOW_REPS = 3
+PREFILLED = 32  # tokens prefill_random computes; a longer context repeats their keys and values
 
 
 def time_step(runner, layout: StepLayout, past: int) -> float:
@@ -48,11 +56,15 @@ def time_step(runner, layout: StepLayout, past: int) -> float:
 
 
 def prefill_random(runner, context: int) -> None:
-    """Fill the runner's cache with `context` random tokens (the same for every call), to time
-    steps after them."""
+    """Fill the runner's cache with `context` positions of random tokens (the same for every call),
+    to time steps after them: PREFILLED computed, the rest their keys and values repeated where the
+    cache allows (kv.repeat_to; a 7B's prefill of 1536 tokens takes a minute on 2 cores), else
+    computed too."""
     vocab = runner.model.config.get_text_config().vocab_size
-    runner.prefill(torch.randint(0, vocab, (context,), generator=torch.Generator().manual_seed(0)).tolist(), 0,
-                   ranked=False)
+    tokens = torch.randint(0, vocab, (context,), generator=torch.Generator().manual_seed(0)).tolist()
+    runner.prefill(tokens[:PREFILLED], 0, ranked=False)
+    if context > PREFILLED and not kv.repeat_to(runner.cache, context):
+        runner.prefill(tokens[PREFILLED:], PREFILLED, ranked=False)
 
 
 def chain(size: int) -> StepLayout:
@@ -60,8 +72,11 @@ def chain(size: int) -> StepLayout:
     return build_layout([list(range(1, size + 1))], [])
 
 
-def measure(model, sizes=SIZES, context: int = 192, reps: int = 5) -> dict[int, float]:
-    """Median seconds of one step feeding `s` tokens after `context` cached tokens, per size s.
+def measure(model, sizes=SIZES, context: int = 192, reps: int = 5, affordable: float | None = AFFORDABLE
+            ) -> dict[int, float]:
+    """Median seconds of one step feeding `s` tokens after `context` cached tokens, per size s: the
+    sizes up to the first that costs `affordable` times the first (None: every size), found in a
+    warm-up round; SLOW_REPS repetitions where a one-row step is slower than SLOW_STEP_S.
 
     The sizes take turns (1, 2, 4, ..., then 1, 2, 4, ... again) rather than running each size's
     repetitions back to back: a busy spell of the machine then inflates one repetition of every
@@ -70,13 +85,18 @@ def measure(model, sizes=SIZES, context: int = 192, reps: int = 5) -> dict[int, 
     runner = default_runner(model)
     prefill_random(runner, context)
     layouts = {size: chain(size) for size in sizes}
-    times: dict[int, list[float]] = {size: [] for size in sizes}
-    for rep in range(reps + 1):
-        for size in sizes:
-            seconds = time_step(runner, layouts[size], context)
-            if rep:  # the first round is a warm-up
-                times[size].append(seconds)
-    return {size: statistics.median(times[size]) for size in sizes}
+    warm: dict[int, float] = {}
+    for size in sizes:
+        warm[size] = time_step(runner, layouts[size], context)
+        if affordable is not None and size > sizes[0] and warm[size] > affordable * warm[sizes[0]]:
+            break
+    if warm[sizes[0]] > SLOW_STEP_S:
+        reps = min(reps, SLOW_REPS)
+    times: dict[int, list[float]] = {size: [] for size in warm}
+    for _ in range(reps):
+        for size in warm:
+            times[size].append(time_step(runner, layouts[size], context))
+    return {size: statistics.median(times[size]) for size in warm}
 
 
 def cache_path(model, name: str, *what, threads: int | None = None) -> Path:
@@ -99,15 +119,17 @@ def measured_sizes(model) -> tuple[int, ...]:
     return GPU_SIZES if model.device.type == "cuda" else SIZES
 
 
-def cached_curve(model, name: str, context: int = 192, threads: int | None = None) -> dict[int, float]:
-    """The curve kept for `threads` (cache_path), else measured now, at torch's thread count now."""
+def cached_curve(model, name: str, context: int = 192, threads: int | None = None,
+                 at: list[int] | None = None) -> dict[int, float]:
+    """The curve kept for `threads` (cache_path), else measured now, at torch's thread count now:
+    at the sizes worth measuring (measure()), or exactly `at`."""
     sizes = measured_sizes(model)
     path = cache_path(model, name, list(sizes), context, threads=threads)
     try:
         return {int(k): float(v) for k, v in json.loads(path.read_text()).items()}
     except (OSError, ValueError):
         pass
-    curve = measure(model, sizes, context)
+    curve = measure(model, sizes, context) if at is None else measure(model, tuple(at), context, affordable=None)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(curve))
     return curve
@@ -148,8 +170,11 @@ def curves_cached(model, name: str, threads: int | None = None) -> bool:
 
 
 def cached_cost_model(model, name: str, threads: int | None = None) -> CostModel:
-    """This model's cost model on this device as measured: once per context length, then cached."""
-    return CostModel({context: cached_curve(model, name, context, threads) for context in CONTEXTS})
+    """This model's cost model on this device as measured: once per context length, then cached;
+    the longer contexts at the sizes the shortest was measured at."""
+    first = cached_curve(model, name, CONTEXTS[0], threads)
+    return CostModel({CONTEXTS[0]: first} | {context: cached_curve(model, name, context, threads, at=sorted(first))
+                                             for context in CONTEXTS[1:]})
 
 
 def cost(curve: dict[int, float], size: int, sizes: list[int] | None = None) -> float:
