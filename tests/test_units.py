@@ -483,7 +483,7 @@ def test_a_curve_stops_at_the_first_size_past_three_one_row_steps(monkeypatch):
     planner extrapolates past the last), and slow steps are timed fewer times."""
     from tiny_models import tiny_model
 
-    from ladechat.engine.step_cost import AFFORDABLE, SLOW_REPS, SLOW_STEP_S, SIZES, measure
+    from ladechat.engine.step_cost import AFFORDABLE, SIZES, SLOW_REPS, SLOW_STEP_S, measure
 
     model = tiny_model("llama")
     timed = fake_steps(monkeypatch, lambda rows: 0.001 * (1 + 0.25 * rows))  # 3x the first at 10.25 rows
