@@ -96,9 +96,9 @@ def test_a_session_sets_the_count_before_every_forward_pass():
     hook = model.register_forward_pre_hook(lambda module, args: counts.append(torch.get_num_threads()))
 
     class Busy(CpuThreads):
-        def adjust(self):
+        def adjust(self, rows=None):
             machine.run(1.0)  # each step, a second of a machine whose other core is taken
-            return super().adjust()
+            return super().adjust(rows)
 
     before = torch.get_num_threads()
     try:
@@ -160,6 +160,20 @@ def test_the_governor_sets_only_allowed_counts():
         threads.restrict((1, 2))
 
 
+def test_a_step_wider_than_the_probes_widest_runs_on_the_ceiling():
+    """The probe checks steps up to its widest (thread_probe.py): a wider step gets the full count,
+    whatever the load, and the next narrow one the governed count again."""
+    machine = Machine()
+    threads, calls = governor(machine)
+    threads.restrict((1, 2), widest=12)
+    machine.others = 1.0
+    machine.run(1.0)
+    assert threads.adjust(8) == 1 and calls == [1]
+    assert threads.adjust(16) == 2 and calls == [1, 2]
+    assert threads.adjust(12) == 1 and calls == [1, 2, 1]
+    assert threads.adjust() == 1 and calls == [1, 2, 1]  # a prefill: as governed
+
+
 def test_a_model_gets_a_governor_only_where_the_probe_allows_fewer_threads(monkeypatch):
     """load()'s decision from the probe's verdict, whatever this CPU's: none when only the full
     count agrees, one restricted to the agreeing counts otherwise; none for dense weights (unprobed),
@@ -170,10 +184,10 @@ def test_a_model_gets_a_governor_only_where_the_probe_allows_fewer_threads(monke
     model = tiny_model("llama")
     packing.pack(model)
     asked = []
-    for verdict, governed in (((2,), False), ((1, 2), True)):
-        monkeypatch.setattr(thread_probe, "cached_counts", lambda *a, v=verdict, **k: asked.append(a) or v)
+    for verdict, governed in ((thread_probe.Verdict((2,), 64), False), (thread_probe.Verdict((1, 2), 12), True)):
+        monkeypatch.setattr(thread_probe, "cached_verdict", lambda *a, v=verdict, **k: asked.append(a) or v)
         threads = loading._governed(CpuThreads(ceiling=2, cpus=2), model, "tiny", "tiny", None, None)
-        assert (threads is not None) == governed and (not governed or threads.counts == (1, 2))
+        assert (threads is not None) == governed and (not governed or (threads.counts, threads.widest) == ((1, 2), 12))
     assert [a[1:] for a in asked] == [(None, 2, None)] * 2  # no files to name: probed each time, not kept
     assert loading._governed(CpuThreads(ceiling=2, cpus=2), tiny_model("llama"), "tiny", "tiny", None, None) is None
     assert loading._governed(CpuThreads(ceiling=1, cpus=1), model, "tiny", "tiny", None, None) is None
@@ -195,16 +209,18 @@ def test_the_real_probe_on_this_machine_matches_the_steps_it_allows():
     steps = thread_probe.model_steps(model)
     ceiling = torch.get_num_threads()
     verdict = thread_probe.probe(steps, ceiling)
-    assert thread_probe.probe(steps, ceiling) == verdict and ceiling in verdict
+    assert thread_probe.probe(steps, ceiling).counts == verdict.counts and ceiling in verdict.counts
+    sizes = thread_probe.STEP_SIZES  # every size, the widest too
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(ceiling)
-        full = steps()
+        ran, full = steps(sizes)
         torch.set_num_threads(1)
-        one = steps()
+        one = steps(sizes)[1]
     finally:
         torch.set_num_threads(before)
-    assert (1 in verdict) == all(torch.equal(a, b) for a, b in zip(one, full))
+    agree = [torch.equal(a, b) for a, b in zip(one, full)]
+    assert ran == sizes and (1 in verdict.counts) == all(agree[: sizes.index(verdict.widest) + 1])
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +243,7 @@ def test_a_loaded_model_gets_the_governor_its_probe_allows(embedded_default):
         return
     ceiling = torch.get_num_threads()
     verdict = thread_probe.probe(thread_probe.model_steps(embedded_default.model), ceiling)
-    assert (embedded_default.threads.counts if embedded_default.threads else (ceiling,)) == verdict
+    assert (embedded_default.threads.counts if embedded_default.threads else (ceiling,)) == verdict.counts
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: there is no other thread count to probe")
@@ -240,7 +256,7 @@ def test_a_lookahead_answer_under_a_changing_count_is_plain_decodings(embedded_d
 
     loaded = embedded_default
     if loaded.threads is None:  # this CPU's probe allowed the full count alone: nothing changes the count
-        assert thread_probe.probe(thread_probe.model_steps(loaded.model), torch.get_num_threads()) == (
+        assert thread_probe.probe(thread_probe.model_steps(loaded.model), torch.get_num_threads()).counts == (
             torch.get_num_threads(),)
         return
     counts = loaded.threads.counts
@@ -249,7 +265,10 @@ def test_a_lookahead_answer_under_a_changing_count_is_plain_decodings(embedded_d
     class EveryStep(CpuThreads):
         """Another allowed count at each step, as a machine whose load comes and goes would give."""
 
-        def adjust(self):
+        def adjust(self, rows=None):
+            if rows is not None and rows > loaded.threads.widest:  # as CpuThreads: wider steps on the ceiling
+                torch.set_num_threads(self.ceiling)
+                return self.ceiling
             self.threads = counts[(counts.index(self.threads) + 1) % len(counts)]
             torch.set_num_threads(self.threads)
             return self.threads

@@ -250,7 +250,7 @@ class Session:
         else:
             layout = tree_layout([[t]], [])
         if self.threads:
-            self.threads.adjust()
+            self.threads.adjust(layout.size)
         start = self.clock()
         logits = self.runner.step(layout, past)
         top = top_k(logits)  # one host sync

@@ -6,16 +6,20 @@ of a kernel on a CPU, not of the code: oneDNN's packed fp32 products give the sa
 threads on one x86 CPU and other bits on another. So it is probed: the model's own steps (a prompt,
 then steps of every size a CPU plan uses) at each count the governor may pick, compared bit for bit
 with the full count's. Only counts that agree are used; if none but the full count does, the
-governor stays off and the steps keep torch's count. The verdict is kept per model files, weight
-layout, dtype, CPU, library versions and our kernels' sources, since the probe costs a few dozen
-steps.
+governor stays off and the steps keep torch's count. The steps stop growing past the first that
+costs AFFORDABLE one-row steps (step_cost.py: no plan pays for more on a CPU; a 7B's 64-row step
+takes seconds on 2 cores): a wider step than the probe's widest runs on the full count. The
+verdict is kept per model files, weight layout, dtype, CPU, library versions and our kernels'
+sources, since the probe costs a few dozen steps.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,34 +51,57 @@ def agreeing_counts(outputs: dict[int, Sequence[torch.Tensor]], ceiling: int) ->
                  if count == ceiling or all(same(a, b) for a, b in zip(outputs[count], reference)))
 
 
-def probe(steps: Callable[[], list[torch.Tensor]], ceiling: int) -> tuple[int, ...]:
-    """steps() at every candidate count (torch's count set for it, restored after); the agreeing ones."""
+@dataclass(frozen=True)
+class Verdict:
+    """The thread counts whose steps give the full count's bits (the full count among them), for
+    steps of up to `widest` rows (the probe's widest)."""
+
+    counts: tuple[int, ...]
+    widest: int
+
+
+# steps(sizes): (the sizes run, each one's logits); sizes None: STEP_SIZES up to the first dear one
+Steps = Callable[[tuple[int, ...] | None], tuple[tuple[int, ...], list[torch.Tensor]]]
+
+
+def probe(steps: Steps, ceiling: int) -> Verdict:
+    """steps() at the full count, then at every other candidate count at the sizes it ran (torch's
+    count set for each, restored after); the agreeing counts."""
     before = torch.get_num_threads()
     outputs = {}
     try:
-        for count in candidate_counts(ceiling):
+        torch.set_num_threads(ceiling)
+        sizes, outputs[ceiling] = steps(None)
+        for count in candidate_counts(ceiling)[:-1]:
             torch.set_num_threads(count)
-            outputs[count] = steps()
+            outputs[count] = steps(sizes)[1]
     finally:
         torch.set_num_threads(before)
-    return agreeing_counts(outputs, ceiling)
+    return Verdict(agreeing_counts(outputs, ceiling), max(sizes))
 
 
-def model_steps(model) -> Callable[[], list[torch.Tensor]]:
+def model_steps(model) -> Steps:
     """The model's steps as a chat runs them on a CPU (its default runner): a prompt's prefill,
-    then a chain of every STEP_SIZES size after it, each step's logits kept."""
+    then a chain of each size after it (sizes None: STEP_SIZES up to and with the first that costs
+    AFFORDABLE times the first), each step's logits kept."""
     from ladechat.engine.runner import default_runner  # the loader's caller already has it loaded
-    from ladechat.engine.step_cost import chain, prefill_random
+    from ladechat.engine.step_cost import AFFORDABLE, chain, prefill_random
 
-    def steps() -> list[torch.Tensor]:
+    def steps(sizes: tuple[int, ...] | None) -> tuple[tuple[int, ...], list[torch.Tensor]]:
         runner = default_runner(model)
+        ran, logits, first = [], [], None
         with torch.inference_mode():
             prefill_random(runner, PROMPT_TOKENS)
-            logits = []
-            for size in STEP_SIZES:
+            for size in sizes or STEP_SIZES:
+                start = time.perf_counter()
                 logits.append(runner.step(chain(size), PROMPT_TOKENS).float().clone())
+                seconds = time.perf_counter() - start
                 runner.truncate(PROMPT_TOKENS)
-        return logits
+                ran.append(size)
+                first = first or seconds
+                if sizes is None and len(ran) > 1 and seconds > AFFORDABLE * first:
+                    break
+        return tuple(ran), logits
 
     return steps
 
@@ -92,7 +119,7 @@ def machine_key() -> str:
         return json.dumps([platform.machine(), platform.processor()])
 
 
-def cached_counts(model, what: list, ceiling: int, cache: Path | None) -> tuple[int, ...]:
+def cached_verdict(model, what: list, ceiling: int, cache: Path | None) -> Verdict:
     """probe(model_steps(model)), kept in `cache` (a folder) under a key of `what` (the model's files
     and layout, as the caller knows them), this CPU, the ceiling, the library versions and our code
     that a step runs. cache None: probed every time."""
@@ -107,18 +134,19 @@ def cached_counts(model, what: list, ceiling: int, cache: Path | None) -> tuple[
         code = gguf.source_digest(attention.__file__, lean.__file__, runner.__file__, packing.__file__, norms.__file__,
                                   q4.SOURCE, q4.__file__, q6.__file__, q8.__file__, linear.__file__, step_ops.SOURCE,
                                   __file__)
-        key = json.dumps(["v1", what, machine_key(), ceiling, str(model.dtype), torch.__version__,
+        key = json.dumps(["v2", what, machine_key(), ceiling, str(model.dtype), torch.__version__,
                           transformers.__version__, code])
         path = cache / hashlib.sha256(key.encode()).hexdigest()[:16]
         try:
-            return tuple(json.loads(path.read_text()))
-        except (OSError, ValueError, TypeError):
+            kept = json.loads(path.read_text())
+            return Verdict(tuple(int(c) for c in kept["counts"]), int(kept["widest"]))
+        except (OSError, ValueError, TypeError, KeyError):
             pass
-    counts = probe(model_steps(model), ceiling)
+    verdict = probe(model_steps(model), ceiling)
     if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(list(counts)))
+            path.write_text(json.dumps({"counts": list(verdict.counts), "widest": verdict.widest}))
         except OSError:  # a read-only cache only costs the probe next time
             pass
-    return counts
+    return verdict

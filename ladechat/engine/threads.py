@@ -82,21 +82,30 @@ class CpuThreads:
         self.clock = clock
         self.threads = self.ceiling
         self.counts = tuple(range(1, self.ceiling + 1))
+        self.widest: int | None = None  # steps of more rows run on the ceiling (None: any step may not)
         if counts is not None:
             self.restrict(counts)
         self.others = 0.0  # cores the rest of the machine used over the last interval
         self.last = sample()
 
-    def restrict(self, counts: tuple[int, ...]) -> None:
-        """Set only these thread counts (the ceiling's own among them): those whose steps give the
-        ceiling's bits (thread_probe.py)."""
+    def restrict(self, counts: tuple[int, ...], widest: int | None = None) -> None:
+        """Set only these thread counts (the ceiling's own among them): those whose steps of up to
+        `widest` rows (None: any) give the ceiling's bits (thread_probe.py); wider steps run on the
+        ceiling."""
         if self.ceiling not in counts:
             raise ValueError(f"the counts {counts} must include the ceiling, {self.ceiling}")
         self.counts = tuple(sorted(c for c in counts if 1 <= c <= self.ceiling))
+        self.widest = widest
 
-    def adjust(self) -> int:
+    def adjust(self, rows: int | None = None) -> int:
         """Look at the machine if the last look is `interval_s` old, and set the thread count for
-        the steps that follow; returns it."""
+        the steps that follow (for a step of `rows` rows, if given); returns it."""
+        if rows is not None and self.widest is not None and rows > self.widest:
+            if self.get_threads() != self.ceiling:  # a step wider than the probe's: the ceiling's bits
+                self.set_threads(self.ceiling)
+            return self.ceiling
+        if self.get_threads() != self.threads:  # after a wide step
+            self.set_threads(self.threads)
         if self.ceiling == 1 or self.clock() - self.last.wall < self.interval_s:
             return self.threads
         now = self.sample()

@@ -318,11 +318,11 @@ def _governed(threads: CpuThreads | None, model, name: str, source: str, gguf_fi
         origin = (str(gguf_file.resolve()), gguf_file.stat().st_size) if gguf_file is not None else None
         what = [str(folder.resolve()), files, origin, quantized.weight_layout(model)]
     with progress("checking which thread counts give the same results") if progress else nullcontext():
-        counts = thread_probe.cached_counts(model, what, threads.ceiling,
-                                            cache_root() / "thread-probe" if what is not None else None)
-    if len(counts) < 2:
+        verdict = thread_probe.cached_verdict(model, what, threads.ceiling,
+                                              cache_root() / "thread-probe" if what is not None else None)
+    if len(verdict.counts) < 2:
         return None
-    threads.restrict(counts)
+    threads.restrict(verdict.counts, verdict.widest)
     return threads
 
 
