@@ -234,3 +234,26 @@ def test_a_q4_k_m_like_layout_runs_every_tensor_at_its_own_bits_and_lookahead_an
         answers[name] = (list(done.text_tokens), done.stats)
     assert answers["lookahead"][0] == answers["plain"][0] and len(answers["plain"][0]) == 48
     assert sum(n for k, n in answers["lookahead"][1].accepted_histogram.items() if k >= 2) > 0
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+def test_the_librarys_tiles_are_the_layouts_from_the_blocks(kernel, kind, monkeypatch):
+    """blocks.cpp's gguf_tiles (a model's first use) makes from a tensor's blocks the very bytes that
+    q4.layout / q4.layout_k / q6.layout make from the decoded codes; the rows reordered (llama.cpp's
+    q and k) give the reordered layout; and _kernel_form's two paths give the same buffers."""
+    from test_int4 import random_blocks as random_q4_blocks
+
+    for rows, cols, seed in ((16, 256, 0), (48, 512, 1), (32, 1024, 2)):
+        data = random_blocks(rows, cols, seed) if kind == "Q6_K" else random_q4_blocks(kind, rows, cols, seed)
+        if kind == "Q6_K":
+            codes, scales, _ = (torch.from_numpy(p) for p in q6.decode(data, rows, cols))
+            python = q6.layout(codes, scales, torch.ones(rows, cols // 256))[0]
+        else:
+            python = q4.tiles_of(torch.from_numpy(q4.decode_compact(kind, data, rows, cols)[0]))
+        assert torch.equal(q4.gguf_tiles(kind, data, rows, cols), python)
+        order = np.random.default_rng(seed).permutation(rows)
+        tiled = quantized._kernel_form(kind, data, rows, cols, lambda o=order: o)
+        with monkeypatch.context() as patch:
+            patch.setattr(q4, "loaded", lambda: False)  # the numpy path, as where the library is not built
+            plain = quantized._kernel_form(kind, data, rows, cols, lambda o=order: o)
+        assert tiled.keys() == plain.keys() and all(torch.equal(tiled[k], plain[k]) for k in tiled)

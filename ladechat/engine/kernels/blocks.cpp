@@ -12,6 +12,7 @@
 //   q8_mm  Q8_0: w = scale * q, a code q in -128..127 per weight, an fp32 scale per 32 weights
 //   q6_mm  Q6_K: w = d * sc * (q - 32), a code q in 0..63 per weight, an int8 sc per 16 weights and
 //          an fp32 d per 256 weights along a row (the file's own bits: ~0.83 bytes a weight)
+//   gguf_tiles  a GGUF tensor's Q4_0 / Q4_1 / Q4_K / Q6_K blocks -> the codes' tiles below (at load)
 //
 // Why: torch's int4 kernel widens every code to floats for every 4 rows and multiplies in fp32
 // (its vectorized path takes bf16 activations), and a float kernel for Q8_0 spends a multiply-add
@@ -806,7 +807,87 @@ at::Tensor q6_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
 
 }  // namespace
 
+// -- a GGUF's blocks into the tiles above, at a model's first use ---------------------------------
+//
+// The same bytes q4.layout / q4.layout_k / q6.layout make from decoded codes (tests/test_q4.py and
+// test_q6.py compare them), straight from the file's blocks: numpy's reshapes took most of a 7B's
+// first use. The scales, lows and d stay numpy's (a 32nd of the bytes).
+
+namespace {
+
+enum BlockKind : int64_t { Q4_0 = 0, Q4_1 = 1, Q4_K = 2, Q6_K = 3 };
+
+// The 32 codes of group g of a row's blocks (`row`: the row's bytes), in input order.
+void group_codes(const uint8_t* row, int64_t kind, int64_t g, uint8_t* q) {
+  if (kind == Q4_0 || kind == Q4_1) {  // a block per group: fp16 d (and m), 16 bytes of nibbles
+    const uint8_t* qs = row + g * (kind == Q4_0 ? 18 : 20) + (kind == Q4_0 ? 2 : 4);
+    for (int l = 0; l < 16; ++l) {
+      q[l] = qs[l] & 0x0F;
+      q[l + 16] = qs[l] >> 4;
+    }
+  } else if (kind == Q4_K) {  // 144 bytes per 256 weights; chunk c of 32 bytes: groups 2c (low), 2c + 1 (high)
+    const int64_t sub = g % Q6_SUPER;
+    const uint8_t* qs = row + (g / Q6_SUPER) * 144 + 16 + 32 * (sub / 2);
+    const int shift = 4 * (sub % 2);
+    for (int l = 0; l < 32; ++l) q[l] = (qs[l] >> shift) & 0x0F;
+  } else {  // Q6_K: 210 bytes per 256 weights: ql[128], qh[64], 16 int8 scales, fp16 d
+    const uint8_t* block = row + (g / Q6_SUPER) * 210;
+    const int64_t first = (g % Q6_SUPER) * GROUP;  // of the block's 256
+    for (int l = 0; l < 32; ++l) {
+      const int64_t w = first + l, half = w / 128, m = (w % 128) / 32, k = w % 32;
+      const uint8_t low = block[half * 64 + (m % 2) * 32 + k];
+      const uint8_t nibble = m < 2 ? (low & 0x0F) : (low >> 4);
+      const uint8_t top = (block[128 + half * 32 + k] >> (2 * m)) & 3;
+      q[l] = nibble | (top << 4);
+    }
+  }
+}
+
+at::Tensor gguf_tiles(const at::Tensor& data, int64_t kind, int64_t rows, int64_t cols) {
+  TORCH_CHECK(kind >= Q4_0 && kind <= Q6_K, "gguf_tiles: unknown block kind");
+  const int64_t weights = kind == Q4_0 || kind == Q4_1 ? 32 : 256;
+  const int64_t bytes = kind == Q4_0 ? 18 : kind == Q4_1 ? 20 : kind == Q4_K ? 144 : 210;
+  TORCH_CHECK(data.dim() == 2 && data.scalar_type() == at::kByte && data.is_contiguous() && data.device().is_cpu()
+              && rows % OUT == 0 && cols % weights == 0 && data.size(0) == rows && data.size(1) == cols / weights * bytes,
+              "gguf_tiles: the blocks must be (rows, bytes a row) uint8, contiguous, rows a multiple of 16");
+  const int64_t tiles = rows / OUT, groups = cols / GROUP, tile_bytes = kind == Q6_K ? Q6_TILE : Q4_TILE;
+  at::Tensor out = at::empty({tiles, groups, tile_bytes}, data.options());
+  const uint8_t* in = data.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t row_bytes = data.size(1);
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    uint8_t q[OUT][GROUP];
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t g = 0; g < groups; ++g) {
+        for (int j = 0; j < OUT; ++j) group_codes(in + (t * OUT + j) * row_bytes, kind, g, q[j]);
+        uint8_t* tile = dst + (t * groups + g) * tile_bytes;
+        for (int p = 0; p < 4; ++p)
+          for (int j = 0; j < OUT; ++j)
+            for (int i = 0; i < 4; ++i)
+              tile[64 * p + 4 * j + i] = (q[j][4 * p + i] & 0x0F) | ((q[j][4 * (p + 4) + i] & 0x0F) << 4);
+        if (kind != Q6_K) continue;
+        for (int v = 0; v < 2; ++v)
+          for (int j = 0; j < OUT; ++j)
+            for (int i = 0; i < 4; ++i) {
+              uint8_t packed = 0;
+              for (int p = 0; p < 4; ++p) packed |= (q[j][4 * (4 * v + p) + i] >> 4) << (2 * p);
+              tile[Q4_TILE + 64 * v + 4 * j + i] = packed;
+            }
+        for (int h = 0; h < 2; ++h)
+          for (int j = 0; j < OUT; ++j) {
+            const uint8_t* block = in + (t * OUT + j) * row_bytes + (g / Q6_SUPER) * 210;
+            tile[Q4_TILE + 128 + 16 * h + j] = block[192 + 2 * (g % Q6_SUPER) + h];
+          }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
 TORCH_LIBRARY(ladechat_blocks, m) {
+  m.def("gguf_tiles(Tensor data, int kind, int rows, int cols) -> Tensor", &gguf_tiles);
   m.def("q4_mm(Tensor x, Tensor codes, Tensor scales, Tensor lows, int path) -> Tensor", &q4_mm);
   m.def("q8_mm(Tensor x, Tensor codes, Tensor scales, Tensor sums, int path) -> Tensor", &q8_mm);
   m.def("q6_mm(Tensor x, Tensor codes, Tensor d, int path) -> Tensor", &q6_mm);

@@ -73,9 +73,14 @@ def layout(codes: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor) -> tup
     """codes (N, K) uint8 in 0..15, scales and lows (N, K / 32) -> the kernel's tiles
     (N / 16, K / 32, 256) uint8 and scales, lows (N / 16, K / 32, 16), fp16 where both are fp16
     (the compact form), else fp32 (blocks.cpp draws the tile)."""
+    return tiles_of(codes), *layout_scales(scales, lows)
+
+
+def layout_scales(scales: torch.Tensor, lows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """layout()'s scales and lows."""
     half = scales.dtype == torch.float16 and lows.dtype == torch.float16
     dtype = torch.float16 if half else torch.float32
-    return tiles_of(codes), per_tile(scales, dtype), per_tile(lows, dtype)
+    return per_tile(scales, dtype), per_tile(lows, dtype)
 
 
 def layout_k(codes: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor,
@@ -87,9 +92,15 @@ def layout_k(codes: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Te
     if cols % (GROUP * SUPER):
         raise ValueError(f"a {rows}x{cols} weight does not fit the Q4_K form (input features a multiple of "
                          f"{GROUP * SUPER})")
+    return tiles_of(codes), *layout_k_scales(sc, m, d, dmin)
+
+
+def layout_k_scales(sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """layout_k()'s scales and lows."""
     sub = torch.cat([per_tile(sc, torch.uint8), per_tile(m, torch.uint8)], dim=2)
     supers = torch.cat([per_tile(d, torch.float32), per_tile(-dmin.float(), torch.float32)], dim=2)
-    return tiles_of(codes), sub.contiguous(), supers.contiguous()
+    return sub.contiguous(), supers.contiguous()
 
 
 def tiles_of(codes: torch.Tensor) -> torch.Tensor:
@@ -177,31 +188,60 @@ def decode_compact(kind: str, data: np.ndarray, rows: int, cols: int) -> tuple[n
     Q4_0 and Q4_1: (q, scale, low), the scale and low (rows, cols / 32) fp16 (fp32 where Q4_0's -8 d
     leaves fp16's range); Q4_K: (q, sc, m, d, dmin), sc and m (rows, cols / 32) uint8, d and dmin
     (rows, cols / 256) fp32; q as decode()'s."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    blocks = _blocks(kind, data, rows, cols)
+    if kind == "Q4_K":
+        # 4 chunks of 32 bytes: the low nibbles are sub-block 2j, the high ones 2j + 1
+        qs = blocks[..., 16:].reshape(-1, 4, 1, 32)
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(rows, cols)
+    else:
+        q = _nibbles(blocks[..., 2 if kind == "Q4_0" else 4:]).reshape(rows, cols)
+    return q, *compact_scales(kind, data, rows, cols)
+
+
+def compact_scales(kind: str, data: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, ...]:
+    """decode_compact's parts but the codes: what q4.layout / q4.layout_k take beside the tiles
+    (gguf_tiles makes those from the blocks)."""
     from gguf.quants import Q4_K
+
+    blocks = _blocks(kind, data, rows, cols)
+    if kind == "Q4_0":
+        d = _f16(blocks, 0).reshape(rows, cols // GROUP)
+        low = -8 * d
+        dtype = np.float16 if (np.abs(low) <= np.finfo(np.float16).max).all() else np.float32  # else past fp16's range
+        return d.astype(dtype), low.astype(dtype)
+    if kind == "Q4_1":
+        return tuple(_f16(blocks, at).reshape(rows, cols // GROUP).astype(np.float16) for at in (0, 2))
+    d, dmin = _f16(blocks, 0).reshape(rows, -1), _f16(blocks, 2).reshape(rows, -1)
+    sc, m = Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(-1, 12))
+    return (sc.reshape(rows, -1).astype(np.uint8), m.reshape(rows, -1).astype(np.uint8),
+            d.astype(np.float32), dmin.astype(np.float32))
+
+
+def _blocks(kind: str, data: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """A tensor's bytes (rows, bytes a row) as (rows, blocks, bytes a block); Q4Error where they do
+    not make a rows x cols weight of `kind`."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     if kind not in KINDS:
         raise Q4Error(f"{kind} has no exact 4-bit form (only {', '.join(KINDS)})")
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
     if cols % block or data.shape != (rows, cols // block * size):
         raise Q4Error(f"{kind} blocks of {data.shape[-1]} bytes a row do not make {rows}x{cols} weights")
-    blocks = np.asarray(data, dtype=np.uint8).reshape(rows, cols // block, size)
-    if kind == "Q4_0":
-        d = _f16(blocks, 0).reshape(rows, cols // GROUP)
-        low = -8 * d
-        dtype = np.float16 if (np.abs(low) <= np.finfo(np.float16).max).all() else np.float32  # else past fp16's range
-        return _nibbles(blocks[..., 2:]).reshape(rows, cols), d.astype(dtype), low.astype(dtype)
-    if kind == "Q4_1":
-        return _nibbles(blocks[..., 4:]).reshape(rows, cols), *(_f16(blocks, at).reshape(rows, cols // GROUP)
-                                                                 .astype(np.float16) for at in (0, 2))
-    n = rows * (cols // block)
-    d, dmin = _f16(blocks, 0).reshape(rows, -1), _f16(blocks, 2).reshape(rows, -1)
-    sc, m = Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(n, 12))
-    # 4 chunks of 32 bytes: the low nibbles are sub-block 2j, the high ones 2j + 1
-    qs = blocks[..., 16:].reshape(n, 4, 1, 32)
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(rows, cols)
-    return (q, sc.reshape(rows, -1).astype(np.uint8), m.reshape(rows, -1).astype(np.uint8),
-            d.astype(np.float32), dmin.astype(np.float32))
+    return np.asarray(data, dtype=np.uint8).reshape(rows, cols // block, size)
+
+
+TILED_KINDS = {"Q4_0": 0, "Q4_1": 1, "Q4_K": 2, "Q6_K": 3}  # blocks.cpp's gguf_tiles takes these
+
+
+def gguf_tiles(kind: str, data: np.ndarray, rows: int, cols: int) -> torch.Tensor:
+    """The kernel's tiles of a tensor's blocks (rows, bytes a row) of a TILED_KINDS kind, by the
+    library's gguf_tiles (loaded: load()): layout()'s / q6.layout()'s tiles, without the codes."""
+    import warnings
+
+    with warnings.catch_warnings():  # the file's mapped pages are read-only, and gguf_tiles only reads them
+        warnings.simplefilter("ignore", UserWarning)
+        blocks = torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8))
+    return torch.ops.ladechat_blocks.gguf_tiles(blocks, TILED_KINDS[kind], rows, cols)
 
 
 class Q4Linear(BlockLinear):

@@ -38,10 +38,8 @@ def decode(data: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarr
     """Q6_K blocks (rows, bytes per row) -> codes (rows, cols) uint8 in 0..63, scales sc (rows,
     cols / 16) int8 and d (rows, cols / 256) float32, with w = d * sc * (code - 32) the weight
     `gguf.dequantize` gives (exactly)."""
-    if cols % SUPER or data.shape != (rows, cols // SUPER * BLOCK_BYTES):
-        raise Q6Error(f"Q6_K blocks of {data.shape[-1]} bytes a row do not make {rows}x{cols} weights")
-    n = rows * (cols // SUPER)
-    blocks = np.asarray(data, dtype=np.uint8).reshape(n, BLOCK_BYTES)
+    blocks = _blocks(data, rows, cols)
+    n = blocks.shape[0]
     # a block's two halves of 128 weights: 64 bytes of nibbles (l and l + 32) and 32 bytes of top bits
     low = blocks[:, :128].reshape(n, 2, 2, 32)
     top = blocks[:, 128:192].reshape(n, 2, 1, 32)
@@ -49,8 +47,19 @@ def decode(data: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarr
     tops = (top >> (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]) & 3
     codes = (nibbles | (tops << 4)).reshape(rows, cols)
     scales = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).reshape(rows, cols // 16)
-    d = np.ascontiguousarray(blocks[:, 208:210]).view(np.float16).astype(np.float32).reshape(rows, cols // SUPER)
-    return codes, scales, d
+    return codes, scales, d_of(data, rows, cols)
+
+
+def d_of(data: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """decode()'s d alone (q4.gguf_tiles makes the tiles of the codes and scales)."""
+    blocks = _blocks(data, rows, cols)
+    return np.ascontiguousarray(blocks[:, 208:210]).view(np.float16).astype(np.float32).reshape(rows, cols // SUPER)
+
+
+def _blocks(data: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    if cols % SUPER or data.shape != (rows, cols // SUPER * BLOCK_BYTES):
+        raise Q6Error(f"Q6_K blocks of {data.shape[-1]} bytes a row do not make {rows}x{cols} weights")
+    return np.asarray(data, dtype=np.uint8).reshape(rows * (cols // SUPER), BLOCK_BYTES)
 
 
 def check_shape(rows: int, cols: int) -> None:

@@ -119,6 +119,8 @@ def _release(reader, tensor) -> None:
 def _kernel_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of) -> dict[str, torch.Tensor]:
     """A tensor's blocks in its kernel's layout, its rows in the model's order (order_of(): the GGUF
     row of each, or None when loading does more than reorder them)."""
+    if kind in q4.TILED_KINDS and q4.loaded():
+        return _tiled_form(kind, data, rows, cols, order_of)
     if kind == "Q6_K":
         q6.check_shape(rows, cols)
         parts = q6.decode(data, rows, cols)
@@ -144,6 +146,30 @@ def _kernel_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of) ->
     if kind == "Q8_0":
         return dict(zip(q8.BUFFERS, q8.kernel_layout(*parts), strict=True))
     return dict(zip(q4.BUFFERS, (q4.layout_k if kind == "Q4_K" else q4.layout)(*parts), strict=True))
+
+
+def _tiled_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of) -> dict[str, torch.Tensor]:
+    """_kernel_form's result, the tiles made by the library (q4.gguf_tiles) from the blocks, their
+    rows first put in the model's order."""
+    if kind == "Q6_K":
+        q6.check_shape(rows, cols)
+        parts = [q6.d_of(data, rows, cols)]
+    else:
+        check_shape(rows, cols)
+        parts = list(q4.compact_scales(kind, data, rows, cols))
+    if not all(np.isfinite(part).all() for part in parts if part.dtype.kind == "f"):
+        raise Int4Error("some of its scales are not finite numbers (a corrupt block)")
+    order = order_of()
+    if order is None:
+        raise Int4Error("its rows are transformed on loading, not only reordered")
+    if not np.array_equal(order, np.arange(rows)):  # llama.cpp's q and k
+        data, parts = np.asarray(data)[order], [part[order] for part in parts]
+    tiles = q4.gguf_tiles(kind, data, rows, cols)
+    parts = [torch.from_numpy(np.ascontiguousarray(part)) for part in parts]
+    if kind == "Q6_K":
+        return dict(zip(q6.BUFFERS, (tiles, q4.per_tile(parts[0])), strict=True))
+    scales = q4.layout_k_scales(*parts) if kind == "Q4_K" else q4.layout_scales(*parts)
+    return dict(zip(q4.BUFFERS, (tiles, *scales), strict=True))
 
 
 @dataclass(frozen=True)
