@@ -256,4 +256,5 @@ def test_the_librarys_tiles_are_the_layouts_from_the_blocks(kernel, kind, monkey
         with monkeypatch.context() as patch:
             patch.setattr(q4, "loaded", lambda: False)  # the numpy path, as where the library is not built
             plain = quantized._kernel_form(kind, data, rows, cols, lambda o=order: o)
-        assert tiled.keys() == plain.keys() and all(torch.equal(tiled[k], plain[k]) for k in tiled)
+        assert tiled.keys() == plain.keys()
+        assert all(tiled[k].dtype == plain[k].dtype and torch.equal(tiled[k], plain[k]) for k in tiled)

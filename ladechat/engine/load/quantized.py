@@ -49,21 +49,19 @@ def cache_path(folder: Path) -> Path:
     return Path(folder) / f"{CACHE_PREFIX}{source_digest(__file__, q4.__file__, q6.__file__, q8.__file__)}.safetensors"
 
 
-def read_gguf(gguf_path: Path, model) -> tuple[dict[str, torch.Tensor], list[str], dict[str, str]]:
+def read_gguf(gguf_path: Path, model, folder: Path) -> tuple[dict[str, torch.Tensor], list[str], dict[str, str]]:
     """The kernels' form of every Q4_0/Q4_1/Q4_K/Q6_K/Q8_0 tensor of `gguf_path` that is a plain
     Linear weight of `model` (built from the file's config, its weights empty or not), a Q8_0 output
     layer aside: ({module.buffer: q4.layout's tiles/scales/lows, q6.layout's tiles/d or
     q8.kernel_layout's tiles/scales/sums}, notices, {module: block type}). A tensor
     that cannot run so keeps its dense weight, with a notice when that is a surprise (a corrupt
     block, rows transformed on loading), none for the types that have no kernel."""
-    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
-
     from ladechat.engine.load import gguf as gguf_files
 
+    index = gguf_files.tensor_index(model, gguf_path, folder)  # its names: transformers' map takes seconds
     reader = gguf_files.read(gguf_path)
-    arch = str(reader.fields["general.architecture"].contents())
-    processor = gguf_files.tensor_processor(arch, model.config.to_dict())
-    names = get_gguf_hf_weights_map(model, processor)
+    processor = gguf_files.tensor_processor(index["arch"], model.config.to_dict())
+    names = {where["name"]: name for name, where in index["tensors"].items()}
     arrays: dict[str, torch.Tensor] = {}
     kinds: dict[str, str] = {}
     notices: list[str] = []
@@ -165,11 +163,25 @@ def _tiled_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of) -> 
     if not np.array_equal(order, np.arange(rows)):  # llama.cpp's q and k
         data, parts = np.asarray(data)[order], [part[order] for part in parts]
     tiles = q4.gguf_tiles(kind, data, rows, cols)
-    parts = [torch.from_numpy(np.ascontiguousarray(part)) for part in parts]
+    # the per-tile forms of q4.per_tile in numpy: torch's copies wait at a barrier per small tensor
+    # on a busy machine, and these are ~200 tensors of a few MB
+    tiled = [_per_tile(part) for part in parts]
     if kind == "Q6_K":
-        return dict(zip(q6.BUFFERS, (tiles, q4.per_tile(parts[0])), strict=True))
-    scales = q4.layout_k_scales(*parts) if kind == "Q4_K" else q4.layout_scales(*parts)
-    return dict(zip(q4.BUFFERS, (tiles, *scales), strict=True))
+        scales = (tiled[0].astype(np.float32),)
+    elif kind == "Q4_K":
+        sc, m, d, dmin = tiled
+        scales = (np.concatenate([sc, m], axis=2), np.concatenate([d, -dmin], axis=2).astype(np.float32))
+    else:
+        half = all(part.dtype == np.float16 for part in tiled)
+        scales = tuple(part.astype(np.float16 if half else np.float32) for part in tiled)
+    buffers = q6.BUFFERS if kind == "Q6_K" else q4.BUFFERS
+    return dict(zip(buffers, (tiles, *(torch.from_numpy(np.ascontiguousarray(part)) for part in scales)), strict=True))
+
+
+def _per_tile(values: np.ndarray) -> np.ndarray:
+    """q4.per_tile: per-row values (N, G) -> (N / 16, G, 16)."""
+    rows, groups = values.shape
+    return np.ascontiguousarray(values.reshape(rows // q4.OUT, q4.OUT, groups).transpose(0, 2, 1))
 
 
 @dataclass(frozen=True)
@@ -188,8 +200,8 @@ def apply(model, gguf_path: Path, folder: Path, kernels: Path | None,
     blocks by a q6.Q6Linear or q8.Q8Linear where ladechat's kernel runs (else they stay dense). The first time reads the
     GGUF (seconds) and keeps the 4-bit form in `folder`. A file that cannot be read leaves the
     model as it is, with a one-line notice."""
+    from ladechat.engine.load import gguf as gguf_files
     from ladechat.engine.load import kept
-    from ladechat.engine.load.gguf import keep_beside
 
     kernel_notices, path_here = _kernel(gguf_path, kernels, progress, compiler)
     path = cache_path(folder)
@@ -198,14 +210,14 @@ def apply(model, gguf_path: Path, folder: Path, kernels: Path | None,
             else nullcontext()
         with status:
             try:
-                arrays, notices, kinds = read_gguf(Path(gguf_path), model)
+                arrays, notices, kinds = read_gguf(Path(gguf_path), model, Path(folder))
                 arrays = q4.join_in_place(arrays)  # q/k/v and gate/up kept together: one product each in a step
-            except (ValueError, KeyError, IndexError, OSError, EOFError) as exc:
+            except (ValueError, KeyError, IndexError, OSError, EOFError, gguf_files.BadGGUF) as exc:
                 detail = " ".join(str(exc).split()) or type(exc).__name__
                 notice = f"cannot read the 4-bit blocks of {Path(gguf_path).name} ({detail}); running its dense weights"
                 return Applied(0, (), (notice,))
             meta = {"notices": json.dumps(notices), "kinds": json.dumps(kinds)}
-            keep_beside(path, arrays, meta, f"{CACHE_PREFIX}*.safetensors")  # a read-only cache: read again next time
+            gguf_files.keep_beside(path, arrays, meta, f"{CACHE_PREFIX}*.safetensors")  # a read-only cache: read again next time
             # what was kept, from memory (read back, it would be in memory twice for a while)
             return _replace(model, q4.KeptReader(arrays.__getitem__, arrays, model), kinds, notices, path_here,
                             kernel_notices)
