@@ -11,6 +11,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
+from rich.text import Text
 
 from ladechat.backends.base import Backend, interrupt
 from ladechat.backends.pending import LoadFailed, PendingBot
@@ -64,6 +65,7 @@ class ChatApp:
         self.err = err
         self.totals = Totals()
         self.last_stats: Stats | None = None  # of this conversation's last answer (/context)
+        self.last_thinking = ""  # the last answer's <think> text (/thinking), never in the conversation
         self.attached: list[str] = []  # files read with /read, for the next message
         self.log = log
         self.pending_settings: dict | None = None  # a reopened chat's, put in once the model has loaded
@@ -114,6 +116,7 @@ class ChatApp:
         interrupted = stats is None or stats.finish_reason == "interrupted"
         self.conversation.messages.append({"role": "assistant", "content": printer.text,
                                            "interrupted": interrupted})
+        self.last_thinking = printer.thinking.strip("\n")
         printer.finish(complete=not interrupted)
         if stats is not None:
             if self.bot.stats_reported:
@@ -298,6 +301,10 @@ class ChatApp:
                 self.ask(text)
         elif cmd.name == "/context":
             self.info(context_line(self.last_stats))
+        elif cmd.name == "/thinking":
+            if not self.last_thinking:
+                raise commands.CommandError("the last answer had no thinking (<think>...</think>) to show")
+            self.out.print(Text(self.last_thinking, style="dim"), highlight=False, soft_wrap=True)
         elif cmd.name == "/system":
             self._start_over(cmd.arg or None)
             self.info("system prompt set; new conversation" if cmd.arg else "system prompt removed; new conversation")
@@ -369,7 +376,7 @@ class ChatApp:
     def _start_over(self, system: str | None) -> None:
         """A new conversation: what belonged to the old one (its last answer's figures, files read
         for its next message) goes with it."""
-        self.last_stats, self.attached = None, []
+        self.last_stats, self.attached, self.last_thinking = None, [], ""
         self.conversation = Conversation(system=system)
         if self.log is not None:
             self.log.start_over()

@@ -25,6 +25,7 @@ HELP = f"""\
 /show                 current settings
 /stats                session totals per mode: tokens, steps, tokens/step, tok/s
 /context              how much of the model's context the conversation holds (--ctx sets it)
+/thinking             the last answer's reasoning (<think>...</think>), folded to one line once the answer ends
 /debug on|off         per-step acceptance and a per-turn statistics panel
 /markdown on|off      redraw finished answers with code blocks, lists or headings as Markdown
 /read PATH [TEXT]     put a text file into the next message, or with TEXT into this one (Tab completes paths)
@@ -41,7 +42,7 @@ HELP = f"""\
 Input: Enter sends; Alt+Enter (or Esc then Enter) adds a new line; a message that starts with
 \"\"\" continues until a line that ends with \"\"\". Ctrl-C stops an answer or clears the line."""
 
-COMMANDS = ("/help", "/lookahead", "/store", "/set", "/show", "/stats", "/context", "/read", "/edit", "/copy", "/debug", "/markdown", "/system", "/clear",
+COMMANDS = ("/help", "/lookahead", "/store", "/set", "/show", "/stats", "/context", "/thinking", "/read", "/edit", "/copy", "/debug", "/markdown", "/system", "/clear",
             "/undo", "/retry", "/save", "/load", "/history", "/exit", "/quit")
 
 NULLABLE = {"seed": ("none", "random"), "template": ("none",)}  # what `/set KEY=...` takes for unset

@@ -35,6 +35,7 @@ class StreamPrinter:
         self.hide_thinking = hide_thinking
         self.split = ThinkingSplitter()  # a reasoning model's <think>...</think>: shown dim, or not at all
         self.shown = ""  # exactly what went to the screen, to know how many rows it covers
+        self.answer_shown = Text()  # the answer's part of it, styled as shown (for a redraw)
 
     @property
     def text(self) -> str:
@@ -61,6 +62,8 @@ class StreamPrinter:
         text = Text(piece, style=f"{style} {GUESSED_STYLE}".strip() if parallel else style)
         self.out.print(text, end="", soft_wrap=True, highlight=False)
         self.shown += text.plain
+        if not thought:
+            self.answer_shown.append_text(text)
 
     def _debug_line(self, step: Step, spelled: tuple[str, ...]) -> None:
         """The step's summary, and each token as the model's tokenizer spells it (a star: a
@@ -70,29 +73,40 @@ class StreamPrinter:
                        f"{step.seconds * 1000:.0f} ms{escape(tokens)}[/]", highlight=False)
 
     def finish(self, complete: bool = True) -> None:
-        """End the answer's line; redraw a complete answer as rendered Markdown where that helps.
+        """End the answer's line; redraw a complete answer where that helps: its thinking folded
+        to one line (/thinking shows it), and with block-level Markdown, rendered.
 
         The stream itself is plain text (re-rendering Markdown on every step would make it
-        flicker and lose the highlighting), so a finished answer with block-level Markdown is
-        erased and printed once more, rendered, if it is still entirely on the screen. Not with
-        --debug (stderr lines are interleaved) and only on a terminal.
+        flicker and lose the highlighting), so a finished answer is erased and printed once more
+        if it is still entirely on the screen. Not with --debug (stderr lines are interleaved)
+        and only on a terminal.
         """
         for thought, text in self.split.flush():
             self._show(text, False, thought)
         rows = screen_rows(self.shown, self.out.size.width)
-        redraw = (complete and self.markdown and not self.debug and self.out.is_terminal
-                  and MARKDOWN_BLOCKS.search(self.shown) is not None and rows < self.out.size.height)
-        if not redraw:
+        on_screen = complete and not self.debug and self.out.is_terminal and rows < self.out.size.height
+        thought = bool(self.thinking.strip()) and not self.hide_thinking
+        render = self.markdown and MARKDOWN_BLOCKS.search(self.text) is not None
+        if not (on_screen and (thought or render)):
             self.out.print()
             return
         codes = [(ControlType.CARRIAGE_RETURN,), (ControlType.ERASE_IN_LINE, 2)]
         codes += [(ControlType.CURSOR_UP, 1), (ControlType.ERASE_IN_LINE, 2)] * (rows - 1)
         self.out.control(Control(*codes))
+        if thought:
+            self.out.print(Text(folded(self.thinking), style="dim"), highlight=False)
+        if not render:
+            self.out.print(self.answer_shown, highlight=False, soft_wrap=True)
+            return
         from rich.markdown import Markdown  # markdown-it and pygments: only for an answer that has blocks
 
-        if self.thinking.strip() and not self.hide_thinking:  # the thinking stays above the answer, dim
-            self.out.print(Text(self.thinking.strip("\n"), style="dim"))
         self.out.print(Markdown(self.text.strip("\n")))
+
+
+def folded(thinking: str) -> str:
+    """The one line a finished answer's thinking folds to."""
+    words = len(thinking.split())
+    return f"[thought for {words} word{'s' if words != 1 else ''}: /thinking shows it]"
 
 
 def screen_rows(text: str, width: int) -> int:
