@@ -229,16 +229,30 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = LOOKAHE
 
     err = stderr_console()
     log, reopen = _chat_log(history, continue_, resume, err)
-    run_chat = partial(run_chat, log=log, reopen=reopen)
+    keep = _keep_alive(keep_alive)
+    given = _setting_flags(ctx.params)
+
+    def switch(name: str):
+        """/model NAME: the bot of another model, opened as this chat's was (--api, keep-alive or here)."""
+        before = ctx.params["model"]
+        ctx.params["model"] = name
+        try:
+            if api is not None:
+                return _remote_bot(ctx, api, api_key)
+            if keep != 0:
+                return _warm_bot(ctx, keep, err, _spinner(err), print_notices=True)
+            return open_bot(ctx.params, given, _spinner(err))[1]
+        finally:
+            ctx.params["model"] = before
+
+    run_chat = partial(run_chat, log=log, reopen=reopen, switch=switch)
     if api is not None:
         run_chat(_remote_bot(ctx, api, api_key), system=system, debug=debug, markdown=markdown, hide_thinking=hide_thinking, out=stdout_console(),
                  err=err)
         return
     from ladechat.backends.pending import LoadFailed, PendingBot
 
-    given = _setting_flags(ctx.params)
     settings_for(given)  # every flag checked before the (slow) model load
-    keep = _keep_alive(keep_alive)
     load = lambda progress: open_bot(ctx.params, given, progress)[1]
     if keep != 0:  # the model in a local server that keeps it loaded for the next commands
         warm = _warm_bot(ctx, keep, err)  # one that holds it already

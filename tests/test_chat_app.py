@@ -195,3 +195,33 @@ def test_store_command_toggles_and_clears_the_store(tmp_path):
     app.command("/set store=off")  # /set reaches it too
     app.ask("not stored")
     assert not app.bot.settings.store and list_stores(tmp_path)[0].answers == 1
+
+
+def test_model_command_keeps_the_old_model_when_the_new_one_cannot_be_opened():
+    from ladechat.errors import UserError
+
+    app, err = tiny_chat()
+    app.ask("hi")
+    old = app.bot
+    other = Bot(tiny_loaded(512), Settings(window=2, ngram=3, candidates=1, max_new_tokens=4))
+    opened = {"missing": UserError("model folder not found: missing"), "huge": MemoryError()}
+
+    def switch(name):
+        if name in opened:
+            raise opened[name]
+        return other
+
+    app.switch = switch
+    app.command("/model missing")
+    app.command("/model huge")
+    assert error_lines(err) == [
+        f"error: /model missing: model folder not found: missing; the chat goes on with {old.describe()}",
+        f"error: /model huge: not enough memory to load it; the chat goes on with {old.describe()}"]
+    assert app.bot is old
+    app.command("/model other")
+    assert app.bot is other and "now answering with" in err.getvalue().splitlines()[-1]
+    app.ask("and now?")
+    assert [m["role"] for m in app.conversation.messages] == ["user", "assistant"] * 2
+    app.switch = None
+    app.command("/model x")
+    assert error_lines(err)[-1] == "error: /model: this chat cannot open another model"

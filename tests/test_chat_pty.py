@@ -347,3 +347,26 @@ def test_a_killed_chat_is_kept_listed_printed_and_continued(tmp_path):
                              timeout=PATIENCE_S)
     expected = "ladechat: error: no chat number 7: there are 1 (see: ladechat history)\n"
     assert (missing.returncode, missing.stderr) == (1, expected)
+
+
+def test_model_switches_the_model_and_keeps_the_conversation(tmp_path):
+    """/model opens another model as the chat opened its own; the conversation goes on with it,
+    and one that cannot be opened is one line, the old model answering on."""
+    from test_cli import tiny_model_folder
+    from transformers import AutoTokenizer
+
+    from ladechat.engine.load import gguf
+
+    folder = tmp_path / "tiny"
+    tiny_model_folder(folder, AutoTokenizer.from_pretrained(gguf.ensure_prepared(gguf.embedded_gguf())))
+    child = spawn(tmp_path)
+    say(child, "What is the capital of France?", "tokens/step")
+    say(child, "/model /no/such/folder", r"error: /model /no/such/folder: model folder not found: /no/such/folder; "
+                                         r"the chat goes on with SmolLM2")
+    say(child, "/model", "model SmolLM2")
+    say(child, f"/model {folder}", r"now answering with .*tiny.*; the conversation \(2 messages\) goes on")
+    say(child, "And of Germany?", "tokens/step")
+    data = saved_messages(child, tmp_path / "c.json", 4)
+    assert data["model"].endswith("tiny") and [m["role"] for m in data["messages"]] == ["user", "assistant"] * 2
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)

@@ -7,6 +7,7 @@ import shlex
 import signal
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -54,9 +55,12 @@ class Totals:
 
 class ChatApp:
     def __init__(self, bot: Backend, system: str | None, debug: bool, out: Console, err: Console,
-                 markdown: bool = True, hide_thinking: bool = False, log: ChatLog | None = None) -> None:
-        """log: where the chat is kept as it goes (None: --no-history)."""
+                 markdown: bool = True, hide_thinking: bool = False, log: ChatLog | None = None,
+                 switch: Callable[[str], Backend] | None = None) -> None:
+        """log: where the chat is kept as it goes (None: --no-history); switch(name): another
+        model's bot, opened as this one was (/model; UserError when it cannot be)."""
         self.bot = bot
+        self.switch = switch
         self.conversation = Conversation(system=system)
         self.debug = debug
         self.markdown = markdown
@@ -320,7 +324,26 @@ class ChatApp:
             self.last_stats = None
         elif cmd.name == "/history":
             self._history(cmd.arg)
+        elif cmd.name == "/model":
+            self._model(cmd.arg)
         return True
+
+    def _model(self, name: str) -> None:
+        """/model: the model answering; /model NAME|PATH: another one answers from now on, the
+        conversation going on in its template. A model that cannot be opened leaves this one."""
+        if not name:
+            self.info(f"model {self.bot.describe()} (/model NAME|PATH answers with another)")
+            return
+        if self.switch is None:
+            raise commands.CommandError("/model: this chat cannot open another model")
+        try:
+            bot = self.switch(name)
+        except (UserError, MemoryError) as exc:
+            why = str(exc) if isinstance(exc, UserError) else "not enough memory to load it"
+            raise commands.CommandError(f"/model {name}: {why}; the chat goes on with {self.bot.describe()}") from None
+        self.bot, self.last_stats = bot, None  # the old model goes with its last reference
+        self.info(f"now answering with {bot.describe()}; the conversation ({len(self.conversation.messages)} "
+                  "messages) goes on in its template, with the command line's settings")
 
     def _store(self, arg: str) -> None:
         if arg.lower() == "clear":
@@ -421,7 +444,7 @@ HISTORY_SHOWN = 20  # kept chats /history lists
 
 
 def _chat_completer(commands_completer):
-    """The commands' names, and after `/read ` the paths of files."""
+    """The commands' names, and after `/read ` and `/model ` the paths of files."""
     from prompt_toolkit.completion import Completer, PathCompleter
     from prompt_toolkit.document import Document
 
@@ -430,8 +453,8 @@ def _chat_completer(commands_completer):
     class ChatCompleter(Completer):
         def get_completions(self, document, complete_event):
             before = document.text_before_cursor
-            if before.startswith("/read ") and " " not in before[len("/read "):]:
-                typed = before[len("/read "):]
+            command, _, typed = before.partition(" ")
+            if command in ("/read", "/model") and _ and " " not in typed:
                 yield from paths.get_completions(Document(typed, len(typed)), complete_event)
             else:
                 yield from commands_completer.get_completions(document, complete_event)
@@ -510,12 +533,15 @@ def _load_watch(bot: Backend) -> dict:
 
 
 def run_chat(bot: Backend, system: str | None, debug: bool, out: Console, err: Console, markdown: bool = True,
-             hide_thinking: bool = False, log: ChatLog | None = None, reopen: Path | None = None) -> None:
-    """log: where the chat is kept (None: not kept); reopen: a kept chat to go on with."""
+             hide_thinking: bool = False, log: ChatLog | None = None, reopen: Path | None = None,
+             switch: Callable[[str], Backend] | None = None) -> None:
+    """log: where the chat is kept (None: not kept); reopen: a kept chat to go on with; switch: for
+    /model (ChatApp)."""
     interactive = sys.stdin.isatty()
     if isinstance(bot, PendingBot) and not interactive:
         bot = bot.bot()  # a script gains nothing from an early prompt, and a failed load is its error at once
-    app = ChatApp(bot, system, debug, out, err, markdown=markdown, hide_thinking=hide_thinking, log=log)
+    app = ChatApp(bot, system, debug, out, err, markdown=markdown, hide_thinking=hide_thinking, log=log,
+                  switch=switch)
     err.print(_banner(bot), highlight=False)
     if reopen is not None:
         app.reopen(reopen)

@@ -23,6 +23,7 @@ HELP = f"""\
 /set KEY=VALUE ...    change settings, e.g. /set w=3 temperature=0.7 (seed=none: random); keys:
 {_set_keys()}
 /show                 current settings
+/model [NAME|PATH]    the model answering; with a name, id, folder or .gguf: another answers from now on
 /stats                session totals per mode: tokens, steps, tokens/step, tok/s
 /context              how much of the model's context the conversation holds (--ctx sets it)
 /thinking             the last answer's reasoning (<think>...</think>), folded to one line once the answer ends
@@ -42,7 +43,7 @@ HELP = f"""\
 Input: Enter sends; Alt+Enter (or Esc then Enter) adds a new line; a message that starts with
 \"\"\" continues until a line that ends with \"\"\". Ctrl-C stops an answer or clears the line."""
 
-COMMANDS = ("/help", "/lookahead", "/store", "/set", "/show", "/stats", "/context", "/thinking", "/read", "/edit", "/copy", "/debug", "/markdown", "/system", "/clear",
+COMMANDS = ("/help", "/lookahead", "/store", "/set", "/show", "/model", "/stats", "/context", "/thinking", "/read", "/edit", "/copy", "/debug", "/markdown", "/system", "/clear",
             "/undo", "/retry", "/save", "/load", "/history", "/exit", "/quit")
 
 NULLABLE = {"seed": ("none", "random"), "template": ("none",)}  # what `/set KEY=...` takes for unset
