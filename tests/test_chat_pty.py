@@ -334,6 +334,16 @@ def test_a_killed_chat_is_kept_listed_printed_and_continued(tmp_path):
     roles = [m["role"] for m in json.loads(history("1", "--json"))["messages"]]
     assert roles == ["user", "assistant"] * 3
 
+    child = pexpect.spawn(ladechat_bin(), ["--resume", "--max-new-tokens", "8"], env=env, encoding="utf-8",
+                          timeout=120, dimensions=(40, 200))
+    child.expect(r"  1  .* 6 messages .*What is the capital of France\?")
+    child.expect_exact("open which chat (number or id; Enter: a new chat)? ")
+    child.sendline("1")
+    child.expect(rf"reopened chat {listing[0].split()[3]}: 6 messages, the last 4 below")
+    child.expect(PROMPT)
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+
     child = spawn(tmp_path, args=["--no-history"])
     say(child, "/history", "chats are not kept in this session")
     say(child, "Hello?", "tokens/step")

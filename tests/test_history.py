@@ -99,6 +99,7 @@ def test_messages_dropped_for_the_context_stay_in_the_kept_chat(tmp_path):
 
 def test_reopened_chat_goes_on_in_its_file_with_its_settings(tmp_path):
     app, _ = kept_chat(tmp_path)
+    app.command("/system Answer in French.")
     app.ask("remember me")
     app.command("/set n=4 temperature=0.5 seed=3")
     app.keep()
@@ -107,6 +108,7 @@ def test_reopened_chat_goes_on_in_its_file_with_its_settings(tmp_path):
     other.reopen(find_chat(tmp_path, "1"))
     assert other.log.path == path and other.bot.settings == app.bot.settings
     assert other.conversation.chat_messages() == app.conversation.chat_messages()
+    assert other.conversation.system == "Answer in French."
     assert f"reopened chat {path.stem}: 2 messages" in err.getvalue()
     other.ask("and now?")
     assert [m["role"] for m in json.loads(path.read_text())["messages"]] == ["user", "assistant"] * 2
