@@ -489,10 +489,13 @@ def test_a_curve_stops_at_the_first_size_past_three_one_row_steps(monkeypatch):
     timed = fake_steps(monkeypatch, lambda rows: 0.001 * (1 + 0.25 * rows))  # 3x the first at 10.25 rows
     curve = measure(model, SIZES, 16, reps=5)
     assert AFFORDABLE == 3.0 and list(curve) == [1, 2, 4, 8, 12]  # 12 is the first past: measured, the last
-    assert timed == [1, 2, 4, 8, 12] * 6  # a warm-up round and five
+    assert timed == [1, 1, 2, 2, 4, 4, 8, 8, 12, 12] + [1, 2, 4, 8, 12] * 5  # a warm-up round (each twice), five
+    spells = iter([0.001, 0.001, 0.009, 0.0011] + [0.001] * 1000)  # a busy spell in size 2's first step
+    timed = fake_steps(monkeypatch, lambda rows: next(spells))
+    assert list(measure(model, SIZES, 16, reps=1)) == list(SIZES)  # not cut short by it
     timed = fake_steps(monkeypatch, lambda rows: SLOW_STEP_S * 2 * (1 + rows))
     curve = measure(model, SIZES, 16, reps=5)
-    assert list(curve) == [1, 2, 4, 8] and timed == [1, 2, 4, 8] * (1 + SLOW_REPS)
+    assert list(curve) == [1, 2, 4, 8] and timed == [1, 1, 2, 2, 4, 4, 8, 8] + [1, 2, 4, 8] * SLOW_REPS
     timed = fake_steps(monkeypatch, lambda rows: 0.001)  # flat: every size
     assert list(measure(model, SIZES, 16, reps=1)) == list(SIZES)
     timed = fake_steps(monkeypatch, lambda rows: 0.001 * rows)
