@@ -52,3 +52,4 @@ def test_an_id_past_the_table_is_an_error_not_a_read_past_it():
         embedding(torch.tensor([ROWS]))
     with pytest.raises(IndexError, match="out of range"):
         embedding(torch.tensor([-1]))
+

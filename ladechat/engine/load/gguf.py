@@ -146,7 +146,7 @@ def unsupported_architecture(gguf: Path) -> str:
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
     try:
-        arch = repr(str(read(gguf).fields["general.architecture"].contents()))
+        arch = repr(read(gguf).arch)
     except (ValueError, KeyError, IndexError, EOFError, struct.error):
         arch = "(unnamed)"
     # what transformers configures and gguf-py names the tensors of, decoder-only
@@ -187,12 +187,12 @@ def _prepare(gguf: Path, target: Path) -> None:
 
 @functools.lru_cache(maxsize=1)
 def reader(gguf: Path, size: int, mtime_ns: int):
-    """gguf-py's reader of `gguf` (its metadata parsed: seconds for a large vocabulary), shared by
-    the first load's readers of one file (the tensor index, the 4-bit and Q8_0 blocks); size and
+    """The header of `gguf` (header.Header: its metadata's single values, its tensor table), shared
+    by the first load's readers of one file (the tensor index, the 4-bit and Q8_0 blocks); size and
     mtime_ns key it to the file as it is. A load ends with reader.cache_clear()."""
-    from gguf import GGUFReader
+    from ladechat.engine.load.header import read_header
 
-    return GGUFReader(gguf)
+    return read_header(gguf)
 
 
 def read(gguf: Path):
@@ -238,13 +238,15 @@ def tensor_index(model, gguf: Path, folder: Path) -> dict:
         pass
     from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
+    import numpy as np
+
     try:
         file = read(gguf)
-        arch = str(file.fields["general.architecture"].contents())
+        arch = file.arch
         processor = tensor_processor(arch, model.config.to_dict())
         names = get_gguf_hf_weights_map(model, processor)
-        tensors = {names[t.name]: {"name": t.name, "type": int(t.tensor_type), "offset": int(t.data_offset),
-                                   "shape": [int(n) for n in t.data.shape], "dtype": t.data.dtype.str}
+        tensors = {names[t.name]: {"name": t.name, "type": int(t.tensor_type), "offset": t.data_offset,
+                                   "shape": list(t.shape), "dtype": np.dtype(t.dtype).str}
                    for t in file.tensors if t.name in names}
     except NotImplementedError:  # gguf-py names no tensors for the architecture
         raise BadGGUF(unsupported_architecture(gguf)) from None

@@ -2,10 +2,9 @@
 Q4_0, Q4_1 and Q4_K (q4.py, or torch's int4 kernel where no compiler builds ladechat's: int4.py),
 Q6_K (q6.py) and Q8_0 (q8.py; a Q8_0 output layer is head.py's).
 
-Each tensor is read from the file as it is (the `gguf` package's reader, memory-mapped, no
-dequantized copy) in the precision the file holds it, its rows in the model's own order (llama.cpp
-permutes the rows of q and k, and transformers' GGUF tensor processor says how), and the file's
-pages are dropped once read. Everything else (norms, attention, the residual stream) stays in the
+Each tensor is read from the file as it is (a memory map of its bytes, header.py, unmapped once
+read; no dequantized copy) in the precision the file holds it, its rows in the model's own order
+(llama.cpp permutes the rows of q and k, and transformers' GGUF tensor processor says how). Everything else (norms, attention, the residual stream) stays in the
 model's dtype, and tensors of other types (Q5, F16) keep the path they had: dense, packed for
 oneDNN where that applies.
 
@@ -94,24 +93,7 @@ def read_gguf(gguf_path: Path, model, folder: Path) -> tuple[dict[str, torch.Ten
             continue
         arrays.update({f"{module_name}.{buffer}": value for buffer, value in buffers.items()})
         kinds[module_name] = kind
-        _release(reader, tensor)
     return arrays, notices, kinds
-
-
-def _release(reader, tensor) -> None:
-    """Drop the file's pages of a tensor that has been read from this process's memory (the file
-    stays mapped and in the page cache; a 7B file would otherwise be resident whole, on top of its
-    kernel layout)."""
-    import mmap
-
-    mapped = getattr(reader.data, "_mmap", None)
-    if mapped is None or not hasattr(mmap, "MADV_DONTNEED"):
-        return
-    start = tensor.data_offset - tensor.data_offset % mmap.PAGESIZE
-    try:
-        mapped.madvise(mmap.MADV_DONTNEED, start, tensor.data_offset + tensor.n_bytes - start)
-    except (OSError, ValueError):  # a mapping that does not take the advice: its pages stay
-        pass
 
 
 def _kernel_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of) -> dict[str, torch.Tensor]:
