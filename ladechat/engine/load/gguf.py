@@ -236,9 +236,8 @@ def tensor_index(model, gguf: Path, folder: Path) -> dict:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         pass
-    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
-
     import numpy as np
+    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
     try:
         file = read(gguf)
