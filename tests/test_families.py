@@ -164,3 +164,23 @@ def test_a_family_that_cannot_be_built_is_one_line_naming_it(tmp_path, arch):
     with pytest.raises(LoadError, match=rf"{arch}.gguf is a model of architecture '{arch}', which ladechat cannot "
                                         r"build from a GGUF \(it builds: .*llama.*qwen2"):
         load(LoadSpec(model=str(path), dtype="float32", device="cpu"))
+
+
+@pytest.mark.parametrize("arch", sorted(CLASSES) + ["llama"])
+def test_the_weights_map_is_transformers_own(arch, tmp_path):
+    """gguf.weights_map (one name map, milliseconds) maps every tensor as transformers'
+    get_gguf_hf_weights_map (a name map per module, seconds at 7B) does."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
+
+    from ladechat.engine.load import gguf as gguf_files
+
+    path = gguf_files.embedded_gguf() if arch == "llama" else write_family(arch, tmp_path / f"{arch}.gguf", False)
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config)
+    file_arch = gguf_files.read(path).arch
+    processor = gguf_files.tensor_processor(file_arch, model.config.to_dict())
+    ours = gguf_files.weights_map(model, processor, file_arch)
+    assert ours and ours == get_gguf_hf_weights_map(model, gguf_files.tensor_processor(file_arch, model.config.to_dict()))

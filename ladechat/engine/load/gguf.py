@@ -237,13 +237,12 @@ def tensor_index(model, gguf: Path, folder: Path) -> dict:
     except (OSError, ValueError):
         pass
     import numpy as np
-    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
     try:
         file = read(gguf)
         arch = file.arch
         processor = tensor_processor(arch, model.config.to_dict())
-        names = get_gguf_hf_weights_map(model, processor)
+        names = weights_map(model, processor, arch)
         tensors = {names[t.name]: {"name": t.name, "type": int(t.tensor_type), "offset": t.data_offset,
                                    "shape": list(t.shape), "dtype": np.dtype(t.dtype).str}
                    for t in file.tensors if t.name in names}
@@ -258,6 +257,42 @@ def tensor_index(model, gguf: Path, folder: Path) -> dict:
     except OSError:  # a read-only cache: found again next time
         pass
     return index
+
+
+def weights_map(model, processor, arch: str) -> dict[str, str]:
+    """{GGUF tensor name: the model's parameter or buffer name}, as transformers'
+    get_gguf_hf_weights_map finds it: each module's own names (relative to it, through the tensor
+    processor's preprocess_name and fallback) looked up in gguf-py's name map of the file's
+    architecture, modules in the order of a depth-first walk, the first module that names a tensor
+    keeping it. Built with one name map where transformers builds one per module (seconds at 7B).
+    NotImplementedError where gguf-py does not name the architecture's tensors."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    key = next((k for k, name in MODEL_ARCH_NAMES.items() if name == arch), None)
+    if key is None:
+        raise NotImplementedError(f"gguf-py names no tensors of architecture {arch!r}")
+    name_map = get_tensor_name_map(key, model.config.num_hidden_layers)
+    keys = list(model.state_dict())
+    found: dict[str, str] = {}
+    for prefix, _ in model.named_modules(remove_duplicate=False):
+        qual = f"{prefix}." if prefix else ""
+        own: dict[str, str] = {}  # this module's: a later name overwrites, as in transformers
+        for full in keys:
+            if not full.startswith(qual):
+                continue
+            hf_name = processor.preprocess_name(full[len(qual):])
+            name, suffix = hf_name, ""
+            if hf_name.endswith((".weight", ".bias")):
+                name, suffix = hf_name.rsplit(".", 1)
+                suffix = "." + suffix
+            gguf_name = name_map.get_name(name)
+            if gguf_name is None:
+                processor.perform_fallback_tensor_mapping(own, suffix, qual, hf_name)
+                continue
+            own[gguf_name + suffix] = qual + hf_name
+        for gguf_name, hf_name in own.items():
+            found.setdefault(gguf_name, hf_name)
+    return found
 
 
 def read_tensors(model, gguf: Path, index: dict, dtype, device, wanted: set[str],
