@@ -817,30 +817,47 @@ namespace {
 
 enum BlockKind : int64_t { Q4_0 = 0, Q4_1 = 1, Q4_K = 2, Q6_K = 3 };
 
-// The 32 codes of group g of a row's blocks (`row`: the row's bytes), in input order.
-void group_codes(const uint8_t* row, int64_t kind, int64_t g, uint8_t* q) {
-  if (kind == Q4_0 || kind == Q4_1) {  // a block per group: fp16 d (and m), 16 bytes of nibbles
-    const uint8_t* qs = row + g * (kind == Q4_0 ? 18 : 20) + (kind == Q4_0 ? 2 : 4);
-    for (int l = 0; l < 16; ++l) {
-      q[l] = qs[l] & 0x0F;
-      q[l + 16] = qs[l] >> 4;
-    }
-  } else if (kind == Q4_K) {  // 144 bytes per 256 weights; chunk c of 32 bytes: groups 2c (low), 2c + 1 (high)
-    const int64_t sub = g % Q6_SUPER;
-    const uint8_t* qs = row + (g / Q6_SUPER) * 144 + 16 + 32 * (sub / 2);
-    const int shift = 4 * (sub % 2);
-    for (int l = 0; l < 32; ++l) q[l] = (qs[l] >> shift) & 0x0F;
-  } else {  // Q6_K: 210 bytes per 256 weights: ql[128], qh[64], 16 int8 scales, fp16 d
-    const uint8_t* block = row + (g / Q6_SUPER) * 210;
-    const int64_t first = (g % Q6_SUPER) * GROUP;  // of the block's 256
-    for (int l = 0; l < 32; ++l) {
-      const int64_t w = first + l, half = w / 128, m = (w % 128) / 32, k = w % 32;
-      const uint8_t low = block[half * 64 + (m % 2) * 32 + k];
-      const uint8_t nibble = m < 2 ? (low & 0x0F) : (low >> 4);
-      const uint8_t top = (block[128 + half * 32 + k] >> (2 * m)) & 3;
-      q[l] = nibble | (top << 4);
-    }
+// Tile bytes 64 p + 4 j .. + 3 for the row `row`, group g: the low 4 bits of the codes of inputs
+// 4 p + i in the low nibbles, of 16 + 4 p + i in the high ones, four bytes at once. Q4_0 and Q4_1
+// hold their nibbles so already; Q4_K's group 2c + h is nibble h of its 32-byte chunk c; Q6_K's
+// group of 32 is nibble m / 2 of the 32 bytes at 64 half + 32 (m % 2) of its ql (weights
+// 128 half + 32 m + l, the layout gguf's dequantize reads).
+inline void tile_word(const uint8_t* row, int64_t kind, int64_t g, int p, uint8_t* out) {
+  constexpr uint32_t LOW = 0x0F0F0F0Fu;
+  if (kind == Q4_0 || kind == Q4_1) {
+    std::memcpy(out, row + g * (kind == Q4_0 ? 18 : 20) + (kind == Q4_0 ? 2 : 4) + 4 * p, 4);
+    return;
   }
+  const int64_t sub = g % Q6_SUPER;
+  const uint8_t* qs;
+  int shift;
+  if (kind == Q4_K) {
+    qs = row + (g / Q6_SUPER) * 144 + 16 + 32 * (sub / 2);
+    shift = 4 * (sub % 2);
+  } else {  // Q6_K's low 4 bits: the 32 weights of group `sub` share their half and quarter m
+    const int64_t half = sub / 4, m = sub % 4;
+    qs = row + (g / Q6_SUPER) * 210 + 64 * half + 32 * (m % 2);
+    shift = 4 * (m / 2);
+  }
+  uint32_t first, second;  // inputs 4 p .. 4 p + 3 and 16 + 4 p ..
+  std::memcpy(&first, qs + 4 * p, 4);
+  std::memcpy(&second, qs + 16 + 4 * p, 4);
+  const uint32_t word = ((first >> shift) & LOW) | (((second >> shift) & LOW) << 4);
+  std::memcpy(out, &word, 4);
+}
+
+// Q6_K tile bytes 256 + 64 v + 4 j .. + 3 for the row `row`, group g: bits 2 p of byte i hold the
+// top 2 bits of input 16 v + 4 p + i.
+inline void q6_top_word(const uint8_t* row, int64_t g, int v, uint8_t* out) {
+  const int64_t sub = g % Q6_SUPER, half = sub / 4, m = sub % 4;
+  const uint8_t* qh = row + (g / Q6_SUPER) * 210 + 128 + 32 * half + 16 * v;
+  uint32_t word = 0;
+  for (int p = 0; p < 4; ++p) {
+    uint32_t top;
+    std::memcpy(&top, qh + 4 * p, 4);
+    word |= ((top >> (2 * m)) & 0x03030303u) << (2 * p);
+  }
+  std::memcpy(out, &word, 4);
 }
 
 at::Tensor gguf_tiles(const at::Tensor& data, int64_t kind, int64_t rows, int64_t cols) {
@@ -856,23 +873,16 @@ at::Tensor gguf_tiles(const at::Tensor& data, int64_t kind, int64_t rows, int64_
   uint8_t* dst = out.data_ptr<uint8_t>();
   const int64_t row_bytes = data.size(1);
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    uint8_t q[OUT][GROUP];
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t g = 0; g < groups; ++g) {
-        for (int j = 0; j < OUT; ++j) group_codes(in + (t * OUT + j) * row_bytes, kind, g, q[j]);
         uint8_t* tile = dst + (t * groups + g) * tile_bytes;
-        for (int p = 0; p < 4; ++p)
-          for (int j = 0; j < OUT; ++j)
-            for (int i = 0; i < 4; ++i)
-              tile[64 * p + 4 * j + i] = (q[j][4 * p + i] & 0x0F) | ((q[j][4 * (p + 4) + i] & 0x0F) << 4);
+        for (int j = 0; j < OUT; ++j) {  // four bytes of output j at a time: a word of the group's codes
+          const uint8_t* row = in + (t * OUT + j) * row_bytes;
+          for (int p = 0; p < 4; ++p) tile_word(row, kind, g, p, tile + 64 * p + 4 * j);
+          if (kind == Q6_K)
+            for (int v = 0; v < 2; ++v) q6_top_word(row, g, v, tile + Q4_TILE + 64 * v + 4 * j);
+        }
         if (kind != Q6_K) continue;
-        for (int v = 0; v < 2; ++v)
-          for (int j = 0; j < OUT; ++j)
-            for (int i = 0; i < 4; ++i) {
-              uint8_t packed = 0;
-              for (int p = 0; p < 4; ++p) packed |= (q[j][4 * (4 * v + p) + i] >> 4) << (2 * p);
-              tile[Q4_TILE + 64 * v + 4 * j + i] = packed;
-            }
         for (int h = 0; h < 2; ++h)
           for (int j = 0; j < OUT; ++j) {
             const uint8_t* block = in + (t * OUT + j) * row_bytes + (g / Q6_SUPER) * 210;
