@@ -82,7 +82,7 @@ class CpuThreads:
         self.clock = clock
         self.threads = self.ceiling
         self.counts = tuple(range(1, self.ceiling + 1))
-        self.widest: int | None = None  # steps of more rows run on the ceiling (None: any step may not)
+        self.widest: int | None = None  # steps of more rows run on the ceiling (None: no such limit)
         if counts is not None:
             self.restrict(counts)
         self.others = 0.0  # cores the rest of the machine used over the last interval
