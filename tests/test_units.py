@@ -500,6 +500,7 @@ def test_a_curve_stops_at_the_first_size_past_three_one_row_steps(monkeypatch):
     assert list(measure(model, SIZES, 16, reps=1)) == list(SIZES)
     timed = fake_steps(monkeypatch, lambda rows: 0.001 * rows)
     assert list(measure(model, (2, 4, 8), 16, reps=1, affordable=None)) == [2, 4, 8]  # exactly these sizes
+    assert timed[-6:] == [2, 4, 8, 2, 4, 8]  # a warm-up step each (nothing to decide from it), then the rep
 
 
 def test_the_longer_context_is_measured_at_the_sizes_of_the_shorter(tmp_path, monkeypatch):

@@ -76,8 +76,8 @@ def measure(model, sizes=SIZES, context: int = 192, reps: int = 5, affordable: f
             ) -> dict[int, float]:
     """Median seconds of one step feeding `s` tokens after `context` cached tokens, per size s: the
     sizes up to the first that costs `affordable` times the first (None: every size), found in a
-    warm-up round (the faster of two steps of each size); SLOW_REPS repetitions where a one-row step
-    is slower than SLOW_STEP_S.
+    warm-up round (the faster of two steps of each size, one where every size is measured); SLOW_REPS
+    repetitions where a one-row step is slower than SLOW_STEP_S.
 
     The sizes take turns (1, 2, 4, ..., then 1, 2, 4, ... again) rather than running each size's
     repetitions back to back: a busy spell of the machine then inflates one repetition of every
@@ -87,8 +87,9 @@ def measure(model, sizes=SIZES, context: int = 192, reps: int = 5, affordable: f
     prefill_random(runner, context)
     layouts = {size: chain(size) for size in sizes}
     warm: dict[int, float] = {}
-    for size in sizes:  # each timed twice, the faster kept: a busy spell must hit both to end the curve early
-        warm[size] = min(time_step(runner, layouts[size], context) for _ in range(2))
+    trials = 1 if affordable is None else 2  # the faster of two: a busy spell must hit both to end the curve early
+    for size in sizes:
+        warm[size] = min(time_step(runner, layouts[size], context) for _ in range(trials))
         if affordable is not None and size > sizes[0] and warm[size] > affordable * warm[sizes[0]]:
             break
     if warm[sizes[0]] > SLOW_STEP_S:
