@@ -809,9 +809,9 @@ at::Tensor q6_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
 
 // -- a GGUF's blocks into the tiles above, at a model's first use ---------------------------------
 //
-// The same bytes q4.layout / q4.layout_k / q6.layout make from decoded codes (tests/test_q4.py and
-// test_q6.py compare them), straight from the file's blocks: numpy's reshapes took most of a 7B's
-// first use. The scales, lows and d stay numpy's (a 32nd of the bytes).
+// The same bytes q4.layout / q4.layout_k / q6.layout make from decoded codes (tests/test_q6.py
+// compares them for every kind), straight from the file's blocks, a word at a time, where numpy
+// decoded every code to a byte and reshaped them. The scales, lows and d stay numpy's (a 32nd of the bytes).
 
 namespace {
 
