@@ -222,7 +222,7 @@ def test_the_first_use_measures_the_step_costs_under_a_progress_message(tmp_path
     loaded = LoadedModel(model, tokenizer, "tiny-llama", torch.device("cpu"), torch.float32, frozenset(), 512)
     assert not loaded.costs_measured()
     opener.bot_for(loaded, Settings(), compile=False, progress=progress)
-    assert shown == ["measuring what a step costs on this machine (one time: seconds, a minute at 7B on 2 cores)"]
+    assert shown == ["measuring what a step costs on this machine (one time: seconds, half a minute for a 7B on 2 cores)"]
     assert measured == [shown[0]] * len(CONTEXTS)  # every curve measured while the message showed
     assert loaded.costs_measured()
     opener.bot_for(loaded, Settings(), compile=False, progress=progress)

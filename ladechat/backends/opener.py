@@ -104,7 +104,7 @@ def bot_for(loaded, settings, compile: bool, progress: Progress, on_model_thread
     from ladechat.paths import cache_root
 
     if not compile and not loaded.costs_measured():  # the first use on this machine (or of this version)
-        with progress("measuring what a step costs on this machine (one time: seconds, a minute at 7B on 2 cores)"):
+        with progress("measuring what a step costs on this machine (one time: seconds, half a minute for a 7B on 2 cores)"):
             loaded.cost_model()
     bot = Bot(loaded, settings, compile=compile, store_root=cache_root())
     if compile:
