@@ -47,11 +47,9 @@ def test_every_question_and_answer_is_in_the_chat_file_as_it_goes(tmp_path):
     assert data["messages"][0]["content"] == "hi there" and data["messages"][1]["content"] == app.conversation.messages[1]["content"]
     assert data["settings"]["W"] == 2 and data["model"] == app.bot.name
     assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
-    app.command("/set w=3")
-    app.keep()  # the chat loop keeps after every command
+    app.command("/set w=3")  # kept after every command
     assert json.loads(path.read_text())["settings"]["W"] == 3
     app.command("/undo")
-    app.keep()
     assert json.loads(path.read_text())["messages"] == []
     assert error_lines(err) == []
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left
@@ -76,7 +74,6 @@ def test_clear_and_load_begin_a_new_chat_file_and_keep_the_old(tmp_path):
     saved = tmp_path / "saved.json"
     app.command(f"/save {saved}")
     app.command(f"/load {saved}")
-    app.keep()
     third = app.log.path
     assert len({first, second, third}) == 3
     assert json.loads(first.read_text())["messages"][0]["content"] == "first chat"
@@ -102,7 +99,6 @@ def test_reopened_chat_goes_on_in_its_file_with_its_settings(tmp_path):
     app.command("/system Answer in French.")
     app.ask("remember me")
     app.command("/set n=4 temperature=0.5 seed=3")
-    app.keep()
     path = app.log.path
     other, err = kept_chat(tmp_path)
     other.reopen(find_chat(tmp_path, "1"))
@@ -122,7 +118,6 @@ def test_history_command_lists_and_opens_kept_chats(tmp_path):
     os.utime(first, (1, 1))  # older
     app.command("/clear")
     app.ask("the second one")
-    app.keep()
     app.command("/history")
     listing = err.getvalue().splitlines()
     assert any(line.startswith("  1  ") and "the second one" in line and "(this chat)" in line for line in listing)

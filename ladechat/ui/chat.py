@@ -247,6 +247,7 @@ class ChatApp:
             msgs.append({"role": "assistant", "content": "", "interrupted": True})
         if self.bot.ready:  # else Ctrl-C stopped the wait for the model: nothing was configured
             self.bot.configure(self.bot.settings)
+        self.keep()
         self.err.print("[yellow]interrupted[/]")
 
     # -- commands -----------------------------------------------------------------------------
@@ -257,7 +258,8 @@ class ChatApp:
         self.err.print(message, highlight=False, markup=False)
 
     def command(self, line: str) -> bool:
-        """Run a slash command; False means leave the chat."""
+        """Run a slash command; False means leave the chat. The chat is kept after it (a command
+        may change the conversation or its settings)."""
         try:
             cmd = commands.parse(line)
             return self._run(cmd)
@@ -265,6 +267,8 @@ class ChatApp:
             self.error(str(exc))
         except OSError as exc:
             self.error(f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
+        finally:
+            self.keep()
         return True
 
     def _run(self, cmd: commands.Command) -> bool:
@@ -587,5 +591,3 @@ def chat_loop(app: ChatApp, read_line) -> None:
             app.interrupted_outside_stream()
         except UserError as exc:  # the commands report their own; this catches what an answer raises
             app.error(str(exc))
-        finally:
-            app.keep()
