@@ -104,21 +104,14 @@ def _kernel_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of) ->
     if kind == "Q6_K":
         q6.check_shape(rows, cols)
         parts = q6.decode(data, rows, cols)
-        finite = np.isfinite(parts[2]).all()
     elif kind == "Q8_0":
         q8.check_shape(rows, cols)
         parts = q8.decode(data, rows, cols)
-        finite = np.isfinite(parts[1]).all()
     else:
         check_shape(rows, cols)
         parts = q4.decode_compact(kind, data, rows, cols)
-        finite = all(np.isfinite(part).all() for part in parts[1:] if part.dtype.kind == "f")
-    if not finite:
-        raise Int4Error("some of its scales are not finite numbers (a corrupt block)")
-    order = order_of()
-    if order is None:
-        raise Int4Error("its rows are transformed on loading, not only reordered")
-    if not np.array_equal(order, np.arange(rows)):  # llama.cpp's q and k; the rest as they are, no copy
+    order = _model_order(parts, rows, order_of)
+    if order is not None:  # the rest as they are, no copy
         parts = [part[order] for part in parts]
     parts = [torch.from_numpy(np.ascontiguousarray(part)) for part in parts]
     if kind == "Q6_K":
@@ -126,6 +119,18 @@ def _kernel_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of) ->
     if kind == "Q8_0":
         return dict(zip(q8.BUFFERS, q8.kernel_layout(*parts), strict=True))
     return dict(zip(q4.BUFFERS, (q4.layout_k if kind == "Q4_K" else q4.layout)(*parts), strict=True))
+
+
+def _model_order(parts, rows: int, order_of) -> np.ndarray | None:
+    """The GGUF row of each of the model's rows where loading reorders them (llama.cpp's q and k),
+    None where it keeps them. Int4Error for a tensor that cannot run on its kernel: scales (the
+    float parts) that are not finite, rows transformed on loading beyond reordering."""
+    if not all(np.isfinite(part).all() for part in parts if part.dtype.kind == "f"):
+        raise Int4Error("some of its scales are not finite numbers (a corrupt block)")
+    order = order_of()
+    if order is None:
+        raise Int4Error("its rows are transformed on loading, not only reordered")
+    return None if np.array_equal(order, np.arange(rows)) else order
 
 
 def _tiled_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of) -> dict[str, torch.Tensor]:
@@ -137,12 +142,8 @@ def _tiled_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of) -> 
     else:
         check_shape(rows, cols)
         parts = list(q4.compact_scales(kind, data, rows, cols))
-    if not all(np.isfinite(part).all() for part in parts if part.dtype.kind == "f"):
-        raise Int4Error("some of its scales are not finite numbers (a corrupt block)")
-    order = order_of()
-    if order is None:
-        raise Int4Error("its rows are transformed on loading, not only reordered")
-    if not np.array_equal(order, np.arange(rows)):  # llama.cpp's q and k
+    order = _model_order(parts, rows, order_of)
+    if order is not None:
         data, parts = np.asarray(data)[order], [part[order] for part in parts]
     tiles = q4.gguf_tiles(kind, data, rows, cols)
     # the per-tile forms of q4.per_tile in numpy: torch's copies wait at a barrier per small tensor
