@@ -46,7 +46,7 @@ def write(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
 def read(path: Path) -> tuple[dict[str, str], list[str], Callable[[str], torch.Tensor]]:
     """(metadata, tensor names, get(name) -> the tensor). The file's data is read whole into one
     allocation (numpy's, which asks the kernel for huge pages: the kernels stream these weights on
-    every step) and every tensor is a view of it: one read, no copy. OSError or ValueError for a
+    every step, and a step on 4 KiB pages is slower) and every tensor is a view of it: one read, no copy. OSError or ValueError for a
     file that is not whole."""
     import numpy as np
 
@@ -56,6 +56,9 @@ def read(path: Path) -> tuple[dict[str, str], list[str], Callable[[str], torch.T
         metadata = header.pop("__metadata__", {}) or {}
         end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
         data = np.empty(end, dtype=np.uint8)
+        # every page touched first, on every thread: read() into huge pages not yet touched faults
+        # them in one at a time inside the kernel's copy, several times slower (docs/lab/benchmarks-log.md)
+        torch.from_numpy(data).zero_()
         if fh.readinto(memoryview(data)) != end:
             raise OSError(f"{Path(path).name} is cut short")
     whole = torch.from_numpy(data)
