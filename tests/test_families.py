@@ -184,3 +184,28 @@ def test_the_weights_map_is_transformers_own(arch, tmp_path):
     processor = gguf_files.tensor_processor(file_arch, model.config.to_dict())
     ours = gguf_files.weights_map(model, processor, file_arch)
     assert ours and ours == get_gguf_hf_weights_map(model, gguf_files.tensor_processor(file_arch, model.config.to_dict()))
+
+
+@pytest.mark.parametrize("arch", sorted(CLASSES) + ["llama"])
+def test_config_and_tokenizer_are_transformers_own_from_one_parse(arch, tmp_path, monkeypatch):
+    """The prepared folder (config, generation config, tokenizer) is byte for byte what transformers
+    writes when it parses the file for the config and again for the tokenizer; it parsed it once."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    from ladechat.engine.load import gguf as gguf_files
+
+    path = gguf_files.embedded_gguf() if arch == "llama" else write_family(arch, tmp_path / f"{arch}.gguf", False)
+    gguf_files._prepare(path, tmp_path / "once")
+    monkeypatch.setattr(gguf_files, "_metadata_parsed_once", __import__("contextlib").nullcontext)
+    parses = []
+    original = gguf_utils.load_gguf_checkpoint
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", lambda *a, **k: parses.append(a) or original(*a, **k))
+    gguf_files._prepare(path, tmp_path / "twice")
+    once = {p.name: p.read_bytes() for p in (tmp_path / "once").iterdir() if p.name != "complete"}
+    twice = {p.name: p.read_bytes() for p in (tmp_path / "twice").iterdir() if p.name != "complete"}
+    assert "config.json" in once and "tokenizer.json" in once and once == twice
+    monkeypatch.undo()
+    parses.clear()
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", lambda *a, **k: parses.append(a) or original(*a, **k))
+    gguf_files._prepare(path, tmp_path / "counted")
+    assert len(parses) <= 1

@@ -17,7 +17,7 @@ import importlib.util
 import shutil
 import struct
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 
 from ladechat.errors import UserError
@@ -168,12 +168,13 @@ def check_header(gguf: Path) -> None:
 def _prepare(gguf: Path, target: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    with _metadata_parsed_once():
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # the weights are read here, not by transformers' GGUF quantizer: a plain config
     config_dict = config.to_dict()
     config_dict.pop("quantization_config", None)
     config = type(config).from_dict(config_dict)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     partial = target.with_name(target.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
@@ -183,6 +184,32 @@ def _prepare(gguf: Path, target: Path) -> None:
     (partial / "complete").write_text(f"read from {gguf}\n")
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)
+
+
+@contextmanager
+def _metadata_parsed_once():
+    """transformers' config and tokenizer each parse the whole GGUF header for the config (with
+    gguf-py's reader: seconds at 7B, for architectures its faster reader does not cover); while
+    this is open the second gets a copy of the first's result."""
+    import copy
+
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    original = gguf_utils.load_gguf_checkpoint
+    parsed: dict = {}
+
+    def load_once(path, return_tensors=False, *args, **kwargs):
+        if return_tensors or args or kwargs:
+            return original(path, return_tensors, *args, **kwargs)
+        if str(path) not in parsed:
+            parsed[str(path)] = original(path, return_tensors=False)
+        return copy.deepcopy(parsed[str(path)])
+
+    gguf_utils.load_gguf_checkpoint = load_once
+    try:
+        yield
+    finally:
+        gguf_utils.load_gguf_checkpoint = original
 
 
 @functools.lru_cache(maxsize=1)
