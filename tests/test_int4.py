@@ -249,7 +249,11 @@ def test_every_4bit_kind_of_a_gguf_runs_at_4_bits_and_the_rest_stays_dense(tiny_
     with torch.no_grad():
         ours, theirs = model(ids).logits, dense(ids).logits
     assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()
-    # the 4-bit form was kept: a second model reads it without the GGUF
+    # the 4-bit form was kept (written in a thread of its own, joined by finish_keeping): a second
+    # model reads it without the GGUF
+    from ladechat.engine.load.gguf import finish_keeping
+
+    finish_keeping()
     cached = list(tmp_path.glob("int4-*.safetensors"))
     assert len(cached) == 1
     again = dense_from_gguf(tiny_gguf)

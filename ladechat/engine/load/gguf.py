@@ -104,6 +104,26 @@ def keep_beside(path: Path, arrays: dict, metadata: dict[str, str], earlier: str
         return False
 
 
+_keeping: list = []  # the threads of keep_beside_meanwhile, joined by finish_keeping
+
+
+def keep_beside_meanwhile(path: Path, arrays: dict, metadata: dict[str, str], earlier: str) -> None:
+    """keep_beside in a thread of its own: a 7B's blocks take seconds to write, which the rest of
+    its first load (the thread probe's steps) hides. The arrays must not change until finish_keeping();
+    the thread is not a daemon, so an exit waits for the file (written whole or not at all)."""
+    import threading
+
+    thread = threading.Thread(target=keep_beside, args=(path, arrays, metadata, earlier), name="ladechat-keep")
+    thread.start()
+    _keeping.append(thread)
+
+
+def finish_keeping() -> None:
+    """Wait for every keep_beside_meanwhile started so far."""
+    while _keeping:
+        _keeping.pop().join()
+
+
 PREPARED = "2"  # the cache folder's format: config and tokenizer only (1 held an fp32 copy of the weights)
 
 

@@ -295,10 +295,13 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
     if layouts and spec.weights != "dense":
         packing.pack(model)
     cap = context_cap(context_length(model.config), spec.context_size)
+    try:
+        governed = _governed(threads, model, name, source, gguf_file, progress)
+    finally:
+        gguf.finish_keeping()  # the blocks kept for later loads, written while the probe ran
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, device=model.device, dtype=model.dtype,
                        eos_ids=eos_ids(model, tokenizer), context_length=cap,
-                       notices=tuple(notices), weights=quantized.describe(model),
-                       threads=_governed(threads, model, name, source, gguf_file, progress))
+                       notices=tuple(notices), weights=quantized.describe(model), threads=governed)
 
 
 def _governed(threads: CpuThreads | None, model, name: str, source: str, gguf_file: Path | None, progress

@@ -200,7 +200,8 @@ def apply(model, gguf_path: Path, folder: Path, kernels: Path | None,
                 notice = f"cannot read the 4-bit blocks of {Path(gguf_path).name} ({detail}); running its dense weights"
                 return Applied(0, (), (notice,))
             meta = {"notices": json.dumps(notices), "kinds": json.dumps(kinds)}
-            gguf_files.keep_beside(path, arrays, meta, f"{CACHE_PREFIX}*.safetensors")  # a read-only cache: read again next time
+            # a read-only cache: read again next time
+            gguf_files.keep_beside_meanwhile(path, arrays, meta, f"{CACHE_PREFIX}*.safetensors")
             # what was kept, from memory (read back, it would be in memory twice for a while)
             return _replace(model, q4.KeptReader(arrays.__getitem__, arrays, model), kinds, notices, path_here,
                             kernel_notices)
