@@ -6,6 +6,7 @@ these weights), and what happens with files and choices it cannot run."""
 
 import json
 import shutil
+import threading
 import subprocess
 import sys
 from pathlib import Path
@@ -510,3 +511,31 @@ def test_dense_and_packed_stay_as_they_were():
         assert packed.weights == "211 packed float32 (oneDNN)"
     # --compile's loads keep every Linear as loaded, whatever --weights says
     assert quantized.weight_layout(load(LoadSpec(dtype="float32", device="cpu", pack_weights=False)).model) == "dense:211"
+
+
+def test_a_ggufs_verdicts_are_kept_once_though_its_blocks_are_written_meanwhile(tmp_path, monkeypatch):
+    """The first load of a GGUF writes its kept blocks in a thread while the mask and thread probes
+    run; those files are the GGUF's own, so the verdicts' keys leave them out: the second load
+    (the blocks now there) finds the first's verdicts rather than probing again."""
+    from ladechat.engine.load import gguf as gguf_files
+
+    user_kernels = cache_root() / "kernels"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    (cache_root()).mkdir(parents=True)
+    (cache_root() / "kernels").symlink_to(user_kernels)  # compiled once for the suite
+    copy = tmp_path / "own.gguf"  # a folder of its own in the cache
+    shutil.copyfile(gguf_files.embedded_gguf(), copy)
+    # the blocks written only once both probes have run, as a 7B's are: deterministic here
+    from ladechat.engine.load import loading
+
+    probed, keep, governed = threading.Event(), gguf_files.keep_beside, loading._governed
+    monkeypatch.setattr(gguf_files, "keep_beside",  # (head.py keeps its small file at once, as before)
+                        lambda *a: (threading.current_thread() is threading.main_thread() or probed.wait()) and keep(*a))
+    monkeypatch.setattr(loading, "_governed", lambda *a: (governed(*a), probed.set())[0])
+    for _ in range(2):
+        load(LoadSpec(model=str(copy), device="cpu"))
+        verdicts = {kind: sorted(p.name for p in (cache_root() / kind).glob("*")) for kind in ("mask-probe", "thread-probe")}
+        if _ == 0:
+            first = verdicts
+    assert len(first["mask-probe"]) == 1 and verdicts == first
+    assert list(gguf_files.prepared_dir(copy).glob("int4-*.safetensors"))

@@ -317,7 +317,7 @@ def _governed(threads: CpuThreads | None, model, name: str, source: str, gguf_fi
     folder = Path(source) if Path(source).is_dir() else None
     what = None
     if folder is not None:  # a model whose files can be named: its verdict is kept
-        files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.iterdir() if f.is_file())
+        files = model_files(folder)
         origin = (str(gguf_file.resolve()), gguf_file.stat().st_size) if gguf_file is not None else None
         what = [str(folder.resolve()), files, origin, quantized.weight_layout(model)]
     with progress("checking which thread counts give the same results") if progress else nullcontext():
@@ -602,6 +602,15 @@ def context_length(config) -> int:
     return int(length)
 
 
+def model_files(folder: Path) -> list[tuple[str, int, int]]:
+    """(name, size, mtime) of the files of a model folder, which key the verdicts kept for it; not
+    the blocks a GGUF's folder keeps for later loads: they are the GGUF's, named by its folder, and
+    are still being written while a first load's probes run (gguf.keep_beside_meanwhile)."""
+    derived = (quantized.CACHE_PREFIX, head.CACHE_PREFIX)
+    return sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.iterdir()
+                  if f.is_file() and not (f.name.startswith(derived) and f.name.endswith((".safetensors", ".partial"))))
+
+
 def honours_tree_mask(model, folder: str | None, attn: str) -> bool:
     """mask_probe(model), remembered for a local model folder: a yes is kept per folder (its files'
     sizes and times), dtype, device type, attention kernel, library versions and our own code that
@@ -617,7 +626,7 @@ def honours_tree_mask(model, folder: str | None, attn: str) -> bool:
     from ladechat.engine import layout
     from ladechat.engine.kernels import attention
 
-    files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in Path(folder).iterdir() if f.is_file())
+    files = model_files(Path(folder))
     key = json.dumps(["v1", str(Path(folder).resolve()), files, str(model.dtype), model.device.type, attn,
                       torch.__version__, transformers.__version__, gguf.source_digest(attention.__file__, layout.__file__)])
     path = cache_root() / "mask-probe" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}"
