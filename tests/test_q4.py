@@ -210,6 +210,16 @@ def test_siblings_are_kept_together_and_multiply_in_one_call_with_the_same_bits(
     assert q4.joint_product([modules["attn.k_proj"], modules["attn.q_proj"]]) is None  # out of order
     modules["attn.v_proj"].bias = torch.nn.Parameter(torch.zeros(32), requires_grad=False)
     assert q4.joint_product([modules[name] for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj")]) is None
+    # tiles laid out one after another in one allocation (a model's first load): joined as a view
+    names = ("attn.q_proj", "attn.k_proj", "attn.v_proj")
+    whole = torch.cat([arrays[f"{name}.tiles"].reshape(-1) for name in names])
+    at, placed = 0, dict(arrays)
+    for name in names:
+        size = arrays[f"{name}.tiles"].numel()
+        placed[f"{name}.tiles"] = whole[at : at + size].view(arrays[f"{name}.tiles"].shape)
+        at += size
+    together = q4.joined(placed)["attn.q_proj+k_proj+v_proj.tiles"]
+    assert together.data_ptr() == whole.data_ptr() and torch.equal(together, kept["attn.q_proj+k_proj+v_proj.tiles"])
     del arrays["attn.v_proj.tiles"]  # a sibling that is not 4-bit: the others are kept apart
     assert "attn.q_proj.tiles" in q4.joined(arrays) and q4.joined(arrays).keys() >= {"mlp.gate_proj+up_proj.tiles"}
 

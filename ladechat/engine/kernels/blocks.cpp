@@ -79,6 +79,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -860,7 +861,10 @@ inline void q6_top_word(const uint8_t* row, int64_t g, int v, uint8_t* out) {
   std::memcpy(out, &word, 4);
 }
 
-at::Tensor gguf_tiles(const at::Tensor& data, int64_t kind, int64_t rows, int64_t cols) {
+// order: the file's row of each output row (llama.cpp's q and k rows are permuted), or none; out:
+// where the tiles go (a part of one allocation for all of a model's tiles), or none for a new tensor.
+at::Tensor gguf_tiles(const at::Tensor& data, int64_t kind, int64_t rows, int64_t cols,
+                      const std::optional<at::Tensor>& order, const std::optional<at::Tensor>& into) {
   TORCH_CHECK(kind >= Q4_0 && kind <= Q6_K, "gguf_tiles: unknown block kind");
   const int64_t weights = kind == Q4_0 || kind == Q4_1 ? 32 : 256;
   const int64_t bytes = kind == Q4_0 ? 18 : kind == Q4_1 ? 20 : kind == Q4_K ? 144 : 210;
@@ -868,16 +872,26 @@ at::Tensor gguf_tiles(const at::Tensor& data, int64_t kind, int64_t rows, int64_
               && rows % OUT == 0 && cols % weights == 0 && data.size(0) == rows && data.size(1) == cols / weights * bytes,
               "gguf_tiles: the blocks must be (rows, bytes a row) uint8, contiguous, rows a multiple of 16");
   const int64_t tiles = rows / OUT, groups = cols / GROUP, tile_bytes = kind == Q6_K ? Q6_TILE : Q4_TILE;
-  at::Tensor out = at::empty({tiles, groups, tile_bytes}, data.options());
+  TORCH_CHECK(!order || (order->scalar_type() == at::kLong && order->dim() == 1 && order->numel() == rows
+                         && order->is_contiguous() && order->device().is_cpu()),
+              "gguf_tiles: the order must be one int64 file row per row");
+  const int64_t* file_row = order ? order->data_ptr<int64_t>() : nullptr;
+  if (file_row)
+    for (int64_t r = 0; r < rows; ++r) TORCH_CHECK(file_row[r] >= 0 && file_row[r] < rows, "gguf_tiles: a row out of range");
+  TORCH_CHECK(!into || (into->scalar_type() == at::kByte && into->is_contiguous() && into->device().is_cpu()
+                        && into->numel() == tiles * groups * tile_bytes),
+              "gguf_tiles: the output must be contiguous uint8 of the tiles' size");
+  at::Tensor out = into ? into->view({tiles, groups, tile_bytes}) : at::empty({tiles, groups, tile_bytes}, data.options());
   const uint8_t* in = data.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   const int64_t row_bytes = data.size(1);
+  const auto source = [&](int64_t r) { return in + (file_row ? file_row[r] : r) * row_bytes; };
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t g = 0; g < groups; ++g) {
         uint8_t* tile = dst + (t * groups + g) * tile_bytes;
         for (int j = 0; j < OUT; ++j) {  // four bytes of output j at a time: a word of the group's codes
-          const uint8_t* row = in + (t * OUT + j) * row_bytes;
+          const uint8_t* row = source(t * OUT + j);
           for (int p = 0; p < 4; ++p) tile_word(row, kind, g, p, tile + 64 * p + 4 * j);
           if (kind == Q6_K)
             for (int v = 0; v < 2; ++v) q6_top_word(row, g, v, tile + Q4_TILE + 64 * v + 4 * j);
@@ -885,7 +899,7 @@ at::Tensor gguf_tiles(const at::Tensor& data, int64_t kind, int64_t rows, int64_
         if (kind != Q6_K) continue;
         for (int h = 0; h < 2; ++h)
           for (int j = 0; j < OUT; ++j) {
-            const uint8_t* block = in + (t * OUT + j) * row_bytes + (g / Q6_SUPER) * 210;
+            const uint8_t* block = source(t * OUT + j) + (g / Q6_SUPER) * 210;
             tile[Q4_TILE + 128 + 16 * h + j] = block[192 + 2 * (g % Q6_SUPER) + h];
           }
       }
@@ -897,7 +911,7 @@ at::Tensor gguf_tiles(const at::Tensor& data, int64_t kind, int64_t rows, int64_
 }  // namespace
 
 TORCH_LIBRARY(ladechat_blocks, m) {
-  m.def("gguf_tiles(Tensor data, int kind, int rows, int cols) -> Tensor", &gguf_tiles);
+  m.def("gguf_tiles(Tensor data, int kind, int rows, int cols, Tensor? order, Tensor(a!)? into) -> Tensor", &gguf_tiles);
   m.def("q4_mm(Tensor x, Tensor codes, Tensor scales, Tensor lows, int path) -> Tensor", &q4_mm);
   m.def("q8_mm(Tensor x, Tensor codes, Tensor scales, Tensor sums, int path) -> Tensor", &q8_mm);
   m.def("q6_mm(Tensor x, Tensor codes, Tensor d, int path) -> Tensor", &q6_mm);

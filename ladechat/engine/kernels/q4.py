@@ -233,15 +233,19 @@ def _blocks(kind: str, data: np.ndarray, rows: int, cols: int) -> np.ndarray:
 TILED_KINDS = {"Q4_0": 0, "Q4_1": 1, "Q4_K": 2, "Q6_K": 3}  # blocks.cpp's gguf_tiles takes these
 
 
-def gguf_tiles(kind: str, data: np.ndarray, rows: int, cols: int) -> torch.Tensor:
+def gguf_tiles(kind: str, data: np.ndarray, rows: int, cols: int, order: np.ndarray | None = None,
+               into: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel's tiles of a tensor's blocks (rows, bytes a row) of a TILED_KINDS kind, by the
-    library's gguf_tiles (loaded: load()): layout()'s / q6.layout()'s tiles, without the codes."""
+    library's gguf_tiles (loaded: load()): layout()'s / q6.layout()'s tiles, without the codes;
+    row r from the blocks' row order[r] where an order is given; written into `into` (uint8, the
+    tiles' size) where given."""
     import warnings
 
     with warnings.catch_warnings():  # the file's mapped pages are read-only, and gguf_tiles only reads them
         warnings.simplefilter("ignore", UserWarning)
         blocks = torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8))
-    return torch.ops.ladechat_blocks.gguf_tiles(blocks, TILED_KINDS[kind], rows, cols)
+    rows_from = None if order is None else torch.from_numpy(np.ascontiguousarray(order, dtype=np.int64))
+    return torch.ops.ladechat_blocks.gguf_tiles(blocks, TILED_KINDS[kind], rows, cols, rows_from, into)
 
 
 class Q4Linear(BlockLinear):
@@ -314,8 +318,20 @@ def join_in_place(arrays: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                    for i in range(len(BUFFERS))):  # not the same inputs, or not the same form
                 continue
             for i, buffer in enumerate(BUFFERS):
-                arrays[_group_key(parent, names, buffer)] = torch.cat([arrays.pop(group[i]) for group in keys])
+                arrays[_group_key(parent, names, buffer)] = _concatenated([arrays.pop(group[i]) for group in keys])
     return arrays
+
+
+def _concatenated(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(parts) along the rows; where they lie one after another in one allocation, as a
+    model's first load lays its tiles out, the view of them all: no copy."""
+    first = parts[0]
+    adjacent = all(p.is_contiguous() and p.dtype == first.dtype and p.shape[1:] == first.shape[1:] for p in parts) \
+        and all(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.data_ptr() + a.nbytes == b.data_ptr()
+                for a, b in zip(parts, parts[1:]))
+    if adjacent:
+        return first.as_strided((sum(p.shape[0] for p in parts), *first.shape[1:]), first.stride())
+    return torch.cat(parts)
 
 
 class KeptReader:

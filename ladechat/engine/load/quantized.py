@@ -72,6 +72,7 @@ def read_gguf(gguf_path: Path, model, folder: Path) -> tuple[dict[str, torch.Ten
         names = {**names, "output.weight": next(key for key, module in model.named_modules() if module is head)
                  + ".weight"}
         by_name["output.weight"] = tied
+    jobs = []  # (tensor, kind, module, rows, cols) in the file's order
     for name, tensor in by_name.items():
         kind = tensor.tensor_type.name
         target = names.get(name, "")
@@ -84,23 +85,53 @@ def read_gguf(gguf_path: Path, model, folder: Path) -> tuple[dict[str, torch.Ten
             continue
         if type(linear) is not torch.nn.Linear or (kind == "Q8_0" and linear is head):  # head.apply takes that
             continue
-        rows, cols = linear.out_features, linear.in_features
+        jobs.append((tensor, kind, module_name, linear.out_features, linear.in_features))
+    places = _tiles_in_one_allocation(jobs)
+    for tensor, kind, module_name, rows, cols in jobs:
         try:
             buffers = _kernel_form(kind, np.asarray(tensor.data), rows, cols,
-                                   lambda: gguf_files.row_order(processor, tensor.name, rows))  # noqa: B023 (called at once)
+                                   lambda: gguf_files.row_order(processor, tensor.name, rows),  # noqa: B023 (called at once)
+                                   places.get(module_name))
         except (Int4Error, q4.Q4Error, q6.Q6Error, q8.Q8Error) as exc:
-            notices.append(f"{name} ({kind}) runs dense: {exc}")
+            notices.append(f"{tensor.name} ({kind}) runs dense: {exc}")
             continue
         arrays.update({f"{module_name}.{buffer}": value for buffer, value in buffers.items()})
         kinds[module_name] = kind
     return arrays, notices, kinds
 
 
-def _kernel_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of) -> dict[str, torch.Tensor]:
+def _tiles_in_one_allocation(jobs) -> dict[str, torch.Tensor]:
+    """{module: where its tiles go}, for the tensors gguf_tiles lays out: parts of one allocation
+    (numpy's, its huge pages touched on every thread first, as kept.read's), each sibling group's
+    (q4.SIBLINGS) one after another, so joining them is a view rather than a copy of gigabytes."""
+    tiled = [(module, kind, rows, cols) for _, kind, module, rows, cols in jobs
+             if kind in q4.TILED_KINDS and rows % q4.OUT == 0 and cols % q4.GROUP == 0]
+    if not tiled or not q4.loaded():
+        return {}
+
+    def placed(job) -> tuple:
+        parent, _, name = job[0].rpartition(".")
+        group = next((i for i, names in enumerate(q4.SIBLINGS) if name in names), len(q4.SIBLINGS))
+        return parent, group, q4.SIBLINGS[group].index(name) if group < len(q4.SIBLINGS) else 0, name
+
+    sizes = {module: rows // q4.OUT * (cols // q4.GROUP) * (q6.TILE_BYTES if kind == "Q6_K" else q4.TILE_BYTES)
+             for module, kind, rows, cols in tiled}
+    whole = torch.from_numpy(np.empty(sum(sizes.values()), dtype=np.uint8))
+    whole.zero_()
+    places, start = {}, 0
+    for module, *_ in sorted(tiled, key=placed):
+        places[module] = whole[start : start + sizes[module]]
+        start += sizes[module]
+    return places
+
+
+def _kernel_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of,
+                 into: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """A tensor's blocks in its kernel's layout, its rows in the model's order (order_of(): the GGUF
-    row of each, or None when loading does more than reorder them)."""
+    row of each, or None when loading does more than reorder them); gguf_tiles' tiles written
+    `into` where given."""
     if kind in q4.TILED_KINDS and q4.loaded():
-        return _tiled_form(kind, data, rows, cols, order_of)
+        return _tiled_form(kind, data, rows, cols, order_of, into)
     if kind == "Q6_K":
         q6.check_shape(rows, cols)
         parts = q6.decode(data, rows, cols)
@@ -133,9 +164,10 @@ def _model_order(parts, rows: int, order_of) -> np.ndarray | None:
     return None if np.array_equal(order, np.arange(rows)) else order
 
 
-def _tiled_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of) -> dict[str, torch.Tensor]:
-    """_kernel_form's result, the tiles made by the library (q4.gguf_tiles) from the blocks, their
-    rows first put in the model's order."""
+def _tiled_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of,
+                into: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """_kernel_form's result, the tiles made by the library (q4.gguf_tiles) from the blocks, in
+    the model's row order."""
     if kind == "Q6_K":
         q6.check_shape(rows, cols)
         parts = [q6.d_of(data, rows, cols)]
@@ -144,8 +176,8 @@ def _tiled_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of) -> 
         parts = list(q4.compact_scales(kind, data, rows, cols))
     order = _model_order(parts, rows, order_of)
     if order is not None:
-        data, parts = np.asarray(data)[order], [part[order] for part in parts]
-    tiles = q4.gguf_tiles(kind, data, rows, cols)
+        parts = [part[order] for part in parts]
+    tiles = q4.gguf_tiles(kind, data, rows, cols, order, into)
     # the per-tile forms of q4.per_tile in numpy: torch's copies wait at a barrier per small tensor
     # on a busy machine, and these are ~200 tensors of a few MB
     tiled = [_per_tile(part) for part in parts]
