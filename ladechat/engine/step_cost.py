@@ -37,7 +37,9 @@ AFFORDABLE = 3.0
 # repetition of every size costs seconds at a model's first use.
 SLOW_STEP_S = 0.05
 SLOW_REPS = 3
-PREFILLED = 32  # tokens prefill_random computes; a longer context repeats their keys and values
+# tokens prefill_random computes; a longer context repeats their keys and values (a step's time
+# depends on how many keys it attends to, not on what they hold: 8 cost a 7B 0.6 s on 2 cores, 32 2 s)
+PREFILLED = 8
 
 
 def time_step(runner, layout: StepLayout, past: int) -> float:
@@ -55,16 +57,16 @@ def time_step(runner, layout: StepLayout, past: int) -> float:
     return seconds
 
 
-def prefill_random(runner, context: int) -> None:
+def prefill_random(runner, context: int, computed: int = PREFILLED) -> None:
     """Fill the runner's cache with `context` positions of random tokens (the same for every call),
-    to time steps after them: PREFILLED computed, the rest their keys and values repeated where the
-    cache allows (kv.repeat_to; a 7B's prefill of 1536 tokens takes a minute on 2 cores), else
-    computed too."""
+    to time steps after them: `computed` of them computed, the rest their keys and values repeated
+    where the cache allows (kv.repeat_to; a 7B's prefill of 1536 tokens takes a minute on 2 cores),
+    else computed too."""
     vocab = runner.model.config.get_text_config().vocab_size
     tokens = torch.randint(0, vocab, (context,), generator=torch.Generator().manual_seed(0)).tolist()
-    runner.prefill(tokens[:PREFILLED], 0, ranked=False)
-    if context > PREFILLED and not kv.repeat_to(runner.cache, context):
-        runner.prefill(tokens[PREFILLED:], PREFILLED, ranked=False)
+    runner.prefill(tokens[:computed], 0, ranked=False)
+    if context > computed and not kv.repeat_to(runner.cache, context):
+        runner.prefill(tokens[computed:], computed, ranked=False)
 
 
 def chain(size: int) -> StepLayout:
