@@ -20,12 +20,22 @@ def _test_cache_home() -> Path:
     it rather than the user's; what is slow to rebuild and never changes an answer (the converted
     embedded model, step-cost curves, mask-probe verdicts, compiled kernels) is linked from the
     user's cache."""
+    from ladechat.engine.load import gguf
+
     user = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ladechat"
     home = Path(tempfile.mkdtemp(prefix="ladechat-test-cache-"))
-    (home / "ladechat").mkdir()
-    for shared in ("models", "step-cost", "mask-probe", "kernels"):
+    (home / "ladechat" / "models").mkdir(parents=True)
+    for shared in ("step-cost", "mask-probe", "kernels"):
         (user / shared).mkdir(parents=True, exist_ok=True)
         (home / "ladechat" / shared).symlink_to(user / shared)
+    # of the models' folders, only the embedded model's: the GGUF files tests write have folders of
+    # their own, which would pile up in the user's cache run after run
+    try:
+        embedded = gguf.prepared_dir(gguf.embedded_gguf())  # the user's, XDG_CACHE_HOME not yet changed
+    except gguf.ModelNotFound:
+        embedded = None
+    if embedded is not None and (embedded / "complete").is_file():
+        (home / "ladechat" / "models" / embedded.name).symlink_to(embedded)
     atexit.register(shutil.rmtree, home, ignore_errors=True)  # removes the links, not what they point to
     return home
 

@@ -513,18 +513,27 @@ def test_dense_and_packed_stay_as_they_were():
     assert quantized.weight_layout(load(LoadSpec(dtype="float32", device="cpu", pack_weights=False)).model) == "dense:211"
 
 
-def test_a_ggufs_verdicts_are_kept_once_though_its_blocks_are_written_meanwhile(tmp_path, monkeypatch):
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch) -> Path:
+    """A copy of the embedded GGUF and a cache folder of its own (the suite's compiled kernels linked)."""
+    from ladechat.engine.load import gguf as gguf_files
+
+    user_kernels = cache_root() / "kernels"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cache_root().mkdir(parents=True)
+    (cache_root() / "kernels").symlink_to(user_kernels)
+    copy = tmp_path / "own.gguf"
+    shutil.copyfile(gguf_files.embedded_gguf(), copy)
+    return copy
+
+
+def test_a_ggufs_verdicts_are_kept_once_though_its_blocks_are_written_meanwhile(own_cache, monkeypatch):
     """The first load of a GGUF writes its kept blocks in a thread while the mask and thread probes
     run; those files are the GGUF's own, so the verdicts' keys leave them out: the second load
     (the blocks now there) finds the first's verdicts rather than probing again."""
     from ladechat.engine.load import gguf as gguf_files
 
-    user_kernels = cache_root() / "kernels"
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    (cache_root()).mkdir(parents=True)
-    (cache_root() / "kernels").symlink_to(user_kernels)  # compiled once for the suite
-    copy = tmp_path / "own.gguf"  # a folder of its own in the cache
-    shutil.copyfile(gguf_files.embedded_gguf(), copy)
+    copy = own_cache
     # the blocks written only once both probes have run, as a 7B's are: deterministic here
     from ladechat.engine.load import loading
 
@@ -539,3 +548,33 @@ def test_a_ggufs_verdicts_are_kept_once_though_its_blocks_are_written_meanwhile(
             first = verdicts
     assert len(first["mask-probe"]) == 1 and verdicts == first
     assert list(gguf_files.prepared_dir(copy).glob("int4-*.safetensors"))
+
+
+def test_blocks_that_cannot_be_kept_are_one_notice_and_the_model_runs(own_cache, monkeypatch):
+    """A cache folder that cannot take the kept blocks (a full disk): the load says so in one notice,
+    leaves no part of the file behind, and the model answers as the GGUF's own."""
+    import errno
+
+    from ladechat.engine.load import gguf as gguf_files
+    from ladechat.engine.load import kept
+
+    copy = own_cache
+    write = kept.write
+
+    def full(path, arrays, metadata):
+        if any(".tiles" in key for key in arrays):  # the 4-bit blocks, not the small output-layer file
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write(path, arrays, metadata)
+
+    monkeypatch.setattr(kept, "write", full)
+    loaded = load(LoadSpec(model=str(copy), device="cpu"))
+    folder = gguf_files.prepared_dir(copy)
+    assert [n for n in loaded.notices if "cannot keep" in n] == [
+        f"cannot keep the kernels' layout in {folder} (No space left on device): the next load reads the GGUF again"]
+    assert not list(folder.glob("int4-*")) and "q4:" in quantized.weight_layout(loaded.model)
+    monkeypatch.setattr(kept, "write", write)
+    again = load(LoadSpec(model=str(copy), device="cpu"))
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        assert torch.equal(loaded.model(ids).logits, again.model(ids).logits)
+    assert list(folder.glob("int4-*.safetensors")) and not any("cannot keep" in n for n in again.notices)

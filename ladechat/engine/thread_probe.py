@@ -83,26 +83,33 @@ def probe(steps: Steps, ceiling: int) -> Verdict:
 def model_steps(model) -> Steps:
     """The model's steps as a chat runs them on a CPU (its default runner): a prompt's prefill,
     then a chain of each size after it (sizes None: STEP_SIZES up to and with the first that costs
-    AFFORDABLE times the first), each step's logits kept."""
+    AFFORDABLE times a one-row step), each step's logits kept."""
     from ladechat.engine.runner import default_runner  # the loader's caller already has it loaded
     from ladechat.engine.step_cost import AFFORDABLE, chain, prefill_random
 
     def steps(sizes: tuple[int, ...] | None) -> tuple[tuple[int, ...], list[torch.Tensor]]:
         runner = default_runner(model)
-        ran, logits, first = [], [], None
+        ran, logits, one_row = [], [], float("inf")
+
+        def timed(size: int) -> tuple[torch.Tensor, float]:
+            start = time.perf_counter()
+            out = runner.step(chain(size), PROMPT_TOKENS).float().clone()
+            seconds = time.perf_counter() - start
+            runner.truncate(PROMPT_TOKENS)
+            return out, seconds
+
         with torch.inference_mode():
             prefill_random(runner, PROMPT_TOKENS, computed=PROMPT_TOKENS)  # a prompt's rows, every one computed
-            if sizes is None:  # a warm-up step: the first after a load pays one-time costs, and it
-                runner.step(chain(1), PROMPT_TOKENS)  # is the one the others are compared with
-                runner.truncate(PROMPT_TOKENS)
+            # A one-row step is timed again before each size and the fastest kept: a first step's
+            # one-time costs, or a spell of load that ends (the kept blocks being written), would
+            # otherwise stretch the probe to sizes no plan affords.
             for size in sizes or STEP_SIZES:
-                start = time.perf_counter()
-                logits.append(runner.step(chain(size), PROMPT_TOKENS).float().clone())
-                seconds = time.perf_counter() - start
-                runner.truncate(PROMPT_TOKENS)
+                if sizes is None:
+                    one_row = min(one_row, timed(1)[1])
+                out, seconds = timed(size)
+                logits.append(out)
                 ran.append(size)
-                first = first or seconds
-                if sizes is None and len(ran) > 1 and seconds > AFFORDABLE * first:
+                if sizes is None and size > 1 and seconds > AFFORDABLE * one_row:
                     break
         return tuple(ran), logits
 

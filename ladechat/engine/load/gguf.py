@@ -78,11 +78,11 @@ def source_digest(*files: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def keep_beside(path: Path, arrays: dict, metadata: dict[str, str], earlier: str) -> bool:
+def keep_beside(path: Path, arrays: dict, metadata: dict[str, str], earlier: str) -> str | None:
     """Write `arrays` (safetensors, with `metadata`) to `path` beside a converted model, after
     removing the files of earlier code that match the glob `earlier`; whole or not at all (written
-    under a name of its own first: another process may be writing its copy). False where the
-    folder cannot be written: the caller reads its source again next time."""
+    under a name of its own first: another process may be writing its copy). Why not, where the
+    folder cannot be written (full, read-only): the caller reads its source again next time."""
     import os
     import tempfile
 
@@ -97,14 +97,14 @@ def keep_beside(path: Path, arrays: dict, metadata: dict[str, str], earlier: str
         partial = Path(name)
         kept.write(partial, arrays, metadata)
         partial.rename(path)
-        return True
-    except OSError:
+        return None
+    except OSError as exc:
         if partial is not None:
             partial.unlink(missing_ok=True)
-        return False
+        return exc.strerror or type(exc).__name__
 
 
-_keeping: list = []  # the threads of keep_beside_meanwhile, joined by finish_keeping
+_keeping: list = []  # (thread, path, {"why": ...}) of keep_beside_meanwhile, joined by finish_keeping
 
 
 def keep_beside_meanwhile(path: Path, arrays: dict, metadata: dict[str, str], earlier: str) -> None:
@@ -113,15 +113,23 @@ def keep_beside_meanwhile(path: Path, arrays: dict, metadata: dict[str, str], ea
     the thread is not a daemon, so an exit waits for the file (written whole or not at all)."""
     import threading
 
-    thread = threading.Thread(target=keep_beside, args=(path, arrays, metadata, earlier), name="ladechat-keep")
+    outcome: dict = {}
+    thread = threading.Thread(target=lambda: outcome.update(why=keep_beside(path, arrays, metadata, earlier)),
+                              name="ladechat-keep")
     thread.start()
-    _keeping.append(thread)
+    _keeping.append((thread, path, outcome))
 
 
-def finish_keeping() -> None:
-    """Wait for every keep_beside_meanwhile started so far."""
+def finish_keeping() -> list[str]:
+    """Wait for every keep_beside_meanwhile started so far; a notice for each file not kept."""
+    notices = []
     while _keeping:
-        _keeping.pop().join()
+        thread, path, outcome = _keeping.pop()
+        thread.join()
+        if outcome.get("why"):
+            notices.append(f"cannot keep the kernels' layout in {path.parent} ({outcome['why']}): "
+                           "the next load reads the GGUF again")
+    return notices
 
 
 PREPARED = "2"  # the cache folder's format: config and tokenizer only (1 held an fp32 copy of the weights)

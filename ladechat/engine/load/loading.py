@@ -298,7 +298,7 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
     try:
         governed = _governed(threads, model, name, source, gguf_file, progress)
     finally:
-        gguf.finish_keeping()  # the blocks kept for later loads, written while the probe ran
+        notices.extend(gguf.finish_keeping())  # the blocks kept for later loads, written while the probe ran
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, device=model.device, dtype=model.dtype,
                        eos_ids=eos_ids(model, tokenizer), context_length=cap,
                        notices=tuple(notices), weights=quantized.describe(model), threads=governed)
