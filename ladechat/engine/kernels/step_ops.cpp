@@ -18,6 +18,11 @@
 //                           argmax picks); NaN above every number, as torch.topk ranks it.
 //   keep_rows               a step's accepted rows moved down in every layer's keys and values
 //                           (kv.commit_kv), one call for the whole cache.
+//   attend                  attention row by row (attention.py's row-wise kernel, where the weights
+//                           are a GGUF's blocks): each query row over the keys its mask lets it see,
+//                           in one fixed order whatever the step's rows, so a lookahead row gets a
+//                           one-row step's bits; AVX-512, AVX2 or portable loops (attend_best_path
+//                           says which this CPU runs).
 //
 // Every row is computed alone, in a fixed order, by one thread: a row gives the same bits alone
 // or among a step's rows, on one thread or two, so a lookahead step computes what a one-row step does.
