@@ -257,3 +257,63 @@ def test_the_compact_forms_give_the_fp32_forms_bits(kernel):
     assert torch.equal(layer.dense_weight(), q4.Q4Linear(*q4.layout(codes, k_scales, k_lows)).dense_weight())
     with pytest.raises(ValueError, match="multiple of 256"):
         q4.layout_k(codes[:, :288], sc[:, :9], m[:, :9], d[:, :1], dmin[:, :1])
+
+
+PORTABLE_SCRIPT = """
+import sys
+import torch
+sys.path.insert(0, {tests!r})
+from test_int4 import random_blocks
+from test_q4 import random_weight
+from test_q6 import random_layer as q6_layer
+from test_q8 import random_layer as q8_layer
+from ladechat.engine.kernels import q4, q6, q8
+torch.ops.load_library({library!r})
+ops = torch.ops.ladechat_blocks
+x = torch.randn(5, 512, generator=torch.Generator().manual_seed(9))
+out = {{"best_path": ops.best_path(),
+        "q4": ops.q4_mm(x, *q4.layout(*random_weight(48, 512, seed=1)), 0),
+        "q4_k": ops.q4_mm(x, *q4.layout_k(*map(torch.from_numpy, q4.decode_compact("Q4_K", random_blocks("Q4_K", 32, 512, 2), 32, 512))), 0),
+        "q6": ops.q6_mm(x, *q6.layout(*q6_layer(32, 512, seed=3)), 0),
+        "q8": ops.q8_mm(x, *q8.kernel_layout(*q8_layer(32, 512, seed=4)), 0),
+        "tiles": ops.gguf_tiles(torch.from_numpy(random_blocks("Q4_K", 32, 512, 5)), 2, 32, 512, None, None)}}
+torch.save(out, {saved!r})
+"""
+
+
+@pytest.mark.slow  # a compile of its own: kept out of the fast tier
+def test_the_library_builds_with_the_portable_loops_alone_and_gives_their_bits(kernel, tmp_path):
+    """blocks.cpp built as on a CPU that is not x86-64 (LADECHAT_PORTABLE_ONLY: no x86 header, no
+    SIMD path): it names the portable path its best, and every op gives the bits the x86 build's
+    portable path gives (in a process of its own: one library of a name per process)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_int4 import random_blocks
+    from test_q6 import random_layer as q6_layer
+    from test_q8 import random_layer as q8_layer
+
+    from ladechat.engine.kernels import q6, q8
+
+    library = tmp_path / "blocks_portable.so"
+    command = native.compile_command(Path(q4.SOURCE), library, native.COMPILER)
+    built = subprocess.run([command[0], "-DLADECHAT_PORTABLE_ONLY", *command[1:]], capture_output=True, text=True,
+                           check=False)
+    assert built.returncode == 0, built.stderr[-2000:]
+    script = PORTABLE_SCRIPT.format(tests=str(Path(__file__).parent), library=str(library), saved=str(tmp_path / "out.pt"))
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    theirs = torch.load(tmp_path / "out.pt")
+    ops = torch.ops.ladechat_blocks
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(9))
+    ours = {"best_path": 0,
+            "q4": ops.q4_mm(x, *q4.layout(*random_weight(48, 512, seed=1)), 0),
+            "q4_k": ops.q4_mm(x, *q4.layout_k(*map(torch.from_numpy, q4.decode_compact("Q4_K", random_blocks("Q4_K", 32, 512, 2), 32, 512))), 0),
+            "q6": ops.q6_mm(x, *q6.layout(*q6_layer(32, 512, seed=3)), 0),
+            "q8": ops.q8_mm(x, *q8.kernel_layout(*q8_layer(32, 512, seed=4)), 0),
+            "tiles": ops.gguf_tiles(torch.from_numpy(random_blocks("Q4_K", 32, 512, 5)), 2, 32, 512, None, None)}
+    assert theirs.keys() == ours.keys()
+    assert theirs["best_path"] == 0
+    for name in ("q4", "q4_k", "q6", "q8", "tiles"):
+        assert torch.equal(theirs[name], ours[name]), name

@@ -71,8 +71,17 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+// The SIMD paths are x86-64's (AVX2, AVX-512 VNNI); elsewhere (an ARM Mac, aarch64 Linux) the
+// library builds with the portable loops alone, which give the same bits. LADECHAT_PORTABLE_ONLY
+// builds that on x86 too (tests/test_q4.py compiles it so).
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(LADECHAT_PORTABLE_ONLY)
+#define LADECHAT_X86 1
 #include <cpuid.h>
 #include <immintrin.h>
+#define X86_ONLY(kernel) kernel
+#else
+#define X86_ONLY(kernel) nullptr
+#endif
 
 #include <algorithm>
 #include <cfloat>
@@ -99,6 +108,7 @@ enum Path : int64_t { PORTABLE = 0, AVX2 = 1, VNNI = 2 };
 
 // F16C (the fp16 scales' widening) read from CPUID: __builtin_cpu_supports knows it only from GCC 11
 // and clang 18, and an unknown name there is a compile error.
+#ifdef LADECHAT_X86
 bool has_f16c() {
   unsigned a, b, c, d;
   return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
@@ -108,6 +118,10 @@ bool has_vnni() {
   return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
          && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni");
 }
+#else
+bool has_avx2() { return false; }
+bool has_vnni() { return false; }
+#endif
 int64_t best_path() { return has_vnni() ? VNNI : has_avx2() ? AVX2 : PORTABLE; }
 
 // Activations of one row, per group of 32: codes qa, scale da and the codes' sum (as a float, exact).
@@ -143,6 +157,7 @@ void quantize_portable(const T* x, int64_t K, Quantized out) {
   }
 }
 
+#ifdef LADECHAT_X86
 __attribute__((target("avx512f,avx512bw,avx512dq")))
 void quantize_avx512(const float* x, int64_t K, Quantized out) {
   const __m512 sign = _mm512_set1_ps(-0.f), hi = _mm512_set1_ps(127.f), lo = _mm512_set1_ps(-127.f);
@@ -192,6 +207,7 @@ void quantize_avx2(const float* x, int64_t K, Quantized out) {
   }
 }
 
+#endif  // LADECHAT_X86
 // One tile of 16 outputs over all K inputs for M rows: acc (M, 16) fp32.
 struct Tile {
   const uint8_t* codes;  // (K / 32, 256 Q4 / 512 Q8 / 416 Q6)
@@ -233,18 +249,19 @@ inline void prefetch_group(const Tile& w, const void* per_output, int64_t g) {
   const auto at = [](const void* base, int64_t offset) {
     return reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(base) + offset);
   };
-  for (int line = 0; line < TILE_BYTES; line += 64) _mm_prefetch(at(w.codes, (g + ahead) * TILE_BYTES + line), _MM_HINT_T0);
-  _mm_prefetch(at(w.scales, (g + ahead) * SCALE_BYTES), _MM_HINT_T0);
-  _mm_prefetch(at(per_output, (g + ahead) * OTHER_BYTES), _MM_HINT_T0);
+  for (int line = 0; line < TILE_BYTES; line += 64) __builtin_prefetch(at(w.codes, (g + ahead) * TILE_BYTES + line), 0, 3);
+  __builtin_prefetch(at(w.scales, (g + ahead) * SCALE_BYTES), 0, 3);
+  __builtin_prefetch(at(per_output, (g + ahead) * OTHER_BYTES), 0, 3);
 }
 
 // The codes alone PREFETCH_BYTES ahead (Q6: its d, one per 8 groups, is left to the hardware).
 template <int TILE_BYTES>
 inline void prefetch_codes(const Tile& w, int64_t g) {
   const uintptr_t ahead = reinterpret_cast<uintptr_t>(w.codes) + g * TILE_BYTES + PREFETCH_BYTES;
-  for (int line = 0; line < TILE_BYTES; line += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+  for (int line = 0; line < TILE_BYTES; line += 64) __builtin_prefetch(reinterpret_cast<const char*>(ahead + line), 0, 3);
 }
 
+#ifdef LADECHAT_X86
 // A Q4 (or Q6) tile's 4-bit codes per 4 inputs c of a group: q[c], 4 bytes per output lane (the
 // low nibbles are inputs 0..15, the high ones 16..31). AVX2: the 8 outputs of half h.
 __attribute__((target("avx512f,avx512bw")))
@@ -267,11 +284,13 @@ inline void nibbles_avx2(const uint8_t* c, int h, __m256i q[8]) {
   }
 }
 
+#endif  // LADECHAT_X86
 // The scale and low of group g of a Q4 tile for its 16 outputs, as fp32, from each form: the
 // values of the fp32 form exactly (an fp16 widens exactly; d * sc and -dmin * m are exact), so the
 // kernels compute the same bits from every form.
 struct F32Form {
   static constexpr int SCALE_BYTES = OUT * 4, LOW_BYTES = OUT * 4;
+#ifdef LADECHAT_X86
   __attribute__((target("avx512f")))
   static void avx512(const Tile& w, int64_t g, __m512& scale, __m512& low) {
     scale = _mm512_loadu_ps(w.f32() + g * OUT);
@@ -282,6 +301,7 @@ struct F32Form {
     scale = _mm256_loadu_ps(w.f32() + g * OUT + 8 * h);
     low = _mm256_loadu_ps(static_cast<const float*>(w.lows) + g * OUT + 8 * h);
   }
+#endif
   static void portable(const Tile& w, int64_t g, int j, float& scale, float& low) {
     scale = w.f32()[g * OUT + j];
     low = static_cast<const float*>(w.lows)[g * OUT + j];
@@ -291,6 +311,7 @@ struct F32Form {
 struct F16Form {
   static constexpr int SCALE_BYTES = OUT * 2, LOW_BYTES = OUT * 2;
   static const uint16_t* of(const void* p) { return static_cast<const uint16_t*>(p); }
+#ifdef LADECHAT_X86
   __attribute__((target("avx512f")))
   static void avx512(const Tile& w, int64_t g, __m512& scale, __m512& low) {
     scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(of(w.scales) + g * OUT)));
@@ -301,6 +322,7 @@ struct F16Form {
     scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(of(w.scales) + g * OUT + 8 * h)));
     low = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(of(w.lows) + g * OUT + 8 * h)));
   }
+#endif
   static void portable(const Tile& w, int64_t g, int j, float& scale, float& low) {
     scale = static_cast<float>(c10::Half(of(w.scales)[g * OUT + j], c10::Half::from_bits()));
     low = static_cast<float>(c10::Half(of(w.lows)[g * OUT + j], c10::Half::from_bits()));
@@ -313,6 +335,7 @@ struct KForm {
   static const float* super(const Tile& w, int64_t g) {
     return static_cast<const float*>(w.lows) + g / Q6_SUPER * 2 * OUT;
   }
+#ifdef LADECHAT_X86
   __attribute__((target("avx512f")))
   static void avx512(const Tile& w, int64_t g, __m512& scale, __m512& low) {
     const uint8_t* s = sub(w, g);
@@ -331,6 +354,7 @@ struct KForm {
     low = _mm256_mul_ps(_mm256_loadu_ps(f + OUT), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + OUT)))));
   }
+#endif
   static void portable(const Tile& w, int64_t g, int j, float& scale, float& low) {
     scale = super(w, g)[j] * static_cast<float>(sub(w, g)[j]);
     low = super(w, g)[OUT + j] * static_cast<float>(sub(w, g)[OUT + j]);
@@ -341,6 +365,7 @@ struct KForm {
 // outputs in registers over all K inputs: a group's codes are loaded (and for Q4 unpacked) once
 // for the R rows, and the rows' sums never go through memory. The float steps per row are the
 // portable path's, in its order.
+#ifdef LADECHAT_X86
 template <typename Form>
 struct Q4Vnni {
   template <int R>
@@ -416,6 +441,7 @@ struct Q4Avx2 {
   }
 };
 
+#endif  // LADECHAT_X86
 template <typename Form>
 void q4_tile_portable(const Rows& x, const Tile& w, float* acc) {
   const int64_t G = x.K / GROUP;
@@ -439,6 +465,7 @@ void q4_tile_portable(const Rows& x, const Tile& w, float* acc) {
   }
 }
 
+#ifdef LADECHAT_X86
 struct Q8Vnni {
   template <int R>
   __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni")))
@@ -506,6 +533,7 @@ struct Q8Avx2 {
   }
 };
 
+#endif  // LADECHAT_X86
 void q8_tile_portable(const Rows& x, const Tile& w, float* acc) {
   const int64_t G = x.K / GROUP;
   std::fill(acc, acc + x.M * OUT, 0.f);
@@ -524,6 +552,7 @@ void q8_tile_portable(const Rows& x, const Tile& w, float* acc) {
 }
 
 // Q6: the 6-bit codes from a tile's nibbles and top bits, per 4 inputs c (0..7), as Q4's q[c].
+#ifdef LADECHAT_X86
 struct Q6Vnni {
   template <int R>
   __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni")))
@@ -616,6 +645,7 @@ struct Q6Avx2 {
   }
 };
 
+#endif  // LADECHAT_X86
 void q6_tile_portable(const Rows& x, const Tile& w, float* acc) {
   const int64_t G = x.K / GROUP;
   std::fill(acc, acc + x.M * OUT, 0.f);
@@ -666,15 +696,21 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int64_t path, int8_t* codes
     for (int64_t m = r0; m < r1; ++m) {
       const Quantized out{codes + m * K, scale + m * G, sum + m * G};
       if constexpr (std::is_same_v<T, float>) {
+#ifdef LADECHAT_X86
         if (path == VNNI) quantize_avx512(x + m * K, K, out);
         else if (path == AVX2) quantize_avx2(x + m * K, K, out);
-        else quantize_portable(x + m * K, K, out);
+        else
+#endif
+          quantize_portable(x + m * K, K, out);
       } else {  // bf16 -> fp32 is exact: the same codes as the fp32 row
         row.resize(K);
         for (int64_t k = 0; k < K; ++k) row[k] = static_cast<float>(x[m * K + k]);
+#ifdef LADECHAT_X86
         if (path == VNNI) quantize_avx512(row.data(), K, out);
         else if (path == AVX2) quantize_avx2(row.data(), K, out);
-        else quantize_portable(row.data(), K, out);
+        else
+#endif
+          quantize_portable(row.data(), K, out);
       }
     }
   });
@@ -760,7 +796,7 @@ at::Tensor q4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
     TORCH_CHECK(lows.dim() == 3 && lows.size(0) == NB && lows.size(1) == G / Q6_SUPER && lows.size(2) == 2 * OUT
                 && lows.scalar_type() == at::kFloat && lows.is_contiguous() && lows.device().is_cpu(),
                 "q4_mm: Q4_K lows must be (out / 16, in / 256, 32) fp32, contiguous, on the CPU");
-    static const TileKernel kernels[3] = {q4_tile_portable<KForm>, by_rows<Q4Avx2<KForm>>, by_rows<Q4Vnni<KForm>>};
+    static const TileKernel kernels[3] = {q4_tile_portable<KForm>, X86_ONLY(by_rows<Q4Avx2<KForm>>), X86_ONLY(by_rows<Q4Vnni<KForm>>)};
     return run(x, codes, Q4_TILE, scales, lows, at::Tensor(), path, kernels);
   }
   const bool half = scales.scalar_type() == at::kHalf;
@@ -769,11 +805,11 @@ at::Tensor q4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
   check_per_tile(scales, NB, G, half ? at::kHalf : at::kFloat, what);
   check_per_tile(lows, NB, G, half ? at::kHalf : at::kFloat, what);
   if (half) {
-    static const TileKernel kernels[3] = {q4_tile_portable<F16Form>, by_rows<Q4Avx2<F16Form>>,
-                                          by_rows<Q4Vnni<F16Form>>};
+    static const TileKernel kernels[3] = {q4_tile_portable<F16Form>, X86_ONLY(by_rows<Q4Avx2<F16Form>>),
+                                          X86_ONLY(by_rows<Q4Vnni<F16Form>>)};
     return run(x, codes, Q4_TILE, scales, lows, at::Tensor(), path, kernels);
   }
-  static const TileKernel kernels[3] = {q4_tile_portable<F32Form>, by_rows<Q4Avx2<F32Form>>, by_rows<Q4Vnni<F32Form>>};
+  static const TileKernel kernels[3] = {q4_tile_portable<F32Form>, X86_ONLY(by_rows<Q4Avx2<F32Form>>), X86_ONLY(by_rows<Q4Vnni<F32Form>>)};
   return run(x, codes, Q4_TILE, scales, lows, at::Tensor(), path, kernels);
 }
 
@@ -788,7 +824,7 @@ at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
                  "q8_mm: scales must be (out / 16, in / 32, 16) fp32, contiguous, on the CPU");
   check_per_tile(sums, codes.size(0), G, at::kInt,
                  "q8_mm: sums must be (out / 16, in / 32, 16) int32, contiguous, on the CPU");
-  static const TileKernel kernels[3] = {q8_tile_portable, by_rows<Q8Avx2>, by_rows<Q8Vnni>};
+  static const TileKernel kernels[3] = {q8_tile_portable, X86_ONLY(by_rows<Q8Avx2>), X86_ONLY(by_rows<Q8Vnni>)};
   return run(x, codes, Q8_TILE, scales, at::Tensor(), sums, path, kernels);
 }
 
@@ -802,7 +838,7 @@ at::Tensor q6_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
               "q6_mm: codes must be (out / 16, in / 32, 416) uint8, contiguous, on the CPU");
   check_per_tile(d, codes.size(0), G / Q6_SUPER, at::kFloat,
                  "q6_mm: d must be (out / 16, in / 256, 16) fp32, contiguous, on the CPU");
-  static const TileKernel kernels[3] = {q6_tile_portable, by_rows<Q6Avx2>, by_rows<Q6Vnni>};
+  static const TileKernel kernels[3] = {q6_tile_portable, X86_ONLY(by_rows<Q6Avx2>), X86_ONLY(by_rows<Q6Vnni>)};
   return run(x, codes, Q6_TILE, d, at::Tensor(), at::Tensor(), path, kernels);
 }
 
