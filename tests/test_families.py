@@ -209,3 +209,19 @@ def test_config_and_tokenizer_are_transformers_own_from_one_parse(arch, tmp_path
     monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", lambda *a, **k: parses.append(a) or original(*a, **k))
     gguf_files._prepare(path, tmp_path / "counted")
     assert len(parses) <= 1
+
+
+def test_a_gguf_whose_dense_tensors_do_not_fit_is_one_line_before_it_is_read(tmp_path, monkeypatch):
+    """Tensors without a kernel for their blocks are read dense; where they would not fit in the
+    memory available the load stops with one line naming them, before reading any (the OOM killer
+    would end the process without a word)."""
+    from ladechat.engine.load import loading
+
+    path = write_family("qwen2", tmp_path / "big.gguf", False)
+    monkeypatch.setattr(loading, "available_memory", lambda: 1 << 20)
+    monkeypatch.setattr(loading.gguf, "read_tensors", lambda *a, **k: pytest.fail("read before the check"))
+    with pytest.raises(LoadError) as caught:
+        load(LoadSpec(model=str(path), dtype="float32", device="cpu"))
+    message = str(caught.value)
+    assert message.startswith("not enough memory for big.gguf: its F32 tensors run dense here, ")
+    assert message.endswith("MiB in float32, and 1 MiB is available") and "\n" not in message

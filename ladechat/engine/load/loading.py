@@ -492,6 +492,8 @@ def _build_from_gguf(folder: Path, gguf_file: Path, config, kwargs: dict, device
     if device.type == "cpu" and blocks_embedding:  # not for --compile: graphs cannot trace gguf-py's lookup
         gguf.keep_embedding_as_blocks(model, gguf_file, index, dtype)
     empty = {name for name, tensor in (*model.named_parameters(), *model.named_buffers()) if tensor.is_meta}
+    if device.type == "cpu":
+        _check_dense_fits(model, gguf_file, index, empty, available_memory())
     state = gguf.read_tensors(model, gguf_file, index, dtype, device, empty, progress)
     loaded = model.load_state_dict(state, strict=False, assign=True)
     # a kernel's output module computes .weight dense on each read: ask for the Parameter itself
@@ -508,6 +510,39 @@ def _build_from_gguf(folder: Path, gguf_file: Path, config, kwargs: dict, device
     if (folder / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(folder)
     return model.eval(), applied
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the kernel says a new process can take without swapping (MemAvailable), None
+    where it does not say."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check_dense_fits(model, gguf_file: Path, index: dict, empty: set[str], available: int | None) -> None:
+    """LoadError (one line) where the tensors still to be read dense, in the model's dtype (those
+    without a kernel for their blocks here, e.g. a Q5_K_M file's Q5_K ones), would not fit in the
+    memory available: the kernel's OOM killer would otherwise end the process without a word."""
+    from gguf import GGMLQuantizationType
+
+    tensors = dict((*model.named_parameters(), *model.named_buffers()))
+    needed = sum(tensors[name].numel() * tensors[name].element_size() for name in empty)
+    if available is None or needed <= available:
+        return
+    kinds = sorted({GGMLQuantizationType(where["type"]).name for name, where in index["tensors"].items()
+                    if name in empty and tensors[name].dim() >= 2})
+    what = f"its {'/'.join(kinds)} tensors" if kinds else "its tensors"
+    raise LoadError(f"not enough memory for {gguf_file.name}: {what} run dense here, "
+                    f"{_size(needed)} in {str(model.dtype).removeprefix('torch.')}, and {_size(available)} is available")
+
+
+def _size(count: int) -> str:
+    return f"{count / 2**30:.1f} GiB" if count >= 2**30 else f"{count / 2**20:.0f} MiB"
 
 
 def _check_tree_mask(model, name: str, attn: str, folder: str | None, notices: list[str]) -> None:
