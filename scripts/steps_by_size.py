@@ -16,6 +16,7 @@ from dataclasses import replace
 
 from ladechat import templates
 from ladechat.bench.prompts import load_items
+from ladechat.engine import cost_envelope
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.events import Step
@@ -44,7 +45,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     args = parser.parse_args()
     lm = load(LoadSpec(weights="auto"))
-    cost = lm.cost_model()
+    cost = cost_envelope.cost_model(lm)
     lookahead = replace(Settings().lookahead_config(), store=False)
     plain = LookaheadConfig(enabled=False, store=False)
     sizes: dict[int, list] = collections.defaultdict(lambda: [0, 0, 0.0])

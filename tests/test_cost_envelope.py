@@ -220,10 +220,10 @@ def test_the_first_use_measures_the_step_costs_under_a_progress_message(tmp_path
     model = tiny_model("llama")
     tokenizer = None
     loaded = LoadedModel(model, tokenizer, "tiny-llama", torch.device("cpu"), torch.float32, frozenset(), 512)
-    assert not loaded.costs_measured()
+    assert not cost_envelope.costs_measured(loaded)
     opener.bot_for(loaded, Settings(), compile=False, progress=progress)
     assert shown == ["measuring what a step costs on this machine (one time: seconds, half a minute for a 7B on 2 cores)"]
     assert measured == [shown[0]] * len(CONTEXTS)  # every curve measured while the message showed
-    assert loaded.costs_measured()
+    assert cost_envelope.costs_measured(loaded)
     opener.bot_for(loaded, Settings(), compile=False, progress=progress)
     assert len(shown) == 1 and len(measured) == len(CONTEXTS)

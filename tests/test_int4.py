@@ -6,9 +6,9 @@ these weights), and what happens with files and choices it cannot run."""
 
 import json
 import shutil
-import threading
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +17,7 @@ import torch
 from conftest import PATIENCE_S
 
 from ladechat import templates
+from ladechat.engine import cost_envelope
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.defaults import default_lookahead
@@ -467,7 +468,7 @@ def test_lookahead_on_4bit_weights_answers_as_plain_decoding(dtype, request):
     rowwise = lm.model.config._attn_implementation == attention.ROWWISE
     assert rowwise == (HAS_COMPILER and int(torch.ops.ladechat_step.attend_best_path()) >= 1)
     configs = {"full": (LookaheadConfig(window=5, ngram=4, candidates=5, store=False), None),
-               "planned": (default_lookahead("cpu", None), lm.cost_model())}
+               "planned": (default_lookahead("cpu", None), cost_envelope.cost_model(lm))}
     multi, identical, tried = 0, 0, 0
     for text in PROMPTS:
         ids, plain, _ = answer(lm, text, LookaheadConfig(enabled=False, store=False))

@@ -117,3 +117,28 @@ def test_the_kernels_read_no_file_and_load_nothing():
     upward = {(name, dep) for name, deps in graph().items() if name.startswith("ladechat.engine.kernels")
               for dep in deps if dep.startswith("ladechat") and not dep.startswith("ladechat.engine.kernels")}
     assert upward == set()
+
+
+# The engine's layers, lowest first (#42): kernels, loading, the step's runners and what measures
+# them, decoding. A module imports from its own layer or below (and from the basics: config,
+# threads, events, draft/, errors, paths).
+LAYERS = (("ladechat.engine.kernels",), ("ladechat.engine.load",),
+          ("ladechat.engine.runner", "ladechat.engine.lean", "ladechat.engine.kv", "ladechat.engine.layout",
+           "ladechat.engine.step_cost", "ladechat.engine.thread_probe", "ladechat.engine.cost_envelope"),
+          ("ladechat.engine.decode",))
+# The arrows that still point up, each from the loader's last steps (the compiled forward's cache,
+# the mask probe's step, the thread probe): named so that no other joins them while they move out.
+STILL_UPWARD = {("ladechat.engine.load.loading", "ladechat.engine.runner"),
+                ("ladechat.engine.load.loading", "ladechat.engine.layout"),
+                ("ladechat.engine.load.loading", "ladechat.engine.thread_probe")}
+
+
+def layer_of(module: str) -> int | None:
+    return next((i for i, names in enumerate(LAYERS) for name in names
+                 if module == name or module.startswith(name + ".")), None)
+
+
+def test_the_engines_layers_import_downward_only():
+    upward = {(name, dep) for name, deps in graph().items() if layer_of(name) is not None
+              for dep in deps if layer_of(dep) is not None and layer_of(dep) > layer_of(name)}
+    assert upward == STILL_UPWARD

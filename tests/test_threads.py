@@ -9,6 +9,7 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
+from ladechat.engine import cost_envelope
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.events import Done
@@ -305,13 +306,13 @@ def test_the_step_cost_curves_are_kept_for_the_full_thread_count(tmp_path, monke
                            threads=CpuThreads(ceiling=2, cpus=2, sample=machine.sample, clock=lambda: machine.now))
         machine.others = 1.0
         machine.run(5.0)  # loading, while another process keeps a core busy
-        first = busy.cost_model()
+        first = cost_envelope.cost_model(busy)
         assert counts == [1, 1]  # both cache lengths measured, at the count the load allows
         quiet_machine = Machine()
         quiet = LoadedModel(model, None, "tiny", torch.device("cpu"), torch.float32, frozenset(), 512,
                             threads=CpuThreads(ceiling=2, cpus=2, sample=quiet_machine.sample,
                                                clock=lambda: quiet_machine.now))
-        again = quiet.cost_model()
+        again = cost_envelope.cost_model(quiet)
     finally:
         torch.set_num_threads(before)
     assert counts == [1, 1]  # read back under the full count's key: not measured again

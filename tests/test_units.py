@@ -192,7 +192,7 @@ def test_gpu_defaults_follow_the_step_cost_curve():
     assert default_lookahead("cpu", flat) == default_lookahead("cpu")  # CPU defaults were measured separately
 
 
-def test_compiled_gpu_steps_take_the_paper_defaults_without_measuring():
+def test_compiled_gpu_steps_take_the_paper_defaults_without_measuring(monkeypatch):
     """--compile on a GPU: W/N/G without the eager step-cost measurement (its curve is of eager
     exact-size steps; ~20 s of a start-up that must stay under a minute)."""
     from types import SimpleNamespace
@@ -200,15 +200,17 @@ def test_compiled_gpu_steps_take_the_paper_defaults_without_measuring():
     import torch
 
     from ladechat.backends.opener import settings_for
+    from ladechat.engine import cost_envelope
 
-    def measure():
+    def measure(loaded):
         raise AssertionError("measured the eager step costs")
 
     knee = {1: 1.0, 16: 1.05, 32: 1.1, 48: 1.3, 64: 2.0, 256: 8.0}
-    loaded = SimpleNamespace(device=torch.device("cuda", 0), step_cost=measure, tokenizer=None)
+    loaded = SimpleNamespace(device=torch.device("cuda", 0), tokenizer=None)
+    monkeypatch.setattr(cost_envelope, "measured_curve", measure)
     compiled = settings_for({}, loaded, compile=True)
     assert (compiled.window, compiled.ngram, compiled.candidates) == (15, 5, 15)
-    loaded.step_cost = lambda: knee
+    monkeypatch.setattr(cost_envelope, "measured_curve", lambda loaded: knee)
     assert settings_for({}, loaded).window == 6  # eager: from the measured curve
     assert settings_for({"window": 4}, loaded, compile=True).window == 4  # a flag still decides
 

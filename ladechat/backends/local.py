@@ -28,6 +28,7 @@ class Bot:
         """store_root: the folder of the persistent answer stores (the cache folder); None keeps
         this bot's store in memory only. step_cost: the step costs to plan with (a
         step_cost.CostModel, fixed); None: the model's, as measured here and learned from its steps."""
+        from ladechat.engine import cost_envelope
         from ladechat.engine.decode import Session
         from ladechat.engine.runner import StaticRunner
 
@@ -42,7 +43,7 @@ class Bot:
             runner = StaticRunner(loaded.model, la, loaded.context_length, compiled=loaded.compiled_forward)
             self.session = Session(loaded.model, la, runner=runner, store=store)  # compiled at one count
         else:
-            self.session = Session(loaded.model, la, step_cost=step_cost or loaded.cost_model(), store=store,
+            self.session = Session(loaded.model, la, step_cost=step_cost or cost_envelope.cost_model(loaded), store=store,
                                    threads=loaded.threads)
 
     def _open_store(self):

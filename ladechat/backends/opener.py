@@ -85,13 +85,14 @@ def settings_for(given: dict, loaded=None, default_temperature: float = 0.0, com
     compiled full step was measured ahead of plain decoding and of smaller steps) and
     default_temperature. loaded=None: check the values before loading. ConfigError or TemplateError
     (one line) for a bad value."""
+    from ladechat.engine import cost_envelope
     from ladechat.engine.defaults import default_lookahead
     from ladechat.settings import Settings
     from ladechat.templates import resolve
 
     device_type = loaded.device.type if loaded is not None else "cpu"
     measure = device_type == "cuda" and not compile
-    base = default_lookahead(device_type, loaded.step_cost() if measure else None)
+    base = default_lookahead(device_type, cost_envelope.measured_curve(loaded) if measure else None)
     settings = Settings.for_lookahead(base, temperature=default_temperature).updated(given)
     resolve(loaded.tokenizer if loaded is not None else None, settings.template)
     return settings
@@ -101,11 +102,12 @@ def bot_for(loaded, settings, compile: bool, progress: Progress, on_model_thread
     """The Bot of a loaded model. on_model_thread(fn): runs fn on the thread that will answer (a
     server's model thread), where compiled steps are warmed up; by default this thread answers."""
     from ladechat.backends.local import Bot
+    from ladechat.engine import cost_envelope
     from ladechat.paths import cache_root
 
-    if not compile and not loaded.costs_measured():  # the first use on this machine (or of this version)
+    if not compile and not cost_envelope.costs_measured(loaded):  # the first use on this machine (or of this version)
         with progress("measuring what a step costs on this machine (one time: seconds, half a minute for a 7B on 2 cores)"):
-            loaded.cost_model()
+            cost_envelope.cost_model(loaded)
     bot = Bot(loaded, settings, compile=compile, store_root=cache_root())
     if compile:
         with progress("compiling the decoding steps (once per W/N/G)"):

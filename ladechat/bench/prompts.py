@@ -20,6 +20,7 @@ import torch
 from ladechat import templates
 from ladechat.bench import peers as peer_bench
 from ladechat.bench.hf_static import StaticGenerate, cache_length
+from ladechat.engine import cost_envelope
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.draft.store import AnswerStore
@@ -292,7 +293,7 @@ def run(loaded, datasets: list[str], methods: list[str], settings: Settings, lim
                      "store": store, "datasets": {}}  # store: the mode (cold, warm, off), not the setting
     results["compiled"] = compile
     results["packed_weights"] = packed  # ladechat's methods and hf-packed; HF's others run unpacked
-    step_cost = None if compile else loaded.cost_model()  # compiled methods' steps are all full ones
+    step_cost = None if compile else cost_envelope.cost_model(loaded)  # compiled methods' steps are all full ones
     layouts = packing.LayoutSwitch(loaded.model) if packed else None  # a second copy of the Linear weights
     runners = {m: StaticRunner(loaded.model, method_config(m, la), loaded.context_length,
                                compiled=loaded.compiled_forward) if compile else None

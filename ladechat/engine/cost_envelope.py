@@ -135,3 +135,37 @@ def learned_cost_model(model, name: str, threads: int | None = None) -> CostEnve
     machine, saved beside it; kept for `threads` (step_cost.cache_path)."""
     return CostEnvelope.load(cached_cost_model(model, name, threads),
                              cache_path(model, name, "envelope", list(CONTEXTS), threads=threads))
+
+
+# -- a loaded model's costs (engine/load/loading.LoadedModel) --------------------------------------
+
+def measuring_threads(loaded) -> int | None:
+    """The thread count a loaded model's step costs are kept for: the machine's full count, whatever
+    a busy spell has set for the steps (else a chat begun then would measure them again, for
+    minutes, under another key). A curve measured now runs at the count the machine's load allows
+    (on all threads under load, its steps would wait at every barrier: minutes instead of seconds);
+    the envelope lowers what a busy spell overpriced as real steps run."""
+    if loaded.threads is None:
+        return None
+    loaded.threads.adjust()
+    return loaded.threads.ceiling
+
+
+def measured_curve(loaded) -> dict[int, float]:
+    """A loaded model's step-cost curve on its device (measured once, then read from the cache)."""
+    from ladechat.engine.step_cost import cached_curve
+
+    return cached_curve(loaded.model, loaded.name, threads=measuring_threads(loaded))
+
+
+def cost_model(loaded) -> CostEnvelope:
+    """Step cost against tokens fed and cached for a loaded model: measured once per model, device
+    and dtype, then read from the cache, and lowered by what the steps it plans really cost."""
+    return learned_cost_model(loaded.model, loaded.name, threads=measuring_threads(loaded))
+
+
+def costs_measured(loaded) -> bool:
+    """Whether cost_model(loaded) reads its curves rather than measuring them (seconds)."""
+    from ladechat.engine.step_cost import curves_cached
+
+    return curves_cached(loaded.model, loaded.name, loaded.threads.ceiling if loaded.threads else None)

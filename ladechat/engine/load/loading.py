@@ -78,37 +78,6 @@ class LoadedModel:
 
         return CompiledForward(self.model)
 
-    def step_cost(self) -> dict[int, float]:
-        """This model's step-cost curve on this device (measured once, then read from the cache)."""
-        from ladechat.engine.step_cost import cached_curve
-
-        return cached_curve(self.model, self.name, threads=self._measuring_threads())
-
-    def cost_model(self):
-        """Step cost against tokens fed and cached (a cost_envelope.CostEnvelope): measured once per
-        model, device and dtype, then read from the cache, and lowered by what the steps it plans
-        really cost."""
-        from ladechat.engine.cost_envelope import learned_cost_model
-
-        return learned_cost_model(self.model, self.name, threads=self._measuring_threads())
-
-    def costs_measured(self) -> bool:
-        """Whether cost_model() reads its curves rather than measuring them (seconds)."""
-        from ladechat.engine.step_cost import curves_cached
-
-        return curves_cached(self.model, self.name, self.threads.ceiling if self.threads else None)
-
-    def _measuring_threads(self) -> int | None:
-        """The thread count the step costs are kept for: the machine's full count, whatever a busy
-        spell has set for the steps (else a chat begun then would measure them again, for minutes,
-        under another key). A curve measured now runs at the count the machine's load allows (on
-        all threads under load, its steps would wait at every barrier: minutes instead of seconds);
-        the envelope lowers what a busy spell overpriced as real steps run."""
-        if self.threads is None:
-            return None
-        self.threads.adjust()
-        return self.threads.ceiling
-
 
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     """Whether the CPU computes bf16 natively (AVX512-BF16 or AMX), from /proc/cpuinfo unless given."""
