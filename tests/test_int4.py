@@ -542,8 +542,10 @@ def test_a_ggufs_verdicts_are_kept_once_though_its_blocks_are_written_meanwhile(
     monkeypatch.setattr(gguf_files, "keep_beside",  # (head.py keeps its small file at once, as before)
                         lambda *a: (threading.current_thread() is threading.main_thread() or probed.wait()) and keep(*a))
     monkeypatch.setattr(loading, "_governed", lambda *a: (governed(*a), probed.set())[0])
+    from ladechat.engine import thread_probe
+
     for _ in range(2):
-        load(LoadSpec(model=str(copy), device="cpu"))
+        load(LoadSpec(model=str(copy), device="cpu"), probe=thread_probe.cached_verdict)
         verdicts = {kind: sorted(p.name for p in (cache_root() / kind).glob("*")) for kind in ("mask-probe", "thread-probe")}
         if _ == 0:
             first = verdicts

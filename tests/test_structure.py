@@ -127,10 +127,9 @@ LAYERS = (("ladechat.engine.kernels",), ("ladechat.engine.load",),
            "ladechat.engine.step_cost", "ladechat.engine.thread_probe", "ladechat.engine.cost_envelope"),
           ("ladechat.engine.decode",))
 # The arrows that still point up, each from the loader's last steps (the compiled forward's cache,
-# the mask probe's step, the thread probe): named so that no other joins them while they move out.
+# the mask probe's step): named so that no other joins them while they move out.
 STILL_UPWARD = {("ladechat.engine.load.loading", "ladechat.engine.runner"),
-                ("ladechat.engine.load.loading", "ladechat.engine.layout"),
-                ("ladechat.engine.load.loading", "ladechat.engine.thread_probe")}
+                ("ladechat.engine.load.loading", "ladechat.engine.layout")}
 
 
 def layer_of(module: str) -> int | None:

@@ -175,10 +175,10 @@ def test_a_step_wider_than_the_probes_widest_runs_on_the_ceiling():
     assert threads.adjust() == 1 and calls == [1, 2, 1]  # a prefill: as governed
 
 
-def test_a_model_gets_a_governor_only_where_the_probe_allows_fewer_threads(monkeypatch):
+def test_a_model_gets_a_governor_only_where_the_probe_allows_fewer_threads():
     """load()'s decision from the probe's verdict, whatever this CPU's: none when only the full
     count agrees, one restricted to the agreeing counts otherwise; none for dense weights (unprobed),
-    or for one thread."""
+    for one thread, or without a probe."""
     from ladechat.engine import thread_probe
     from ladechat.engine.load import loading, packing
 
@@ -186,12 +186,15 @@ def test_a_model_gets_a_governor_only_where_the_probe_allows_fewer_threads(monke
     packing.pack(model)
     asked = []
     for verdict, governed in ((thread_probe.Verdict((2,), 64), False), (thread_probe.Verdict((1, 2), 12), True)):
-        monkeypatch.setattr(thread_probe, "cached_verdict", lambda *a, v=verdict, **k: asked.append(a) or v)
-        threads = loading._governed(CpuThreads(ceiling=2, cpus=2), model, "tiny", "tiny", None, None)
+        def probe(*a, v=verdict):
+            return asked.append(a) or v
+
+        threads = loading._governed(CpuThreads(ceiling=2, cpus=2), model, "tiny", "tiny", None, None, probe)
         assert (threads is not None) == governed and (not governed or (threads.counts, threads.widest) == ((1, 2), 12))
     assert [a[1:] for a in asked] == [(None, 2, None)] * 2  # no files to name: probed each time, not kept
-    assert loading._governed(CpuThreads(ceiling=2, cpus=2), tiny_model("llama"), "tiny", "tiny", None, None) is None
-    assert loading._governed(CpuThreads(ceiling=1, cpus=1), model, "tiny", "tiny", None, None) is None
+    assert loading._governed(CpuThreads(ceiling=2, cpus=2), tiny_model("llama"), "tiny", "tiny", None, None, probe) is None
+    assert loading._governed(CpuThreads(ceiling=1, cpus=1), model, "tiny", "tiny", None, None, probe) is None
+    assert loading._governed(CpuThreads(ceiling=2, cpus=2), model, "tiny", "tiny", None, None, None) is None  # no probe
     assert len(asked) == 2
 
 
@@ -226,9 +229,10 @@ def test_the_real_probe_on_this_machine_matches_the_steps_it_allows():
 
 @pytest.fixture(scope="module")
 def embedded_default():
+    from ladechat.engine import thread_probe
     from ladechat.engine.load.loading import LoadSpec, load
 
-    return load(LoadSpec(dtype="float32", device="cpu"))
+    return load(LoadSpec(dtype="float32", device="cpu"), probe=thread_probe.cached_verdict)
 
 
 def test_a_loaded_model_gets_the_governor_its_probe_allows(embedded_default):
@@ -236,7 +240,7 @@ def test_a_loaded_model_gets_the_governor_its_probe_allows(embedded_default):
     from ladechat.engine import thread_probe
     from ladechat.engine.load.loading import LoadSpec, load
 
-    dense = load(LoadSpec(dtype="float32", device="cpu", weights="dense"))
+    dense = load(LoadSpec(dtype="float32", device="cpu", weights="dense"), probe=thread_probe.cached_verdict)
     assert dense.threads is None
     assert "dense" not in embedded_default.weights
     if len(os.sched_getaffinity(0)) < 2:

@@ -52,6 +52,7 @@ def load_model(options: dict, progress: Progress | None, compile: bool = False):
     """The model (engine/load/loading.LoadedModel), progress(message) shown during slow phases; its
     notices are the caller's. compile: the steps will be compiled, which takes the model's own Linear
     modules (no packing, no int4)."""
+    from ladechat.engine import thread_probe
     from ladechat.engine.load.loading import (
         LoadSpec,
         check_context_size,
@@ -75,7 +76,7 @@ def load_model(options: dict, progress: Progress | None, compile: bool = False):
     check_weights(spec)  # flag errors before any slow import
     check_context_size(spec.context_size)
     resolve_dtype(options["dtype"], resolve_device(options["device"]))
-    return load(spec, progress)
+    return load(spec, progress, probe=thread_probe.cached_verdict)
 
 
 def settings_for(given: dict, loaded=None, default_temperature: float = 0.0, compile: bool = False):

@@ -197,10 +197,14 @@ def check_weights(spec: LoadSpec) -> None:
         raise LoadError(f"--weights {spec.weights} cannot be combined with {placed[0]}, which places the weights itself")
 
 
-def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | None = None) -> LoadedModel:
+def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | None = None,
+         probe: Callable | None = None) -> LoadedModel:
     """The model `spec` names, with its tokenizer, prepared for lookahead (its Linear weights' layout,
     the attention function, a checked tree mask); progress(message) is shown during slow phases.
-    LoadError (or ModelNotFound) with one line for whatever the user can fix."""
+    probe: the thread probe (engine/thread_probe.cached_verdict, which runs the model's steps: the
+    front ends' opener passes it), whose verdict lets the steps' thread count follow the machine's
+    load; None: the steps keep the full count. LoadError (or ModelNotFound) with one line for
+    whatever the user can fix."""
     device, dtype = _checked(spec)
     if (spec.load_in_4bit or spec.load_in_8bit) and (spec.model is None or spec.model.endswith(".gguf")):
         name = Path(spec.model).name if spec.model else gguf.EMBEDDED_NAME
@@ -265,7 +269,7 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
         packing.pack(model)
     cap = context_cap(context_length(model.config), spec.context_size)
     try:
-        governed = _governed(threads, model, name, source, gguf_file, progress)
+        governed = _governed(threads, model, name, source, gguf_file, progress, probe)
     finally:
         notices.extend(gguf.finish_keeping())  # the blocks kept for later loads, written while the probe ran
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, device=model.device, dtype=model.dtype,
@@ -273,16 +277,14 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
                        notices=tuple(notices), weights=quantized.describe(model), threads=governed)
 
 
-def _governed(threads: CpuThreads | None, model, name: str, source: str, gguf_file: Path | None, progress
-              ) -> CpuThreads | None:
+def _governed(threads: CpuThreads | None, model, name: str, source: str, gguf_file: Path | None, progress,
+              probe: Callable | None) -> CpuThreads | None:
     """The thread governor, allowed the counts whose steps give the full count's bits on this CPU
     (thread_probe.py), or None where only the full count does: a lookahead answer must equal plain
     decoding's whatever the machine's load did meanwhile. MKL's dense fp32 products split their sums
     by the thread count by design, so a model with dense Linear weights is not probed."""
-    if threads is None or threads.ceiling == 1 or "dense" in quantized.weight_layout(model):
+    if probe is None or threads is None or threads.ceiling == 1 or "dense" in quantized.weight_layout(model):
         return None
-    from ladechat.engine import thread_probe
-
     folder = Path(source) if Path(source).is_dir() else None
     what = None
     if folder is not None:  # a model whose files can be named: its verdict is kept
@@ -290,8 +292,7 @@ def _governed(threads: CpuThreads | None, model, name: str, source: str, gguf_fi
         origin = (str(gguf_file.resolve()), gguf_file.stat().st_size) if gguf_file is not None else None
         what = [str(folder.resolve()), files, origin, quantized.weight_layout(model)]
     with progress("checking which thread counts give the same results") if progress else nullcontext():
-        verdict = thread_probe.cached_verdict(model, what, threads.ceiling,
-                                              cache_root() / "thread-probe" if what is not None else None)
+        verdict = probe(model, what, threads.ceiling, cache_root() / "thread-probe" if what is not None else None)
     if len(verdict.counts) < 2:
         return None
     threads.restrict(verdict.counts, verdict.widest)
