@@ -326,7 +326,9 @@ def test_a_server_answers_on_the_thread_its_compiled_steps_were_warmed_up_on():
         threads.append(threading.get_ident())
         return loaded.model.forward(**inputs)
 
-    loaded.__dict__["compiled_forward"] = forward  # the cached_property's slot
+    from ladechat.engine.runner import COMPILED_SLOT
+
+    loaded.model.__dict__[COMPILED_SLOT] = forward  # the model's compiled forward, as if compiled
     model_thread = ModelThread()
     try:
         bot = bot_for(loaded, Settings(store=False), True, lambda message: contextlib.nullcontext(), model_thread.run)

@@ -266,9 +266,11 @@ def test_one_compiled_forward_per_model_shared_by_its_runners():
     from ladechat.settings import Settings
 
     loaded = tiny_loaded()
-    assert loaded.compiled_forward is loaded.compiled_forward
+    from ladechat.engine.runner import compiled_forward
+
+    assert compiled_forward(loaded.model) is compiled_forward(loaded.model)
     first, second = (Bot(loaded, Settings(store=False), compile=True) for _ in range(2))
-    assert first.session.runner.forward is second.session.runner.forward is loaded.compiled_forward
+    assert first.session.runner.forward is second.session.runner.forward is compiled_forward(loaded.model)
     assert first.describe().endswith("; steps by torch.compile, one fixed shape)")  # /show and --debug say so
 
 

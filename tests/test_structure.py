@@ -126,10 +126,9 @@ LAYERS = (("ladechat.engine.kernels",), ("ladechat.engine.load",),
           ("ladechat.engine.runner", "ladechat.engine.lean", "ladechat.engine.kv", "ladechat.engine.layout",
            "ladechat.engine.step_cost", "ladechat.engine.thread_probe", "ladechat.engine.cost_envelope"),
           ("ladechat.engine.decode",))
-# The arrows that still point up, each from the loader's last steps (the compiled forward's cache,
-# the mask probe's step): named so that no other joins them while they move out.
-STILL_UPWARD = {("ladechat.engine.load.loading", "ladechat.engine.runner"),
-                ("ladechat.engine.load.loading", "ladechat.engine.layout")}
+# The arrow that still points up, from the loader's last step (the mask probe builds a step's
+# inputs): named so that no other joins it while it moves out.
+STILL_UPWARD = {("ladechat.engine.load.loading", "ladechat.engine.layout")}
 
 
 def layer_of(module: str) -> int | None:

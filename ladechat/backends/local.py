@@ -30,7 +30,7 @@ class Bot:
         step_cost.CostModel, fixed); None: the model's, as measured here and learned from its steps."""
         from ladechat.engine import cost_envelope
         from ladechat.engine.decode import Session
-        from ladechat.engine.runner import StaticRunner
+        from ladechat.engine.runner import StaticRunner, compiled_forward
 
         self.loaded = loaded
         self.settings = settings
@@ -40,7 +40,7 @@ class Bot:
         la = settings.lookahead_config()
         store = self._open_store() if la.store else None
         if compile:
-            runner = StaticRunner(loaded.model, la, loaded.context_length, compiled=loaded.compiled_forward)
+            runner = StaticRunner(loaded.model, la, loaded.context_length, compiled=compiled_forward(loaded.model))
             self.session = Session(loaded.model, la, runner=runner, store=store)  # compiled at one count
         else:
             self.session = Session(loaded.model, la, step_cost=step_cost or cost_envelope.cost_model(loaded), store=store,

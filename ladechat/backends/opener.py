@@ -155,7 +155,9 @@ def _drop_compiled(loaded) -> None:
 
     import torch
 
-    loaded.__dict__.pop("compiled_forward", None)  # a functools.cached_property
+    from ladechat.engine.runner import drop_compiled_forward
+
+    drop_compiled_forward(loaded.model)
     if loaded.device.type == "cuda":
         from ladechat.engine.runner import own_cudagraph_state
 

@@ -26,7 +26,7 @@ from ladechat.engine.decode import Session, generate
 from ladechat.engine.draft.store import AnswerStore
 from ladechat.engine.events import Done
 from ladechat.engine.load import packing
-from ladechat.engine.runner import StaticRunner
+from ladechat.engine.runner import StaticRunner, compiled_forward
 from ladechat.errors import UserError
 from ladechat.settings import Settings
 
@@ -296,7 +296,7 @@ def run(loaded, datasets: list[str], methods: list[str], settings: Settings, lim
     step_cost = None if compile else cost_envelope.cost_model(loaded)  # compiled methods' steps are all full ones
     layouts = packing.LayoutSwitch(loaded.model) if packed else None  # a second copy of the Linear weights
     runners = {m: StaticRunner(loaded.model, method_config(m, la), loaded.context_length,
-                               compiled=loaded.compiled_forward) if compile else None
+                               compiled=compiled_forward(loaded.model)) if compile else None
                for m in ours}
     measured = {name: load_items(name, limit) for name in datasets}
     if single_turn:

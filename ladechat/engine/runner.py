@@ -181,6 +181,23 @@ class CompiledForward:
                               "the most it may; restart ladechat to compile afresh") from None
 
 
+COMPILED_SLOT = "_ladechat_compiled_forward"  # on the model: freed with it
+
+
+def compiled_forward(model) -> CompiledForward:
+    """The model's one CompiledForward, made on first use: every fixed-shape runner of this model
+    shares its graphs."""
+    found = model.__dict__.get(COMPILED_SLOT)
+    if found is None:
+        found = model.__dict__[COMPILED_SLOT] = CompiledForward(model)
+    return found
+
+
+def drop_compiled_forward(model) -> None:
+    """Forget the model's CompiledForward (after a failed compile): the next one starts afresh."""
+    model.__dict__.pop(COMPILED_SLOT, None)
+
+
 def own_cudagraph_state() -> None:
     """Give the calling thread its own CUDA-graph bookkeeping if torch has not. torch before 2.13
     sets it up only in the thread that imported its CUDA-graph trees, and a compiled call from any

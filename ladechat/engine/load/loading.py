@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import shutil
 from collections.abc import Callable
@@ -70,13 +69,6 @@ class LoadedModel:
     # their thread count, which follows the machine's other load (engine/threads.py); else None.
     threads: object = None
 
-    @functools.cached_property
-    def compiled_forward(self):
-        """The model's one CompiledForward (engine/runner.py), made on first use: every
-        fixed-shape runner of this model shares its graphs."""
-        from ladechat.engine.runner import CompiledForward
-
-        return CompiledForward(self.model)
 
 
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
