@@ -793,3 +793,15 @@ def test_users_are_told_where_a_lookahead_answer_can_part_from_plain_decoding():
     assert len(four) == 1 and four[0].startswith("4-bit weights (bitsandbytes) on a GPU")
     assert "--load-in-4bit keeps them identical" in parting_notices("cpu", fp32, False, True)[0]
     assert "--load-in-4bit" not in parting_notices("cuda", bf16, False, True)[0]
+
+
+def test_the_settings_before_a_load_import_neither_torch_nor_transformers():
+    """The chat shows its prompt while the model loads: what it checks first (opener.settings_for
+    with no model yet) imports none of the heavy modules (a subprocess: this one has them)."""
+    import subprocess
+    import sys
+
+    script = ("import sys\nfrom ladechat.backends.opener import settings_for\nsettings_for({}, None)\n"
+              "print(sorted(m for m in ('torch', 'transformers', 'ladechat.engine.step_cost') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"

@@ -86,14 +86,17 @@ def settings_for(given: dict, loaded=None, default_temperature: float = 0.0, com
     compiled full step was measured ahead of plain decoding and of smaller steps) and
     default_temperature. loaded=None: check the values before loading. ConfigError or TemplateError
     (one line) for a bad value."""
-    from ladechat.engine import cost_envelope
     from ladechat.engine.defaults import default_lookahead
     from ladechat.settings import Settings
     from ladechat.templates import resolve
 
     device_type = loaded.device.type if loaded is not None else "cpu"
-    measure = device_type == "cuda" and not compile
-    base = default_lookahead(device_type, cost_envelope.measured_curve(loaded) if measure else None)
+    curve = None
+    if device_type == "cuda" and not compile:
+        from ladechat.engine import cost_envelope  # the step's modules: not before a prompt is shown
+
+        curve = cost_envelope.measured_curve(loaded)
+    base = default_lookahead(device_type, curve)
     settings = Settings.for_lookahead(base, temperature=default_temperature).updated(given)
     resolve(loaded.tokenizer if loaded is not None else None, settings.template)
     return settings
