@@ -72,7 +72,7 @@ def read_gguf(gguf_path: Path, model, folder: Path) -> tuple[dict[str, torch.Ten
         names = {**names, "output.weight": next(key for key, module in model.named_modules() if module is head)
                  + ".weight"}
         by_name["output.weight"] = tied
-    jobs = []  # (tensor, kind, module, rows, cols) in the file's order
+    jobs = []  # (name, tensor, kind, module, rows, cols) in the file's order
     for name, tensor in by_name.items():
         kind = tensor.tensor_type.name
         target = names.get(name, "")
@@ -85,15 +85,15 @@ def read_gguf(gguf_path: Path, model, folder: Path) -> tuple[dict[str, torch.Ten
             continue
         if type(linear) is not torch.nn.Linear or (kind == "Q8_0" and linear is head):  # head.apply takes that
             continue
-        jobs.append((tensor, kind, module_name, linear.out_features, linear.in_features))
+        jobs.append((name, tensor, kind, module_name, linear.out_features, linear.in_features))
     places = _tiles_in_one_allocation(jobs)
-    for tensor, kind, module_name, rows, cols in jobs:
+    for name, tensor, kind, module_name, rows, cols in jobs:
         try:
             buffers = _kernel_form(kind, np.asarray(tensor.data), rows, cols,
                                    lambda: gguf_files.row_order(processor, tensor.name, rows),  # noqa: B023 (called at once)
                                    places.get(module_name))
         except (Int4Error, q4.Q4Error, q6.Q6Error, q8.Q8Error) as exc:
-            notices.append(f"{tensor.name} ({kind}) runs dense: {exc}")
+            notices.append(f"{name} ({kind}) runs dense: {exc}")
             continue
         arrays.update({f"{module_name}.{buffer}": value for buffer, value in buffers.items()})
         kinds[module_name] = kind
@@ -104,7 +104,7 @@ def _tiles_in_one_allocation(jobs) -> dict[str, torch.Tensor]:
     """{module: where its tiles go}, for the tensors gguf_tiles lays out: parts of one allocation
     (numpy's, its huge pages touched on every thread first, as kept.read's), each sibling group's
     (q4.SIBLINGS) one after another, so joining them is a view rather than a copy of gigabytes."""
-    tiled = [(module, kind, rows, cols) for _, kind, module, rows, cols in jobs
+    tiled = [(module, kind, rows, cols) for _, _, kind, module, rows, cols in jobs
              if kind in q4.TILED_KINDS and rows % q4.OUT == 0 and cols % q4.GROUP == 0]
     if not tiled or not q4.loaded():
         return {}
