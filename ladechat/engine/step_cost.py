@@ -38,7 +38,8 @@ AFFORDABLE = 3.0
 SLOW_STEP_S = 0.05
 SLOW_REPS = 3
 # tokens prefill_random computes; a longer context repeats their keys and values (a step's time
-# depends on how many keys it attends to, not on what they hold: 8 cost a 7B 0.6 s on 2 cores, 32 2 s)
+# depends on how many keys it attends to, not on what they hold, and each computed token costs a
+# 7B's prefill a fraction of a second on 2 cores)
 PREFILLED = 8
 
 

@@ -46,8 +46,8 @@ def write(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
 def read(path: Path) -> tuple[dict[str, str], list[str], Callable[[str], torch.Tensor]]:
     """(metadata, tensor names, get(name) -> the tensor). The file's data is read whole into one
     allocation (numpy's, which asks the kernel for huge pages: the kernels stream these weights on
-    every step, and a step on 4 KiB pages is slower) and every tensor is a view of it: one read, no copy. OSError or ValueError for a
-    file that is not whole."""
+    every step, and a step on 4 KiB pages is slower) and every tensor is a view of it: one read, no
+    copy. OSError or ValueError for a file that is not whole."""
     import numpy as np
 
     with open(path, "rb") as fh:
