@@ -120,15 +120,13 @@ def test_the_kernels_read_no_file_and_load_nothing():
 
 
 # The engine's layers, lowest first (#42): kernels, loading, the step's runners and what measures
-# them, decoding. A module imports from its own layer or below (and from the basics: config,
-# threads, events, draft/, errors, paths).
+# them, decoding. A module imports from its own layer or below, and from the basics every layer
+# shares: config, threads, events, draft/, layout (a step's rows, positions and mask: loading's
+# mask probe builds one), errors, paths.
 LAYERS = (("ladechat.engine.kernels",), ("ladechat.engine.load",),
-          ("ladechat.engine.runner", "ladechat.engine.lean", "ladechat.engine.kv", "ladechat.engine.layout",
+          ("ladechat.engine.runner", "ladechat.engine.lean", "ladechat.engine.kv",
            "ladechat.engine.step_cost", "ladechat.engine.thread_probe", "ladechat.engine.cost_envelope"),
           ("ladechat.engine.decode",))
-# The arrow that still points up, from the loader's last step (the mask probe builds a step's
-# inputs): named so that no other joins it while it moves out.
-STILL_UPWARD = {("ladechat.engine.load.loading", "ladechat.engine.layout")}
 
 
 def layer_of(module: str) -> int | None:
@@ -139,4 +137,13 @@ def layer_of(module: str) -> int | None:
 def test_the_engines_layers_import_downward_only():
     upward = {(name, dep) for name, deps in graph().items() if layer_of(name) is not None
               for dep in deps if layer_of(dep) is not None and layer_of(dep) > layer_of(name)}
-    assert upward == STILL_UPWARD
+    assert upward == set()
+
+
+def test_the_basics_import_no_layer():
+    """What every layer shares imports none of them."""
+    basics = ("ladechat.engine.config", "ladechat.engine.threads", "ladechat.engine.events", "ladechat.engine.draft",
+              "ladechat.engine.layout")
+    found = {(name, dep) for name, deps in graph().items() if name.startswith(basics)
+             for dep in deps if layer_of(dep) is not None}
+    assert found == set()
