@@ -4,6 +4,7 @@ tokenizer): ladechat builds each, its logits are transformers' own GGUF load's, 
 answers equal plain decoding's, with float weights and with 4-bit blocks. A file of an architecture
 that cannot be built is one line naming it. (Llama itself: tests/test_int4.py, test_q6.py.)"""
 
+import contextlib
 from pathlib import Path
 
 import gguf
@@ -196,7 +197,7 @@ def test_config_and_tokenizer_are_transformers_own_from_one_parse(arch, tmp_path
 
     path = gguf_files.embedded_gguf() if arch == "llama" else write_family(arch, tmp_path / f"{arch}.gguf", False)
     gguf_files._prepare(path, tmp_path / "once")
-    monkeypatch.setattr(gguf_files, "_metadata_parsed_once", __import__("contextlib").nullcontext)
+    monkeypatch.setattr(gguf_files, "_metadata_parsed_once", contextlib.nullcontext)
     parses = []
     original = gguf_utils.load_gguf_checkpoint
     monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", lambda *a, **k: parses.append(a) or original(*a, **k))

@@ -43,25 +43,30 @@ def write(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
             fh.write(_bytes_of(tensor))
 
 
-def read(path: Path) -> tuple[dict[str, str], list[str], Callable[[str], torch.Tensor]]:
-    """(metadata, tensor names, get(name) -> the tensor). The file's data is read whole into one
-    allocation (numpy's, which asks the kernel for huge pages: the kernels stream these weights on
-    every step, and a step on 4 KiB pages is slower) and every tensor is a view of it: one read, no
-    copy. OSError or ValueError for a file that is not whole."""
+def weights_memory(size: int) -> torch.Tensor:
+    """`size` bytes (uint8) for weights the kernels stream on every step: numpy's allocation, which
+    asks the kernel for huge pages (a step on 4 KiB pages is slower), every page touched first on
+    every thread (writing into huge pages not yet touched faults them in one at a time: a read()
+    into them was several times slower, docs/lab/benchmarks-log.md)."""
     import numpy as np
 
+    memory = torch.from_numpy(np.empty(size, dtype=np.uint8))
+    memory.zero_()
+    return memory
+
+
+def read(path: Path) -> tuple[dict[str, str], list[str], Callable[[str], torch.Tensor]]:
+    """(metadata, tensor names, get(name) -> the tensor). The file's data is read whole into one
+    allocation (weights_memory) and every tensor is a view of it: one read, no copy. OSError or
+    ValueError for a file that is not whole."""
     with open(path, "rb") as fh:
         size = int.from_bytes(fh.read(8), "little")
         header = json.loads(fh.read(size))
         metadata = header.pop("__metadata__", {}) or {}
         end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
-        data = np.empty(end, dtype=np.uint8)
-        # every page touched first, on every thread: read() into huge pages not yet touched faults
-        # them in one at a time inside the kernel's copy, several times slower (docs/lab/benchmarks-log.md)
-        torch.from_numpy(data).zero_()
-        if fh.readinto(memoryview(data)) != end:
+        whole = weights_memory(end)
+        if fh.readinto(memoryview(whole.numpy())) != end:
             raise OSError(f"{Path(path).name} is cut short")
-    whole = torch.from_numpy(data)
 
     def get(name: str) -> torch.Tensor:
         entry = header[name]

@@ -102,7 +102,7 @@ def read_gguf(gguf_path: Path, model, folder: Path) -> tuple[dict[str, torch.Ten
 
 def _tiles_in_one_allocation(jobs) -> dict[str, torch.Tensor]:
     """{module: where its tiles go}, for the tensors gguf_tiles lays out: parts of one allocation
-    (numpy's, its huge pages touched on every thread first, as kept.read's), each sibling group's
+    (kept.weights_memory, as a later load reads them into), each sibling group's
     (q4.SIBLINGS) one after another, so joining them is a view rather than a copy of gigabytes."""
     tiled = [(module, kind, rows, cols) for _, _, kind, module, rows, cols in jobs
              if kind in q4.TILED_KINDS and rows % q4.OUT == 0 and cols % q4.GROUP == 0]
@@ -116,8 +116,9 @@ def _tiles_in_one_allocation(jobs) -> dict[str, torch.Tensor]:
 
     sizes = {module: rows // q4.OUT * (cols // q4.GROUP) * (q6.TILE_BYTES if kind == "Q6_K" else q4.TILE_BYTES)
              for module, kind, rows, cols in tiled}
-    whole = torch.from_numpy(np.empty(sum(sizes.values()), dtype=np.uint8))
-    whole.zero_()
+    from ladechat.engine.load.kept import weights_memory
+
+    whole = weights_memory(sum(sizes.values()))
     places, start = {}, 0
     for module, *_ in sorted(tiled, key=placed):
         places[module] = whole[start : start + sizes[module]]
