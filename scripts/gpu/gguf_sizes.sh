@@ -9,15 +9,21 @@
 #   B. a 1B-shape Hugging Face folder (random weights, its config and tokenizer read from a GGUF by
 #      ladechat), asked with --load-in-4bit (bitsandbytes) and with --device-map auto, lookahead on and
 #      off each: the same figures
+#   C. the GGUF's dense tensors dequantized on the GPU (engine/load/dequantize.py): tests/test_dequantize.py
+#      there (every type's bits on CUDA, a dense load on CUDA equal to transformers'), a 1B-shape Q4_K_M
+#      read onto the GPU by gguf-py then by torch in one process (scripts/gpu/load_time.py: seconds,
+#      the same weights), then the 8B-shape Q4_K_M asked as in A, lookahead then plain. The steps
+#      run in the order of what matters most, so a call stopped at its limit keeps the first ones.
 # Prepare here first: bash scripts/gpu/prepare_gguf.sh (fills .gpu/gguf: the wheels, a trimmed
 # bitsandbytes, llama-quantize and its libraries, the tokenizer as vocab.gguf). Then
 #   run  carry=[".gpu/gguf"]  timeout_s=600  command="bash scripts/gpu/gguf_sizes.sh A"
 #   run  carry=[".gpu/gguf"]  timeout_s=360  command="bash scripts/gpu/gguf_sizes.sh B"
+#   run  carry=[".gpu/gguf"]  timeout_s=600  command="bash scripts/gpu/gguf_sizes.sh C"
 # What comes back: $OUT/results.jsonl (scripts/gpu/measure.py's lines) and $OUT/log.txt.
 # LADECHAT_GPU_DRY_RUN=1: the same on this CPU, the tiny shape, --device cpu, the venv's packages.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-PART=${1:?usage: gguf_sizes.sh A|B}
+PART=${1:?usage: gguf_sizes.sh A|B|C}
 CARRIED=$PWD/.gpu/gguf
 OUT=${OUT:-/tmp/gguf-sizes-out}
 WORK=${GGUF_SIZES_WORK:-/tmp/gguf-sizes}
@@ -90,6 +96,23 @@ A)
     ask "$BIG-plain" 170 --model "$gguf" --no-lookahead
     same "$BIG-lookahead" "$BIG-plain"
     ;;
+C)
+    step dequantize-tests 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_dequantize.py
+    small=$WORK/$SMALL-q4km.gguf
+    if step make-$SMALL 60 "$PY" scripts/gguf_shapes.py "$SMALL" "$WORK/$SMALL-f16.gguf" --tokenizer-from \
+        "$CARRIED/vocab.gguf" --quantize Q4_K_M "$small" --llama-quantize "$CARRIED/bin/llama-quantize"; then
+        rm -f "$WORK/$SMALL-f16.gguf"
+        step load-$SMALL 100 "$PY" scripts/gpu/load_time.py "$RESULTS" "$SMALL-load" "$small" --device "$DEVICE" \
+            --dtype "$([ "$DEVICE" = cuda ] && echo bfloat16 || echo float32)"
+    fi
+    gguf=$WORK/$BIG-q4km.gguf
+    step make-$BIG 170 "$PY" scripts/gguf_shapes.py "$BIG" "$WORK/$BIG-f16.gguf" --tokenizer-from \
+        "$CARRIED/vocab.gguf" --quantize Q4_K_M "$gguf" --llama-quantize "$CARRIED/bin/llama-quantize" || exit 1
+    rm -f "$WORK/$BIG-f16.gguf"
+    ask "$BIG-lookahead" 150 --model "$gguf"
+    ask "$BIG-plain" 150 --model "$gguf" --no-lookahead
+    same "$BIG-lookahead" "$BIG-plain"
+    ;;
 B)
     folder=$WORK/$SMALL-hf
     step make-$SMALL-hf 60 "$PY" - "$SMALL" "$folder" "$CARRIED/vocab.gguf" "$DEVICE" <<'EOF' || exit 1
@@ -126,7 +149,7 @@ EOF
     same "$SMALL-devmap-lookahead" "$SMALL-devmap-plain"
     ;;
 *)
-    echo "usage: gguf_sizes.sh A|B" >&2
+    echo "usage: gguf_sizes.sh A|B|C" >&2
     exit 2
     ;;
 esac

@@ -355,9 +355,10 @@ def read_tensors(model, gguf: Path, index: dict, dtype, device, wanted: set[str]
     """{parameter name: tensor} for every tensor of `gguf` that is one of `model`'s `wanted`
     parameters or buffers (`model`: built empty from the file's config; the tensors in a kernel's
     layout are not wanted, nor read): each read from the memory-mapped file where `index`
-    (tensor_index) says, dequantized on its own (gguf-py), put in the model's row order and form by
+    (tensor_index) says, dequantized on its own, put in the model's row order and form by
     transformers' GGUF tensor processor for the architecture, and cast to `dtype` on `device`
-    before the next is read."""
+    before the next is read. A 2-D tensor whose form the processor only reorders by rows is
+    dequantized by torch where it goes (_dequantized_by_rows); the rest by gguf-py."""
     import numpy as np
     import torch
     from gguf import GGMLQuantizationType, dequantize
@@ -376,10 +377,11 @@ def read_tensors(model, gguf: Path, index: dict, dtype, device, wanted: set[str]
             try:
                 blocks = np.memmap(gguf, dtype=np.dtype(where["dtype"]), mode="r", offset=where["offset"],
                                    shape=tuple(where["shape"]))
-                if blocks.ndim == 2 and blocks.shape[0] > 1 and _rows_kept(processor, where["name"], blocks.shape[0]):
-                    # a large tensor's float32 form and gguf's temporaries are several times its
+                order = row_order(processor, where["name"], blocks.shape[0]) if blocks.ndim == 2 else None
+                if order is not None and blocks.shape[0] > 1:
+                    # a large tensor's float32 form and the temporaries are several times its
                     # dtype's: a slice of rows at a time into the tensor the model keeps
-                    state[name] = _dequantized_by_rows(blocks, kind, dtype, device)
+                    state[name] = _dequantized_by_rows(blocks, kind, dtype, device, order)
                     continue
                 weights = dequantize(blocks, kind)
             except (ValueError, OSError) as exc:  # a file cut short since it was indexed
@@ -441,20 +443,34 @@ def _rows_kept(processor, name: str, rows: int) -> bool:
     return order is not None and bool(np.array_equal(order, np.arange(rows)))
 
 
-def _dequantized_by_rows(blocks, kind, dtype, device):
-    """A 2-D tensor's blocks (rows, bytes a row) -> its weights in `dtype` on `device`, dequantized
-    a slice of rows at a time."""
+def _dequantized_by_rows(blocks, kind, dtype, device, order):
+    """A 2-D tensor's blocks (rows, bytes a row) -> its weights in `dtype` on `device`, the model's
+    row i from the file's row order[i], dequantized a slice of rows at a time: by torch where the
+    bytes go (load/dequantize.py: on a GPU, the blocks cross the bus, not the weights), by gguf-py
+    for the types it does not take."""
     import numpy as np
     import torch
-    from gguf import dequantize
+    from gguf import dequantize as gguf_dequantize
 
-    first = dequantize(blocks[:1], kind)
+    from ladechat.engine.load import dequantize
+
+    in_order = bool(np.array_equal(order, np.arange(len(order))))
+    on_torch = dequantize.supported(kind)
+
+    def weights(start: int, stop: int):
+        part = blocks[start:stop] if in_order else blocks[order[start:stop]]
+        if on_torch:  # a copy out of the read-only mapping, of the blocks' own size
+            raw = torch.from_numpy(np.array(part).view(np.uint8)).to(device)
+            return dequantize.dequantize(raw, kind)
+        found = gguf_dequantize(part, kind)  # F32: the mapped file itself, read-only
+        return torch.from_numpy(np.array(found, copy=not found.flags.writeable))
+
+    first = weights(0, 1)
     rows, cols = blocks.shape[0], first.shape[-1]
     out = torch.empty((rows, cols), dtype=dtype, device=device)
     step = max(1, DEQUANTIZED_AT_ONCE // cols)
     for start in range(0, rows, step):
-        rows_here = dequantize(blocks[start : start + step], kind)  # F32: the mapped file itself, read-only
-        out[start : start + step] = torch.from_numpy(np.array(rows_here, copy=not rows_here.flags.writeable)).to(dtype)
+        out[start : start + step] = weights(start, start + step).to(dtype)
     return out
 
 

@@ -1,0 +1,126 @@
+"""engine/load/dequantize.py: every GGML type it takes gives gguf-py's weights bit for bit, on the
+CPU and, where the machine has one, on a CUDA GPU (scripts/gpu/gguf_sizes.sh runs this file there)."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import dequantize as gguf_dequantize
+
+from ladechat.engine.load import dequantize
+
+T = GGMLQuantizationType
+# the byte offsets of each block's fp16 fields (scales, mins), set to finite numbers: random bytes
+# there would be NaN and infinity, whose payloads say nothing about the unpacking
+HALVES = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,), T.Q2_K: (80, 82),
+          T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+FLOATS = (T.F32, T.F16, T.BF16)
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+def random_rows(kind, rows: int, blocks_a_row: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    weights_a_block, block_bytes = GGML_QUANT_SIZES[kind]
+    if kind in FLOATS:
+        values = rng.standard_normal((rows, blocks_a_row * weights_a_block)).astype(np.float32)
+        if kind == T.F16:
+            return values.astype(np.float16).view(np.uint8)
+        if kind == T.BF16:
+            return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+        return values.view(np.uint8)
+    raw = rng.integers(0, 256, size=(rows * blocks_a_row, block_bytes), dtype=np.uint8)
+    for at in HALVES[kind]:
+        halves = (rng.standard_normal(rows * blocks_a_row) * 0.05).astype(np.float16)
+        raw[:, at : at + 2] = halves.view(np.uint8).reshape(-1, 2)
+    return raw.reshape(rows, -1)
+
+
+def test_every_type_it_takes_is_tested():
+    assert {k for k in T if dequantize.supported(k)} == set(HALVES) | set(FLOATS)
+    assert not dequantize.supported(T.IQ4_XS)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", [*FLOATS, *HALVES], ids=lambda k: k.name)
+def test_same_bits_as_gguf_py(kind, device):
+    raw = random_rows(kind, rows=7, blocks_a_row=3 if kind in HALVES else 40, seed=int(kind))
+    ours = dequantize.dequantize(torch.from_numpy(raw).to(device), kind)
+    theirs = gguf_dequantize(raw, kind)
+    assert ours.dtype == torch.float32 and ours.device.type == device and tuple(ours.shape) == theirs.shape
+    assert np.isfinite(theirs).all()
+    np.testing.assert_array_equal(ours.cpu().numpy().view(np.uint32), np.ascontiguousarray(theirs).view(np.uint32))
+
+
+def test_a_slice_of_rows_is_those_rows():
+    raw = random_rows(T.Q4_K, rows=6, blocks_a_row=2, seed=1)
+    whole = dequantize.dequantize(torch.from_numpy(raw), T.Q4_K)
+    part = dequantize.dequantize(torch.from_numpy(raw[2:5]), T.Q4_K)
+    assert torch.equal(part, whole[2:5])
+
+
+# -- a GGUF of every type read densely: the weights of transformers' own GGUF load ---------------
+
+HIDDEN, FFN, VOCAB = 256, 512, 96
+LAYER_KINDS = [  # q and k are permuted on loading (llama.cpp's rotary layout): both paths are read
+    {"attn_q": T.Q5_K, "attn_k": T.Q3_K, "attn_v": T.Q6_K, "attn_output": T.BF16, "ffn_gate": T.Q2_K,
+     "ffn_up": T.Q5_0, "ffn_down": T.Q5_1},
+    {"attn_q": T.Q4_K, "attn_k": T.Q8_0, "attn_v": T.F16, "attn_output": T.Q4_0, "ffn_gate": T.Q4_1,
+     "ffn_up": T.TQ2_0, "ffn_down": T.F32},  # TQ2_0: not torch's here, gguf-py's
+]
+
+
+def write_every_type(path):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for add, value in ((writer.add_context_length, 512), (writer.add_embedding_length, HIDDEN),
+                       (writer.add_feed_forward_length, FFN), (writer.add_block_count, len(LAYER_KINDS)),
+                       (writer.add_head_count, 4), (writer.add_head_count_kv, 2), (writer.add_rope_freq_base, 1e4),
+                       (writer.add_layer_norm_rms_eps, 1e-5), (writer.add_vocab_size, VOCAB)):
+        add(value)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(VOCAB - 3)])
+    writer.add_token_scores([0.0] * VOCAB)
+    writer.add_token_types([1] * VOCAB)
+    rng = np.random.default_rng(5)
+    writer.add_tensor("token_embd.weight", rng.standard_normal((VOCAB, HIDDEN)).astype(np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
+    writer.add_tensor("output.weight", random_rows(T.Q6_K, VOCAB, HIDDEN // 256, seed=9), raw_dtype=T.Q6_K)
+    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (HIDDEN // 2, HIDDEN), "attn_v": (HIDDEN // 2, HIDDEN),
+              "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN),
+              "ffn_down": (HIDDEN, FFN)}
+    for layer, kinds in enumerate(LAYER_KINDS):
+        writer.add_tensor(f"blk.{layer}.attn_norm.weight", np.ones(HIDDEN, np.float32))
+        writer.add_tensor(f"blk.{layer}.ffn_norm.weight", np.ones(HIDDEN, np.float32))
+        for name, kind in kinds.items():
+            rows, cols = shapes[name]
+            if kind == T.TQ2_0:
+                raw = gguf.quantize(rng.standard_normal((rows, cols)).astype(np.float32), kind)
+            else:
+                per_block = GGML_QUANT_SIZES[kind][0]
+                raw = random_rows(kind, rows, cols // per_block, seed=layer * 100 + int(kind))
+            if kind in (T.F32, T.F16):
+                raw = raw.view(np.float32 if kind == T.F32 else np.float16)
+            writer.add_tensor(f"blk.{layer}.{name}.weight", raw, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_dense_load_of_every_type_has_transformers_own_weights(tmp_path, device):
+    from transformers import AutoModelForCausalLM
+
+    from ladechat.engine.load.loading import LoadSpec, load
+
+    path = write_every_type(tmp_path / "every-type.gguf")
+    ours = load(LoadSpec(model=str(path), dtype="float32", device=device, weights="dense", pack_weights=False))
+    theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
+    wanted, built = theirs.state_dict(), ours.model.state_dict()
+    assert set(built) == set(wanted)
+    assert all(tensor.device.type == device for tensor in built.values())
+    differ = [name for name in wanted if not torch.equal(built[name].cpu(), wanted[name])]
+    assert not differ, differ
