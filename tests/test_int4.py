@@ -51,7 +51,7 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     block, size = gguf.GGML_QUANT_SIZES[T[kind]]
     data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-    halves = {"Q4_0": 1, "Q4_1": 2, "Q4_K": 2}[kind]
+    halves = {"Q4_0": 1, "Q4_1": 2, "Q4_K": 2, "Q5_0": 1, "Q5_1": 2, "Q5_K": 2}[kind]
     scales = (rng.standard_normal((rows, cols // block, halves)) * 0.02).astype(np.float16)
     data[..., : 2 * halves] = scales.view(np.uint8).reshape(rows, cols // block, 2 * halves)
     return data.reshape(rows, -1)
@@ -154,7 +154,7 @@ def test_shapes_the_kernel_cannot_take_are_refused():
         int4.check_shape(40, 64)
     with pytest.raises(q4.Q4Error, match="do not make 48x512 weights"):
         q4.decode("Q4_0", np.zeros((48, 10), np.uint8), 48, 512)
-    with pytest.raises(q4.Q4Error, match="Q8_0 has no exact 4-bit form"):
+    with pytest.raises(q4.Q4Error, match="Q8_0 has no exact 4-bit or 5-bit form"):
         q4.decode("Q8_0", np.zeros((48, 34 * 16), np.uint8), 48, 512)
 
 

@@ -276,7 +276,9 @@ out = {{"best_path": ops.best_path(),
         "q4_k": ops.q4_mm(x, *q4.layout_k(*map(torch.from_numpy, q4.decode_compact("Q4_K", random_blocks("Q4_K", 32, 512, 2), 32, 512))), 0),
         "q6": ops.q6_mm(x, *q6.layout(*q6_layer(32, 512, seed=3)), 0),
         "q8": ops.q8_mm(x, *q8.kernel_layout(*q8_layer(32, 512, seed=4)), 0),
-        "tiles": ops.gguf_tiles(torch.from_numpy(random_blocks("Q4_K", 32, 512, 5)), 2, 32, 512, None, None)}}
+        "tiles": ops.gguf_tiles(torch.from_numpy(random_blocks("Q4_K", 32, 512, 5)), 2, 32, 512, None, None),
+        "q5_k": ops.q4_mm(x, *q4.layout_k(*map(torch.from_numpy, q4.decode_compact("Q5_K", random_blocks("Q5_K", 32, 512, 6), 32, 512)), five_bit=True), 0),
+        "tiles5": ops.gguf_tiles(torch.from_numpy(random_blocks("Q5_0", 32, 512, 7)), 4, 32, 512, None, None)}}
 torch.save(out, {saved!r})
 """
 
@@ -312,8 +314,10 @@ def test_the_library_builds_with_the_portable_loops_alone_and_gives_their_bits(k
             "q4_k": ops.q4_mm(x, *q4.layout_k(*map(torch.from_numpy, q4.decode_compact("Q4_K", random_blocks("Q4_K", 32, 512, 2), 32, 512))), 0),
             "q6": ops.q6_mm(x, *q6.layout(*q6_layer(32, 512, seed=3)), 0),
             "q8": ops.q8_mm(x, *q8.kernel_layout(*q8_layer(32, 512, seed=4)), 0),
-            "tiles": ops.gguf_tiles(torch.from_numpy(random_blocks("Q4_K", 32, 512, 5)), 2, 32, 512, None, None)}
+            "tiles": ops.gguf_tiles(torch.from_numpy(random_blocks("Q4_K", 32, 512, 5)), 2, 32, 512, None, None),
+            "q5_k": ops.q4_mm(x, *q4.layout_k(*map(torch.from_numpy, q4.decode_compact("Q5_K", random_blocks("Q5_K", 32, 512, 6), 32, 512)), five_bit=True), 0),
+            "tiles5": ops.gguf_tiles(torch.from_numpy(random_blocks("Q5_0", 32, 512, 7)), 4, 32, 512, None, None)}
     assert theirs.keys() == ours.keys()
     assert theirs["best_path"] == 0
-    for name in ("q4", "q4_k", "q6", "q8", "tiles"):
+    for name in ("q4", "q4_k", "q6", "q8", "tiles", "q5_k", "tiles5"):
         assert torch.equal(theirs[name], ours[name]), name

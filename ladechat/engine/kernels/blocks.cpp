@@ -9,10 +9,13 @@
 //            Q4_K   sc and m (uint8 < 64) per 32 weights, d and -dmin (fp32) per 256: scale = d * sc,
 //                   low = -dmin * m, each exact in fp32 (an fp16 times an integer below 64)
 //          The compact forms are what a step streams: ~0.59-0.63 bytes a weight against 0.75.
+//          Q5_0 / Q5_1 / Q5_K run here too: a code q in 0..31, its top bit in a plane of its own
+//          (Q5_0: scale d, low -16 d; Q5_1: d, m; Q5_K: Q4_K's form), ~0.72-0.75 bytes a weight.
 //   q8_mm  Q8_0: w = scale * q, a code q in -128..127 per weight, an fp32 scale per 32 weights
 //   q6_mm  Q6_K: w = d * sc * (q - 32), a code q in 0..63 per weight, an int8 sc per 16 weights and
 //          an fp32 d per 256 weights along a row (the file's own bits: ~0.83 bytes a weight)
-//   gguf_tiles  a GGUF tensor's Q4_0 / Q4_1 / Q4_K / Q6_K blocks -> the codes' tiles below (at load)
+//   gguf_tiles  a GGUF tensor's Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_1 / Q5_K / Q6_K blocks -> the codes'
+//               tiles below (at load)
 //
 // Why: torch's int4 kernel widens every code to floats for every 4 rows and multiplies in fp32
 // (its vectorized path takes bf16 activations), and a float kernel for Q8_0 spends a multiply-add
@@ -42,6 +45,10 @@
 //     and scales, lows: fp32 or fp16 (N / 16, K / 32, 16), output j at j; or (Q4_K form) scales
 //     uint8 (N / 16, K / 32, 32): sc of output j at j, m at 16 + j, and lows fp32
 //     (N / 16, K / 256, 32): d of output j at j, -dmin at 16 + j
+//   Q5 codes (N / 16, K / 32, 320) uint8
+//     tile bytes 0..255 as Q4's, holding the low 4 bits of each code
+//     tile byte 256 + 8 c + b, bit t: the top bit of q[j][4 c + i], 4 j + i = 8 b + t (c 0..7)
+//     and scales and lows as Q4's (fp16, fp32 or the Q4_K form)
 //   Q8 scales fp32 (N / 16, K / 32, 16)
 //   Q8 codes (N / 16, K / 32, 512) int8
 //     tile byte 64 c + 4 j + i    (c 0..7) = q[j][4 c + i]
@@ -97,6 +104,7 @@ namespace {
 constexpr int OUT = 16;                      // outputs per tile
 constexpr int GROUP = 32;                    // inputs per scale and low
 constexpr int Q4_TILE = OUT * GROUP / 2;  // bytes: 256
+constexpr int Q5_TILE = Q4_TILE + OUT * GROUP / 8;  // bytes: 320 (Q4's and a plane of top bits)
 constexpr int Q8_TILE = OUT * GROUP;      // bytes: 512
 constexpr int Q6_TILE = Q4_TILE + OUT * GROUP / 4 + 2 * OUT;  // bytes: 416
 constexpr int Q6_SUPER = 8;                  // groups per d (256 inputs); Q4_K's d and dmin too
@@ -284,6 +292,32 @@ inline void nibbles_avx2(const uint8_t* c, int h, __m256i q[8]) {
   }
 }
 
+// A Q5 tile's top bits (bit 4 of each code) into q[c]: the 8 bytes at Q4_TILE + 8 c hold bit 4 j + i
+// for input 4 c + i of output j, byte 4 j + i of q[c]'s lanes (a mask register's bit per byte).
+__attribute__((target("avx512f,avx512bw")))
+inline void top_bits_avx512(const uint8_t* c, __m512i q[8]) {
+  for (int k = 0; k < 8; ++k) {
+    uint64_t bits;
+    std::memcpy(&bits, c + Q4_TILE + 8 * k, sizeof bits);
+    q[k] = _mm512_or_si512(q[k], _mm512_maskz_set1_epi8(bits, 0x10));
+  }
+}
+
+// The same for the 8 outputs of half h: bits 32 h .. 32 h + 31 of each word, one per byte, spread
+// by a byte shuffle (byte b takes the bits' byte b / 8) and a test of bit b % 8.
+__attribute__((target("avx2")))
+inline void top_bits_avx2(const uint8_t* c, int h, __m256i q[8]) {
+  const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303);
+  const __m256i others = _mm256_set1_epi64x(0x7FBFDFEFF7FBFDFE);  // every bit but bit b % 8 of byte b
+  const __m256i all = _mm256_set1_epi8(-1), top = _mm256_set1_epi8(0x10);
+  for (int k = 0; k < 8; ++k) {
+    uint32_t bits;
+    std::memcpy(&bits, c + Q4_TILE + 8 * k + 4 * h, sizeof bits);
+    const __m256i v = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(bits)), spread), others);
+    q[k] = _mm256_or_si256(q[k], _mm256_and_si256(_mm256_cmpeq_epi8(v, all), top));
+  }
+}
+
 #endif  // LADECHAT_X86
 // The scale and low of group g of a Q4 tile for its 16 outputs, as fp32, from each form: the
 // values of the fp32 form exactly (an fp16 widens exactly; d * sc and -dmin * m are exact), so the
@@ -366,8 +400,10 @@ struct KForm {
 // for the R rows, and the rows' sums never go through memory. The float steps per row are the
 // portable path's, in its order.
 #ifdef LADECHAT_X86
-template <typename Form>
+// TOP: a Q5 tile (codes 0..31: Q4's nibbles and a plane of top bits), else Q4's.
+template <typename Form, bool TOP = false>
 struct Q4Vnni {
+  static constexpr int TILE = TOP ? Q5_TILE : Q4_TILE;
   template <int R>
   __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni")))
   static void rows(const Rows& x, const Tile& w, int64_t m0, float* acc) {
@@ -378,10 +414,11 @@ struct Q4Vnni {
     __m512 y[R];
     for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
-      prefetch_group<Q4_TILE, Form::SCALE_BYTES, Form::LOW_BYTES>(w, w.lows, g);
-      const uint8_t* c = w.codes + g * Q4_TILE;
+      prefetch_group<TILE, Form::SCALE_BYTES, Form::LOW_BYTES>(w, w.lows, g);
+      const uint8_t* c = w.codes + g * TILE;
       __m512i q[8];  // q[c]: inputs 4c..4c+3 of the group, 4 bytes per output lane
       nibbles_avx512(c, q);
+      if constexpr (TOP) top_bits_avx512(c, q);
       __m512 scale, low;
       Form::avx512(w, g, scale, low);
       for (int r = 0; r < R; ++r) {
@@ -401,8 +438,9 @@ struct Q4Vnni {
 };
 
 // The same arithmetic in two halves of 8 outputs.
-template <typename Form>
+template <typename Form, bool TOP = false>
 struct Q4Avx2 {
+  static constexpr int TILE = TOP ? Q5_TILE : Q4_TILE;
   template <int R>
   __attribute__((target("avx2,fma,f16c")))
   static void rows(const Rows& x, const Tile& w, int64_t m0, float* acc) {
@@ -414,16 +452,17 @@ struct Q4Avx2 {
     __m256 y[R][2];
     for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
-      prefetch_group<Q4_TILE, Form::SCALE_BYTES, Form::LOW_BYTES>(w, w.lows, g);
-      const uint8_t* c = w.codes + g * Q4_TILE;
+      prefetch_group<TILE, Form::SCALE_BYTES, Form::LOW_BYTES>(w, w.lows, g);
+      const uint8_t* c = w.codes + g * TILE;
       for (int h = 0; h < 2; ++h) {
         __m256i q[8];
         nibbles_avx2(c, h, q);
+        if constexpr (TOP) top_bits_avx2(c, h, q);
         __m256 scale, low;
         Form::avx2(w, g, h, scale, low);
         for (int r = 0; r < R; ++r) {
           const Quad a{codes + r * K + g * GROUP};
-          // a 16-bit pair sum is 2 products of at most 15 * 127, and two such added: within 16 bits
+          // a 16-bit pair sum is 2 products of at most 31 * 127, and two such added: within 16 bits
           __m256i p[4];
           for (int k = 0; k < 4; ++k)
             p[k] = _mm256_add_epi16(_mm256_maddubs_epi16(q[2 * k], _mm256_set1_epi32(a[2 * k])),
@@ -442,19 +481,24 @@ struct Q4Avx2 {
 };
 
 #endif  // LADECHAT_X86
-template <typename Form>
+template <typename Form, bool TOP = false>
 void q4_tile_portable(const Rows& x, const Tile& w, float* acc) {
   const int64_t G = x.K / GROUP;
   std::fill(acc, acc + x.M * OUT, 0.f);
   for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* c = w.codes + g * Q4_TILE;
+    const uint8_t* c = w.codes + g * (TOP ? Q5_TILE : Q4_TILE);
     for (int64_t m = 0; m < x.M; ++m) {
       const int8_t* a = x.codes + m * x.K + g * GROUP;
       for (int j = 0; j < OUT; ++j) {
         int32_t isum = 0;
         for (int k = 0; k < GROUP; ++k) {
           const uint8_t byte = c[64 * (k / 4 % 4) + 4 * j + k % 4];
-          isum += (k < 16 ? byte & 0x0F : byte >> 4) * a[k];
+          int code = k < 16 ? byte & 0x0F : byte >> 4;
+          if constexpr (TOP) {
+            const int bit = 4 * j + k % 4;
+            code |= ((c[Q4_TILE + 8 * (k / 4) + bit / 8] >> (bit % 8)) & 1) << 4;
+          }
+          isum += code * a[k];
         }
         float scale, low;
         Form::portable(w, g, j, scale, low);
@@ -784,10 +828,11 @@ at::Tensor q4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
                  int64_t path) {
   check_rows(x, "q4_mm");
   const int64_t G = x.size(1) / GROUP;
-  TORCH_CHECK(codes.dim() == 3 && codes.size(1) == G && codes.size(2) == Q4_TILE
+  TORCH_CHECK(codes.dim() == 3 && codes.size(1) == G && (codes.size(2) == Q4_TILE || codes.size(2) == Q5_TILE)
               && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.device().is_cpu(),
-              "q4_mm: codes must be (out / 16, in / 32, 256) uint8, contiguous, on the CPU");
+              "q4_mm: codes must be (out / 16, in / 32, 256, or 320 with top bits) uint8, contiguous, on the CPU");
   const int64_t NB = codes.size(0);
+  const bool top = codes.size(2) == Q5_TILE;
   if (scales.scalar_type() == at::kByte) {  // the Q4_K form
     TORCH_CHECK(G % Q6_SUPER == 0, "q4_mm: the Q4_K form needs inputs in multiples of 256");
     TORCH_CHECK(scales.dim() == 3 && scales.size(0) == NB && scales.size(1) == G && scales.size(2) == 2 * OUT
@@ -797,7 +842,9 @@ at::Tensor q4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
                 && lows.scalar_type() == at::kFloat && lows.is_contiguous() && lows.device().is_cpu(),
                 "q4_mm: Q4_K lows must be (out / 16, in / 256, 32) fp32, contiguous, on the CPU");
     static const TileKernel kernels[3] = {q4_tile_portable<KForm>, X86_ONLY(by_rows<Q4Avx2<KForm>>), X86_ONLY(by_rows<Q4Vnni<KForm>>)};
-    return run(x, codes, Q4_TILE, scales, lows, at::Tensor(), path, kernels);
+    static const TileKernel kernels5[3] = {q4_tile_portable<KForm, true>, X86_ONLY((by_rows<Q4Avx2<KForm, true>>)),
+                                           X86_ONLY((by_rows<Q4Vnni<KForm, true>>))};
+    return run(x, codes, codes.size(2), scales, lows, at::Tensor(), path, top ? kernels5 : kernels);
   }
   const bool half = scales.scalar_type() == at::kHalf;
   const char* what = "q4_mm: scales and lows must be (out / 16, in / 32, 16), both fp32 or both fp16, contiguous, "
@@ -807,10 +854,14 @@ at::Tensor q4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
   if (half) {
     static const TileKernel kernels[3] = {q4_tile_portable<F16Form>, X86_ONLY(by_rows<Q4Avx2<F16Form>>),
                                           X86_ONLY(by_rows<Q4Vnni<F16Form>>)};
-    return run(x, codes, Q4_TILE, scales, lows, at::Tensor(), path, kernels);
+    static const TileKernel kernels5[3] = {q4_tile_portable<F16Form, true>, X86_ONLY((by_rows<Q4Avx2<F16Form, true>>)),
+                                           X86_ONLY((by_rows<Q4Vnni<F16Form, true>>))};
+    return run(x, codes, codes.size(2), scales, lows, at::Tensor(), path, top ? kernels5 : kernels);
   }
   static const TileKernel kernels[3] = {q4_tile_portable<F32Form>, X86_ONLY(by_rows<Q4Avx2<F32Form>>), X86_ONLY(by_rows<Q4Vnni<F32Form>>)};
-  return run(x, codes, Q4_TILE, scales, lows, at::Tensor(), path, kernels);
+  static const TileKernel kernels5[3] = {q4_tile_portable<F32Form, true>, X86_ONLY((by_rows<Q4Avx2<F32Form, true>>)),
+                                         X86_ONLY((by_rows<Q4Vnni<F32Form, true>>))};
+  return run(x, codes, codes.size(2), scales, lows, at::Tensor(), path, top ? kernels5 : kernels);
 }
 
 at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& sums,
@@ -852,7 +903,13 @@ at::Tensor q6_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
 
 namespace {
 
-enum BlockKind : int64_t { Q4_0 = 0, Q4_1 = 1, Q4_K = 2, Q6_K = 3 };
+enum BlockKind : int64_t { Q4_0 = 0, Q4_1 = 1, Q4_K = 2, Q6_K = 3, Q5_0 = 4, Q5_1 = 5, Q5_K = 6 };
+
+// Bytes a block, and where in it the low 4 bits of its codes begin (Q4_0-like: 16 bytes a group).
+constexpr int64_t block_bytes(int64_t kind) {
+  return kind == Q4_0 ? 18 : kind == Q4_1 ? 20 : kind == Q4_K ? 144 : kind == Q6_K ? 210 : kind == Q5_0 ? 22
+         : kind == Q5_1 ? 24 : 176;
+}
 
 // Tile bytes 64 p + 4 j .. + 3 for the row `row`, group g: the low 4 bits of the codes of inputs
 // 4 p + i in the low nibbles, of 16 + 4 p + i in the high ones, four bytes at once. Q4_0 and Q4_1
@@ -861,15 +918,16 @@ enum BlockKind : int64_t { Q4_0 = 0, Q4_1 = 1, Q4_K = 2, Q6_K = 3 };
 // 128 half + 32 m + l, the layout gguf's dequantize reads).
 inline void tile_word(const uint8_t* row, int64_t kind, int64_t g, int p, uint8_t* out) {
   constexpr uint32_t LOW = 0x0F0F0F0Fu;
-  if (kind == Q4_0 || kind == Q4_1) {
-    std::memcpy(out, row + g * (kind == Q4_0 ? 18 : 20) + (kind == Q4_0 ? 2 : 4) + 4 * p, 4);
+  if (kind == Q4_0 || kind == Q4_1 || kind == Q5_0 || kind == Q5_1) {  // Q5_0, Q5_1: after d (m) and qh
+    const int64_t at = kind == Q4_0 ? 2 : kind == Q4_1 ? 4 : kind == Q5_0 ? 6 : 8;
+    std::memcpy(out, row + g * block_bytes(kind) + at + 4 * p, 4);
     return;
   }
   const int64_t sub = g % Q6_SUPER;
   const uint8_t* qs;
   int shift;
-  if (kind == Q4_K) {
-    qs = row + (g / Q6_SUPER) * 144 + 16 + 32 * (sub / 2);
+  if (kind == Q4_K || kind == Q5_K) {  // Q5_K: Q4_K's header, then 32 bytes of top bits
+    qs = row + (g / Q6_SUPER) * block_bytes(kind) + (kind == Q4_K ? 16 : 48) + 32 * (sub / 2);
     shift = 4 * (sub % 2);
   } else {  // Q6_K's low 4 bits: the 32 weights of group `sub` share their half and quarter m
     const int64_t half = sub / 4, m = sub % 4;
@@ -897,17 +955,39 @@ inline void q6_top_word(const uint8_t* row, int64_t g, int v, uint8_t* out) {
   std::memcpy(out, &word, 4);
 }
 
+// The top bits (bit 4 of each code) of group g of the row `row`, bit k for input k: Q5_0's and
+// Q5_1's qh as it is (a little-endian uint32); Q5_K's bit `sub` of qh's byte k, its group `sub`.
+inline uint32_t q5_top_bits(const uint8_t* row, int64_t kind, int64_t g) {
+  uint32_t bits = 0;
+  if (kind != Q5_K) {
+    std::memcpy(&bits, row + g * block_bytes(kind) + (kind == Q5_0 ? 2 : 4), 4);
+    return bits;
+  }
+  const int64_t sub = g % Q6_SUPER;
+  const uint8_t* qh = row + (g / Q6_SUPER) * 176 + 16;
+  for (int k = 0; k < GROUP; ++k) bits |= static_cast<uint32_t>((qh[k] >> sub) & 1) << k;
+  return bits;
+}
+
+// Q5 tile bytes Q4_TILE + 8 c .. + 7: bit 4 j + i holds the top bit of input 4 c + i of output j.
+inline void q5_top_plane(const uint32_t bits[OUT], uint8_t* out) {
+  for (int c = 0; c < 8; ++c)
+    for (int j = 0; j < OUT; j += 2)
+      out[8 * c + j / 2] = static_cast<uint8_t>(((bits[j] >> (4 * c)) & 0xF) | (((bits[j + 1] >> (4 * c)) & 0xF) << 4));
+}
+
 // order: the file's row of each output row (llama.cpp's q and k rows are permuted), or none; out:
 // where the tiles go (a part of one allocation for all of a model's tiles), or none for a new tensor.
 at::Tensor gguf_tiles(const at::Tensor& data, int64_t kind, int64_t rows, int64_t cols,
                       const std::optional<at::Tensor>& order, const std::optional<at::Tensor>& into) {
-  TORCH_CHECK(kind >= Q4_0 && kind <= Q6_K, "gguf_tiles: unknown block kind");
-  const int64_t weights = kind == Q4_0 || kind == Q4_1 ? 32 : 256;
-  const int64_t bytes = kind == Q4_0 ? 18 : kind == Q4_1 ? 20 : kind == Q4_K ? 144 : 210;
+  TORCH_CHECK(kind >= Q4_0 && kind <= Q5_K, "gguf_tiles: unknown block kind");
+  const int64_t weights = kind == Q4_K || kind == Q6_K || kind == Q5_K ? 256 : 32;
+  const int64_t bytes = block_bytes(kind);
+  const bool five = kind == Q5_0 || kind == Q5_1 || kind == Q5_K;
   TORCH_CHECK(data.dim() == 2 && data.scalar_type() == at::kByte && data.is_contiguous() && data.device().is_cpu()
               && rows % OUT == 0 && cols % weights == 0 && data.size(0) == rows && data.size(1) == cols / weights * bytes,
               "gguf_tiles: the blocks must be (rows, bytes a row) uint8, contiguous, rows a multiple of 16");
-  const int64_t tiles = rows / OUT, groups = cols / GROUP, tile_bytes = kind == Q6_K ? Q6_TILE : Q4_TILE;
+  const int64_t tiles = rows / OUT, groups = cols / GROUP, tile_bytes = kind == Q6_K ? Q6_TILE : five ? Q5_TILE : Q4_TILE;
   TORCH_CHECK(!order || (order->scalar_type() == at::kLong && order->dim() == 1 && order->numel() == rows
                          && order->is_contiguous() && order->device().is_cpu()),
               "gguf_tiles: the order must be one int64 file row per row");
@@ -926,12 +1006,15 @@ at::Tensor gguf_tiles(const at::Tensor& data, int64_t kind, int64_t rows, int64_
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t g = 0; g < groups; ++g) {
         uint8_t* tile = dst + (t * groups + g) * tile_bytes;
+        uint32_t top[OUT];
         for (int j = 0; j < OUT; ++j) {  // four bytes of output j at a time: a word of the group's codes
           const uint8_t* row = source(t * OUT + j);
           for (int p = 0; p < 4; ++p) tile_word(row, kind, g, p, tile + 64 * p + 4 * j);
           if (kind == Q6_K)
             for (int v = 0; v < 2; ++v) q6_top_word(row, g, v, tile + Q4_TILE + 64 * v + 4 * j);
+          if (five) top[j] = q5_top_bits(row, kind, g);
         }
+        if (five) q5_top_plane(top, tile + Q4_TILE);
         if (kind != Q6_K) continue;
         for (int h = 0; h < 2; ++h)
           for (int j = 0; j < OUT; ++j) {

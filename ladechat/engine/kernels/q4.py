@@ -1,8 +1,10 @@
-"""A GGUF file's 4-bit Linear weights multiplied by ladechat's own kernel (blocks.cpp), with the
-activations quantized to int8 per 32 inputs, as llama.cpp multiplies these blocks.
+"""A GGUF file's 4-bit and 5-bit Linear weights multiplied by ladechat's own kernel (blocks.cpp), with
+the activations quantized to int8 per 32 inputs, as llama.cpp multiplies these blocks.
 
-load/quantized.py reads the blocks (Q4_0, Q4_1, Q4_K: w = scale * q + low per 32 weights) and keeps them in
-this kernel's layout; this module makes the layout and the Linear module that runs it. A step reads
+load/quantized.py reads the blocks (Q4_0, Q4_1, Q4_K, and Q5_0, Q5_1, Q5_K: w = scale * q + low per
+32 weights, q in 0..15 or 0..31) and keeps them in this kernel's layout; this module makes the
+layout and the Linear module that runs it. A 5-bit code is a 4-bit one and a top bit kept in a
+plane of its own beside the tile, so a step streams the file's 5.5 bits a weight, not a byte. A step reads
 every weight once, so the bytes it streams set its floor: the scales and lows are kept in the
 file's own precision, fp16 for Q4_0 and Q4_1 (0.625 bytes a weight with the codes) and for Q4_K its
 6-bit integers per 32 weights with an fp32 d and dmin per 256 (~0.59), the kernel widening them as
@@ -40,8 +42,12 @@ GROUP = 32  # inputs per scale and low
 SUPER = 8  # groups per d and dmin in the Q4_K form (256 inputs)
 OUT = 16  # outputs per tile
 TILE_BYTES = OUT * GROUP // 2
+FIVE_BIT_TILE_BYTES = TILE_BYTES + OUT * GROUP // 8  # the nibbles, then a plane of the codes' top bits
 PATHS = {0: "portable", 1: "AVX2", 2: "AVX-512 VNNI"}
 KINDS = ("Q4_0", "Q4_1", "Q4_K")  # GGUF block types with an exact 4-bit form
+# ... and with a 5-bit one: w = scale * q + low, q in 0..31 (this library only: torch has no kernel)
+FIVE_BIT_KINDS = ("Q5_0", "Q5_1", "Q5_K")
+K_FORMS = ("Q4_K", "Q5_K")  # 6-bit sc and m per 32 weights, d and dmin per 256
 
 
 class Q4Error(ValueError):
@@ -65,15 +71,16 @@ def best_path() -> int:
 
 def check_shape(rows: int, cols: int) -> None:
     if rows % OUT or cols % GROUP:
-        raise ValueError(f"a {rows}x{cols} weight does not fit the 4-bit kernel (output features a multiple of "
+        raise Q4Error(f"a {rows}x{cols} weight does not fit the 4-bit kernel (output features a multiple of "
                          f"{OUT}, input features of {GROUP})")
 
 
-def layout(codes: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """codes (N, K) uint8 in 0..15, scales and lows (N, K / 32) -> the kernel's tiles
-    (N / 16, K / 32, 256) uint8 and scales, lows (N / 16, K / 32, 16), fp16 where both are fp16
-    (the compact form), else fp32 (blocks.cpp draws the tile)."""
-    return tiles_of(codes), *layout_scales(scales, lows)
+def layout(codes: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor,
+           five_bit: bool = False) -> tuple[torch.Tensor, ...]:
+    """codes (N, K) uint8 in 0..15 (five_bit: 0..31), scales and lows (N, K / 32) -> the kernel's
+    tiles (N / 16, K / 32, 256; five_bit: 320) uint8 and scales, lows (N / 16, K / 32, 16), fp16
+    where both are fp16 (the compact form), else fp32 (blocks.cpp draws the tile)."""
+    return tiles_of(codes, five_bit), *layout_scales(scales, lows)
 
 
 def layout_scales(scales: torch.Tensor, lows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,15 +91,15 @@ def layout_scales(scales: torch.Tensor, lows: torch.Tensor) -> tuple[torch.Tenso
 
 
 def layout_k(codes: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor,
-             dmin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Q4_K's own form: codes (N, K) in 0..15, sc and m (N, K / 32) integers in 0..63, d and dmin
+             dmin: torch.Tensor, five_bit: bool = False) -> tuple[torch.Tensor, ...]:
+    """Q4_K's and Q5_K's own form: codes (N, K) in 0..15 (0..31), sc and m (N, K / 32) integers in 0..63, d and dmin
     (N, K / 256) fp32 (w = d sc q - dmin m per 32 weights) -> tiles, scales (N / 16, K / 32, 32)
     uint8 (sc of output j at j, m at 16 + j) and lows (N / 16, K / 256, 32) fp32 (d, -dmin)."""
     rows, cols = codes.shape
     if cols % (GROUP * SUPER):
         raise ValueError(f"a {rows}x{cols} weight does not fit the Q4_K form (input features a multiple of "
                          f"{GROUP * SUPER})")
-    return tiles_of(codes), *layout_k_scales(sc, m, d, dmin)
+    return tiles_of(codes, five_bit), *layout_k_scales(sc, m, d, dmin)
 
 
 def layout_k_scales(sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor
@@ -103,15 +110,23 @@ def layout_k_scales(sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor, dmin: to
     return sub.contiguous(), supers.contiguous()
 
 
-def tiles_of(codes: torch.Tensor) -> torch.Tensor:
-    """codes (N, K) uint8 in 0..15 -> the kernel's tiles (N / 16, K / 32, 256) uint8."""
+def tiles_of(codes: torch.Tensor, five_bit: bool = False) -> torch.Tensor:
+    """codes (N, K) uint8 in 0..15 -> the kernel's tiles (N / 16, K / 32, 256) uint8; five_bit:
+    codes in 0..31 -> (N / 16, K / 32, 320), the low 4 bits so, then the plane of top bits (byte
+    8 c + b, bit t: input 4 c + i of output j, 4 j + i = 8 b + t)."""
     rows, cols = codes.shape
     check_shape(rows, cols)
     tiles, groups = rows // OUT, cols // GROUP
     # [tile, output j, group, 4 inputs c, i]: c < 4 the low nibbles, c >= 4 the high ones
     q = codes.to(torch.uint8).reshape(tiles, OUT, groups, 8, 4)
-    packed = (q[:, :, :, :4] | (q[:, :, :, 4:] << 4)).permute(0, 2, 3, 1, 4)  # [tile, group, p, j, i]
-    return packed.reshape(tiles, groups, TILE_BYTES).contiguous()
+    low = q & 0x0F
+    packed = (low[:, :, :, :4] | (low[:, :, :, 4:] << 4)).permute(0, 2, 3, 1, 4)  # [tile, group, p, j, i]
+    nibbles = packed.reshape(tiles, groups, TILE_BYTES)
+    if not five_bit:
+        return nibbles.contiguous()
+    top = (q >> 4).permute(0, 2, 3, 1, 4).reshape(tiles, groups, 8, 8, 8)  # [tile, group, c, b, t]
+    plane = (top << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+    return torch.cat([nibbles, plane.reshape(tiles, groups, 64)], dim=2).contiguous()
 
 
 def per_tile(values: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -137,17 +152,21 @@ def expand(scales: torch.Tensor, lows: torch.Tensor) -> tuple[torch.Tensor, torc
     """Any form's buffers -> the fp32 form's scales and lows (N / 16, K / 32, 16), the values the
     kernel computes with."""
     kind = form(scales, lows)
-    if kind != "Q4_K":
+    if kind not in K_FORMS:
         return scales.float(), lows.float()
     supers = lows.repeat_interleave(SUPER, dim=1)  # (count, groups, 32): d, -dmin per group
     return supers[..., :OUT] * scales[..., :OUT].float(), supers[..., OUT:] * scales[..., OUT:].float()
 
 
 def codes_of(tiles: torch.Tensor) -> torch.Tensor:
-    """layout's tiles -> the codes (N, K) uint8 again."""
-    count, groups, _ = tiles.shape
-    packed = tiles.reshape(count, groups, 4, OUT, 4).permute(0, 3, 1, 2, 4)  # [tile, j, group, p, i]
+    """layout's tiles (4-bit or 5-bit) -> the codes (N, K) uint8 again."""
+    count, groups, size = tiles.shape
+    packed = tiles[..., :TILE_BYTES].reshape(count, groups, 4, OUT, 4).permute(0, 3, 1, 2, 4)  # [tile, j, group, p, i]
     q = torch.cat([packed & 0x0F, packed >> 4], dim=3)  # [tile, j, group, c, i]
+    if size == FIVE_BIT_TILE_BYTES:
+        plane = tiles[..., TILE_BYTES:].reshape(count, groups, 8, 8, 1)  # [tile, group, c, b, t]
+        bits = (plane >> torch.arange(8, dtype=torch.uint8)) & 1
+        q = q | (bits.reshape(count, groups, 8, OUT, 4).permute(0, 3, 1, 2, 4) << 4)
     return q.reshape(count * OUT, groups * GROUP)
 
 
@@ -170,13 +189,13 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 
 
 def decode(kind: str, data: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The 4-bit form of a GGUF tensor's blocks: codes q (rows, cols) uint8 in 0..15, and per group
-    of 32 weights along a row the scale and low (rows, cols / 32) float32, such that
-    w = scale * q + low is the weight `gguf.dequantize` gives (the scales and lows exactly: fp16
-    values, or for Q4_K an fp16 times a 6-bit integer). `data` is the tensor's bytes, (rows, bytes
-    per row)."""
+    """The 4-bit (5-bit) form of a GGUF tensor's blocks: codes q (rows, cols) uint8 in 0..15
+    (0..31), and per group of 32 weights along a row the scale and low (rows, cols / 32) float32,
+    such that w = scale * q + low is the weight `gguf.dequantize` gives (the scales and lows
+    exactly: fp16 values, or for Q4_K and Q5_K an fp16 times a 6-bit integer). `data` is the
+    tensor's bytes, (rows, bytes per row)."""
     q, *parts = decode_compact(kind, data, rows, cols)
-    if kind != "Q4_K":
+    if kind not in K_FORMS:
         return q, parts[0].astype(np.float32), parts[1].astype(np.float32)
     sc, m, d, dmin = parts
     d, dmin = np.repeat(d, SUPER, axis=1), np.repeat(dmin, SUPER, axis=1)
@@ -185,16 +204,25 @@ def decode(kind: str, data: np.ndarray, rows: int, cols: int) -> tuple[np.ndarra
 
 def decode_compact(kind: str, data: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, ...]:
     """A GGUF tensor's blocks in the precision the file holds them, for q4.layout / q4.layout_k:
-    Q4_0 and Q4_1: (q, scale, low), the scale and low (rows, cols / 32) fp16 (fp32 where Q4_0's -8 d
-    leaves fp16's range); Q4_K: (q, sc, m, d, dmin), sc and m (rows, cols / 32) uint8, d and dmin
-    (rows, cols / 256) fp32; q as decode()'s."""
+    Q4_0, Q4_1, Q5_0 and Q5_1: (q, scale, low), the scale and low (rows, cols / 32) fp16 (fp32 where
+    Q4_0's -8 d or Q5_0's -16 d leaves fp16's range); Q4_K and Q5_K: (q, sc, m, d, dmin), sc and m
+    (rows, cols / 32) uint8, d and dmin (rows, cols / 256) fp32; q as decode()'s."""
     blocks = _blocks(kind, data, rows, cols)
-    if kind == "Q4_K":
+    if kind in K_FORMS:
         # 4 chunks of 32 bytes: the low nibbles are sub-block 2j, the high ones 2j + 1
-        qs = blocks[..., 16:].reshape(-1, 4, 1, 32)
-        q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(rows, cols)
+        qs = blocks[..., 16 if kind == "Q4_K" else 48:].reshape(-1, 4, 1, 32)
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(rows, -1, 8, 32)
+        if kind == "Q5_K":  # bit 4 of sub-block s's weight l: bit s of qh's byte l
+            qh = blocks[..., 16:48].reshape(rows, -1, 1, 32)
+            q = q | (((qh >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1) << 4)
+        q = q.reshape(rows, cols)
     else:
-        q = _nibbles(blocks[..., 2 if kind == "Q4_0" else 4:]).reshape(rows, cols)
+        at = {"Q4_0": 2, "Q4_1": 4, "Q5_0": 6, "Q5_1": 8}[kind]
+        q = _nibbles(blocks[..., at:at + 16])
+        if kind in FIVE_BIT_KINDS:  # qh: a little-endian uint32 before the nibbles, bit k for weight k
+            qh = np.ascontiguousarray(blocks[..., at - 4:at]).view(np.uint32)
+            q = q | (((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4)
+        q = q.reshape(rows, cols)
     return q, *compact_scales(kind, data, rows, cols)
 
 
@@ -204,12 +232,12 @@ def compact_scales(kind: str, data: np.ndarray, rows: int, cols: int) -> tuple[n
     from gguf.quants import Q4_K
 
     blocks = _blocks(kind, data, rows, cols)
-    if kind == "Q4_0":
+    if kind in ("Q4_0", "Q5_0"):  # w = d (q - 8), d (q - 16)
         d = _f16(blocks, 0).reshape(rows, cols // GROUP)
-        low = -8 * d
+        low = (-8 if kind == "Q4_0" else -16) * d
         dtype = np.float16 if (np.abs(low) <= np.finfo(np.float16).max).all() else np.float32  # else past fp16's range
         return d.astype(dtype), low.astype(dtype)
-    if kind == "Q4_1":
+    if kind in ("Q4_1", "Q5_1"):
         return tuple(_f16(blocks, at).reshape(rows, cols // GROUP).astype(np.float16) for at in (0, 2))
     d, dmin = _f16(blocks, 0).reshape(rows, -1), _f16(blocks, 2).reshape(rows, -1)
     sc, m = Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(-1, 12))
@@ -222,15 +250,15 @@ def _blocks(kind: str, data: np.ndarray, rows: int, cols: int) -> np.ndarray:
     not make a rows x cols weight of `kind`."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    if kind not in KINDS:
-        raise Q4Error(f"{kind} has no exact 4-bit form (only {', '.join(KINDS)})")
+    if kind not in (*KINDS, *FIVE_BIT_KINDS):
+        raise Q4Error(f"{kind} has no exact 4-bit or 5-bit form (only {', '.join(KINDS + FIVE_BIT_KINDS)})")
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
     if cols % block or data.shape != (rows, cols // block * size):
         raise Q4Error(f"{kind} blocks of {data.shape[-1]} bytes a row do not make {rows}x{cols} weights")
     return np.asarray(data, dtype=np.uint8).reshape(rows, cols // block, size)
 
 
-TILED_KINDS = {"Q4_0": 0, "Q4_1": 1, "Q4_K": 2, "Q6_K": 3}  # blocks.cpp's gguf_tiles takes these
+TILED_KINDS = {"Q4_0": 0, "Q4_1": 1, "Q4_K": 2, "Q6_K": 3, "Q5_0": 4, "Q5_1": 5, "Q5_K": 6}  # blocks.cpp's gguf_tiles
 
 
 def gguf_tiles(kind: str, data: np.ndarray, rows: int, cols: int, order: np.ndarray | None = None,
@@ -249,7 +277,7 @@ def gguf_tiles(kind: str, data: np.ndarray, rows: int, cols: int, order: np.ndar
 
 
 class Q4Linear(BlockLinear):
-    """y = x W^T + b with W as 4-bit codes and a scale and low per 32 weights (in one of the
+    """y = x W^T + b with W as 4-bit (or 5-bit) codes and a scale and low per 32 weights (in one of the
     kernel's forms), by ladechat's kernel (its library loaded: load()), the rows quantized to int8
     per 32 inputs. fp32 and bf16 rows run as they are, others through fp32; the result is in x's
     dtype. Inference only, fixed to the CPU (linear.FixedLinear)."""
@@ -263,7 +291,7 @@ class Q4Linear(BlockLinear):
         super().__init__()
         count, groups, size = tiles.shape
         self.out_features, self.in_features = count * OUT, groups * GROUP
-        if tiles.dtype != torch.uint8 or size != TILE_BYTES or scales.shape[:2] != (count, groups):
+        if tiles.dtype != torch.uint8 or size not in (TILE_BYTES, FIVE_BIT_TILE_BYTES) or scales.shape[:2] != (count, groups):
             raise ValueError(f"4-bit buffers {tiles.dtype} {tuple(tiles.shape)}, {scales.dtype} {tuple(scales.shape)} "
                              f"and {lows.dtype} {tuple(lows.shape)} do not make one weight")
         self.form = form(scales, lows)
@@ -328,7 +356,7 @@ def _concatenated(parts: list[torch.Tensor]) -> torch.Tensor:
     first = parts[0]
     adjacent = all(p.is_contiguous() and p.dtype == first.dtype and p.shape[1:] == first.shape[1:] for p in parts) \
         and all(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.data_ptr() + a.nbytes == b.data_ptr()
-                for a, b in zip(parts, parts[1:]))
+                for a, b in itertools.pairwise(parts))
     if adjacent:
         return first.as_strided((sum(p.shape[0] for p in parts), *first.shape[1:]), first.stride())
     return torch.cat(parts)
@@ -361,7 +389,7 @@ class KeptReader:
 
 def _joinable(modules: list) -> bool:
     return (len(modules) > 1 and all(type(m) is Q4Linear and m.bias is None for m in modules)
-            and len({(m.in_features, m.path) for m in modules}) == 1)
+            and len({(m.in_features, m.path, m.tiles.shape[2], m.form) for m in modules}) == 1)
 
 
 def joint_product(modules: list) -> Callable[[torch.Tensor], torch.Tensor] | None:

@@ -488,7 +488,7 @@ def available_memory() -> int | None:
 
 def _check_dense_fits(model, gguf_file: Path, index: dict, empty: set[str], available: int | None) -> None:
     """LoadError (one line) where the tensors still to be read dense, in the model's dtype (those
-    without a kernel for their blocks here, e.g. a Q5_K_M file's Q5_K ones), would not fit in the
+    without a kernel for their blocks here, e.g. an F16 file's, or a Q3_K_M file's Q3_K ones), would not fit in the
     memory available: the kernel's OOM killer would otherwise end the process without a word."""
     from gguf import GGMLQuantizationType
 

@@ -1,12 +1,13 @@
 """A GGUF file's quantized Linear weights read once into ladechat's kernels' layout and kept:
 Q4_0, Q4_1 and Q4_K (q4.py, or torch's int4 kernel where no compiler builds ladechat's: int4.py),
-Q6_K (q6.py) and Q8_0 (q8.py; a Q8_0 output layer is head.py's).
+Q5_0, Q5_1 and Q5_K (q4.py's 5-bit tiles), Q6_K (q6.py) and Q8_0 (q8.py; a Q8_0 output layer is
+head.py's).
 
 Each tensor is read from the file as it is (a memory map of its bytes, header.py, unmapped once
 read; no dequantized copy) in the precision the file holds it, its rows in the model's own order
 (llama.cpp permutes the rows of q and k, and transformers' GGUF tensor processor says how). Everything else (norms, attention, the residual stream) stays in the
-model's dtype, and tensors of other types (Q5, F16) keep the path they had: dense, packed for
-oneDNN where that applies.
+model's dtype, and tensors of other types (F16, BF16, Q2_K, Q3_K, ...) keep the path they had:
+dense, packed for oneDNN where that applies.
 
 The kernels compute each row on its own, in the same order whatever the step's size; SDPA's rows
 depend in fp32's last bits on how many rows and masked keys a step has, so where ladechat's kernels
@@ -34,7 +35,8 @@ import torch
 from ladechat.engine.kernels import attention, int4, native, q4, q6, q8
 from ladechat.engine.kernels.int4 import Int4Error, Int4Linear, check_shape
 
-BLOCK_KINDS = (*q4.KINDS, "Q6_K", "Q8_0")  # the GGUF block types ladechat's kernels run at their own bits
+# the GGUF block types ladechat's kernels run at their own bits
+BLOCK_KINDS = (*q4.KINDS, *q4.FIVE_BIT_KINDS, "Q6_K", "Q8_0")
 CACHE_PREFIX = "int4-"
 
 
@@ -78,6 +80,8 @@ def read_gguf(gguf_path: Path, model, folder: Path) -> tuple[dict[str, torch.Ten
         target = names.get(name, "")
         if kind not in BLOCK_KINDS or not target.endswith(".weight"):
             continue
+        if kind in q4.FIVE_BIT_KINDS and not q4.loaded():  # only ladechat's library runs 5-bit codes
+            continue
         module_name = target.removesuffix(".weight")
         try:
             linear = model.get_submodule(module_name)
@@ -114,7 +118,8 @@ def _tiles_in_one_allocation(jobs) -> dict[str, torch.Tensor]:
         group = next((i for i, names in enumerate(q4.SIBLINGS) if name in names), len(q4.SIBLINGS))
         return parent, group, q4.SIBLINGS[group].index(name) if group < len(q4.SIBLINGS) else 0, name
 
-    sizes = {module: rows // q4.OUT * (cols // q4.GROUP) * (q6.TILE_BYTES if kind == "Q6_K" else q4.TILE_BYTES)
+    tile_bytes = {"Q6_K": q6.TILE_BYTES, **dict.fromkeys(q4.FIVE_BIT_KINDS, q4.FIVE_BIT_TILE_BYTES)}
+    sizes = {module: rows // q4.OUT * (cols // q4.GROUP) * tile_bytes.get(kind, q4.TILE_BYTES)
              for module, kind, rows, cols in tiled}
     from ladechat.engine.load.kept import weights_memory
 
@@ -140,7 +145,7 @@ def _kernel_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of,
         q8.check_shape(rows, cols)
         parts = q8.decode(data, rows, cols)
     else:
-        check_shape(rows, cols)
+        (q4.check_shape if kind in q4.FIVE_BIT_KINDS else check_shape)(rows, cols)
         parts = q4.decode_compact(kind, data, rows, cols)
     order = _model_order(parts, rows, order_of)
     if order is not None:  # the rest as they are, no copy
@@ -150,7 +155,8 @@ def _kernel_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of,
         return dict(zip(q6.BUFFERS, q6.layout(*parts), strict=True))
     if kind == "Q8_0":
         return dict(zip(q8.BUFFERS, q8.kernel_layout(*parts), strict=True))
-    return dict(zip(q4.BUFFERS, (q4.layout_k if kind == "Q4_K" else q4.layout)(*parts), strict=True))
+    lay = q4.layout_k if kind in q4.K_FORMS else q4.layout
+    return dict(zip(q4.BUFFERS, lay(*parts, five_bit=kind in q4.FIVE_BIT_KINDS), strict=True))
 
 
 def _model_order(parts, rows: int, order_of) -> np.ndarray | None:
@@ -173,7 +179,7 @@ def _tiled_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of,
         q6.check_shape(rows, cols)
         parts = [q6.d_of(data, rows, cols)]
     else:
-        check_shape(rows, cols)
+        (q4.check_shape if kind in q4.FIVE_BIT_KINDS else check_shape)(rows, cols)
         parts = list(q4.compact_scales(kind, data, rows, cols))
     order = _model_order(parts, rows, order_of)
     if order is not None:
@@ -184,7 +190,7 @@ def _tiled_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of,
     tiled = [_per_tile(part) for part in parts]
     if kind == "Q6_K":
         scales = (tiled[0].astype(np.float32),)
-    elif kind == "Q4_K":
+    elif kind in q4.K_FORMS:
         sc, m, d, dmin = tiled
         scales = (np.concatenate([sc, m], axis=2), np.concatenate([d, -dmin], axis=2).astype(np.float32))
     else:
@@ -265,9 +271,9 @@ def _replace(model, read: q4.KeptReader, kinds: dict[str, str], notices: list[st
             linear = model.get_submodule(name)
             if type(linear) is not torch.nn.Linear:
                 continue
+            if kind in ("Q6_K", "Q8_0", *q4.FIVE_BIT_KINDS) and path is None:
+                continue  # torch has no kernel for these blocks: the tensor is read dense
             if kind in ("Q6_K", "Q8_0"):
-                if path is None:  # torch has no kernel for these blocks: the tensor is read dense
-                    continue
                 module = (q6.Q6Linear(*(read(name, b) for b in q6.BUFFERS), linear.bias, path) if kind == "Q6_K"
                           else q8.Q8Linear(*(read(name, b) for b in q8.BUFFERS), path, linear.bias))
                 if (module.out_features, module.in_features) == (linear.out_features, linear.in_features):
