@@ -75,6 +75,8 @@ class Conversation:
                 ids = templates.encode(tokenizer, self._chat_messages(start), template)
             except templates.TemplateError as exc:
                 raise ConversationError(str(exc)) from None
+            if not ids:  # a tokenizer that knows none of the text's characters
+                raise ConversationError("the model's tokenizer turns this prompt into no tokens")
             if len(ids) <= budget:
                 self.forget_oldest(start)
                 return ids, start

@@ -124,3 +124,22 @@ def test_a_dense_load_of_every_type_has_transformers_own_weights(tmp_path, devic
     assert all(tensor.device.type == device for tensor in built.values())
     differ = [name for name in wanted if not torch.equal(built[name].cpu(), wanted[name])]
     assert not differ, differ
+
+
+@pytest.mark.slow
+def test_a_load_names_the_types_no_kernel_takes(tmp_path):
+    """On the CPU's kernels each of the file's types runs at its own bits but those no kernel takes
+    (BF16, F16, Q2_K, Q3_K, TQ2_0 here), which one notice names."""
+    import shutil
+
+    from ladechat.engine.kernels import int4, native
+    from ladechat.engine.load.loading import LoadSpec, load
+
+    if shutil.which(native.COMPILER) is None or not int4.supported(torch.device("cpu")):
+        pytest.skip("ladechat's kernels are not built on this machine")
+    path = write_every_type(tmp_path / "every-type.gguf")
+    lm = load(LoadSpec(model=str(path), dtype="float32", device="cpu"))
+    named = [n for n in lm.notices if "ladechat has no kernel" in n]
+    assert named == ["every-type.gguf: ladechat has no kernel for its BF16/F16/Q2_K/Q3_K/TQ2_0 tensors; "
+                     "they run dequantized to float32"], lm.notices
+    assert "Q5_0/Q5_1/Q5_K" in lm.weights

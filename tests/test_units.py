@@ -805,3 +805,14 @@ def test_the_settings_before_a_load_import_neither_torch_nor_transformers():
               "print(sorted(m for m in ('torch', 'transformers', 'ladechat.engine.step_cost') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_a_prompt_the_tokenizer_turns_into_nothing_is_one_line(monkeypatch):
+    from ladechat import templates
+    from ladechat.conversation import Conversation, ConversationError
+
+    monkeypatch.setattr(templates, "encode", lambda tokenizer, messages, template: [])
+    conversation = Conversation(messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(ConversationError, match="^the model's tokenizer turns this prompt into no tokens$"):
+        conversation.encode(object(), None, 100)
+    assert conversation.messages == [{"role": "user", "content": "hi"}]

@@ -6,7 +6,7 @@ import importlib.util
 import shutil
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -456,6 +456,8 @@ def _build_from_gguf(folder: Path, gguf_file: Path, config, kwargs: dict, device
     empty = {name for name, tensor in (*model.named_parameters(), *model.named_buffers()) if tensor.is_meta}
     if device.type == "cpu":
         _check_dense_fits(model, gguf_file, index, empty, available_memory())
+    if applied is not None:
+        applied = replace(applied, notices=applied.notices + _no_kernel_notices(model, gguf_file, index, empty))
     state = gguf.read_tensors(model, gguf_file, index, dtype, device, empty, progress)
     loaded = model.load_state_dict(state, strict=False, assign=True)
     # a kernel's output module computes .weight dense on each read: ask for the Parameter itself
@@ -501,6 +503,20 @@ def _check_dense_fits(model, gguf_file: Path, index: dict, empty: set[str], avai
     what = f"its {'/'.join(kinds)} tensors" if kinds else "its tensors"
     raise LoadError(f"not enough memory for {gguf_file.name}: {what} run dense here, "
                     f"{_size(needed)} in {str(model.dtype).removeprefix('torch.')}, and {_size(available)} is available")
+
+
+def _no_kernel_notices(model, gguf_file: Path, index: dict, empty: set[str]) -> tuple[str, ...]:
+    """A notice naming the block types of the file's weights that no kernel here takes (IQ4_XS,
+    Q3_K, F16, ...) and so run dequantized into the model's dtype: slower and larger than the file."""
+    from gguf import GGMLQuantizationType
+
+    tensors = dict((*model.named_parameters(), *model.named_buffers()))
+    kinds = sorted({GGMLQuantizationType(where["type"]).name for name, where in index["tensors"].items()
+                    if name in empty and tensors[name].dim() >= 2} - {*quantized.BLOCK_KINDS, "F32"})
+    if not kinds:
+        return ()
+    return (f"{gguf_file.name}: ladechat has no kernel for its {'/'.join(kinds)} tensors; they run dequantized "
+            f"to {str(model.dtype).removeprefix('torch.')}",)
 
 
 def _size(count: int) -> str:
