@@ -140,6 +140,6 @@ def test_a_load_names_the_types_no_kernel_takes(tmp_path):
     path = write_every_type(tmp_path / "every-type.gguf")
     lm = load(LoadSpec(model=str(path), dtype="float32", device="cpu"))
     named = [n for n in lm.notices if "ladechat has no kernel" in n]
-    assert named == ["every-type.gguf: ladechat has no kernel for its BF16/F16/Q2_K/Q3_K/TQ2_0 tensors; "
-                     "they run dequantized to float32"], lm.notices
+    wanted = "every-type.gguf: ladechat has no kernel for its BF16/F16/Q2_K/Q3_K/TQ2_0 tensors; they run dequantized to float32"
+    assert named == [wanted], lm.notices
     assert "Q5_0/Q5_1/Q5_K" in lm.weights

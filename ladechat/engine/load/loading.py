@@ -515,8 +515,8 @@ def _no_kernel_notices(model, gguf_file: Path, index: dict, empty: set[str]) -> 
                     if name in empty and tensors[name].dim() >= 2} - {*quantized.BLOCK_KINDS, "F32"})
     if not kinds:
         return ()
-    return (f"{gguf_file.name}: ladechat has no kernel for its {'/'.join(kinds)} tensors; they run dequantized "
-            f"to {str(model.dtype).removeprefix('torch.')}",)
+    dtype = str(model.dtype).removeprefix("torch.")
+    return (f"{gguf_file.name}: ladechat has no kernel for its {'/'.join(kinds)} tensors; they run dequantized to {dtype}",)
 
 
 def _size(count: int) -> str:
