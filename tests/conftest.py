@@ -61,7 +61,7 @@ os.environ["LADECHAT_KEEP_ALIVE"] = "0"
 # their tests marked slow. Every other module is slow as a whole (it loads models or starts processes):
 # a new test file joins the fast tier by being named here.
 FAST_MODULES = {"test_units", "test_settings", "test_templates", "test_text_stream", "test_structure", "test_docs",
-                "test_embedding", "test_header", "test_pending", "test_template_injection", "test_q4", "test_q5", "test_q6", "test_q8",
+                "test_embedding", "test_header", "test_pending", "test_template_injection", "test_q4", "test_q5", "test_q6", "test_q8", "test_half",
                 "test_attend", "test_norms", "test_sampling", "test_files", "test_thinking", "test_dequantize"}
 
 

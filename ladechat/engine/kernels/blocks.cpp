@@ -12,6 +12,7 @@
 //          Q5_0 / Q5_1 / Q5_K run here too: a code q in 0..31, its top bit in a plane of its own
 //          (Q5_0: scale d, low -16 d; Q5_1: d, m; Q5_K: Q4_K's form), ~0.72-0.75 bytes a weight.
 //   q8_mm  Q8_0: w = scale * q, a code q in -128..127 per weight, an fp32 scale per 32 weights
+//   half_mm  F16 / BF16: the weights as they are, widened to fp32 as read; fp32 activations (below)
 //   q6_mm  Q6_K: w = d * sc * (q - 32), a code q in 0..63 per weight, an int8 sc per 16 weights and
 //          an fp32 d per 256 weights along a row (the file's own bits: ~0.83 bytes a weight)
 //   gguf_tiles  a GGUF tensor's Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_1 / Q5_K / Q6_K blocks -> the codes'
@@ -895,6 +896,169 @@ at::Tensor q6_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
 
 }  // namespace
 
+// -- F16 and BF16 weights at their own 16 bits -----------------------------------------------------
+//
+// y = x W^T with W (N, K) as the file holds it, fp16 or bf16, each weight widened exactly to fp32
+// as it is read, and x's rows in fp32 (bf16 rows widened): the weights' bytes are what a step
+// streams (2 a weight, half of fp32's), and nothing is rounded but the fp32 sums. Per output, 16
+// partial sums (lane l takes inputs k = l mod 16, in order, one fma each), then added pairwise:
+// lane l + 8, then + 4, + 2, + 1. The same steps on every path (AVX-512: one register, AVX2: two,
+// portable: an array), so a row's outputs have the same bits alone or among a step's rows, on any
+// thread count and path.
+
+namespace {
+
+constexpr int LANES = 16;
+
+template <bool BF16>
+inline float widen(uint16_t h) {
+  if constexpr (BF16) {
+    const uint32_t bits = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+  } else {
+    return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+  }
+}
+
+inline float fold(float v[LANES]) {
+  for (int width = LANES / 2; width >= 1; width /= 2)
+    for (int l = 0; l < width; ++l) v[l] += v[l + width];
+  return v[0];
+}
+
+// R rows (m0 ..) of x (fp32, K a row) against the 16 weight rows at w: acc (M, 16).
+template <bool BF16>
+void half_tile_portable(const float* x, int64_t M, int64_t K, const uint16_t* w, float* acc) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int j = 0; j < OUT; ++j) {
+      float s[LANES] = {};
+      for (int64_t k = 0; k < K; ++k) s[k % LANES] = std::fma(widen<BF16>(w[j * K + k]), x[m * K + k], s[k % LANES]);
+      acc[m * OUT + j] = fold(s);
+    }
+}
+
+#ifdef LADECHAT_X86
+template <bool BF16>
+struct HalfAvx512 {
+  __attribute__((target("avx512f,avx512dq")))
+  static __m512 load(const uint16_t* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    if constexpr (BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    else return _mm512_cvtph_ps(h);
+  }
+  __attribute__((target("avx512f,avx512dq")))
+  static float sum(__m512 v) {
+    const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));  // l + 8
+    const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));     // l + 4
+    const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));                                     // l + 2
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));                                 // l + 1
+  }
+  template <int R>
+  __attribute__((target("avx512f,avx512dq")))
+  static void rows(const float* x, int64_t K, const uint16_t* w, int64_t m0, float* acc) {
+    for (int j = 0; j < OUT; ++j) {
+      __m512 s[R];
+      for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; k += LANES) {
+        const __m512 weights = load(w + j * K + k);
+        for (int r = 0; r < R; ++r) s[r] = _mm512_fmadd_ps(weights, _mm512_loadu_ps(x + (m0 + r) * K + k), s[r]);
+      }
+      for (int r = 0; r < R; ++r) acc[(m0 + r) * OUT + j] = sum(s[r]);
+    }
+  }
+};
+
+template <bool BF16>
+struct HalfAvx2 {
+  __attribute__((target("avx2,fma,f16c")))
+  static __m256 load(const uint16_t* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if constexpr (BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    else return _mm256_cvtph_ps(h);
+  }
+  __attribute__((target("avx2,fma,f16c")))
+  static float sum(__m256 low, __m256 high) {
+    const __m256 a = _mm256_add_ps(low, high);                                           // l + 8
+    const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));  // l + 4
+    const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));                                  // l + 2
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));                              // l + 1
+  }
+  template <int R>
+  __attribute__((target("avx2,fma,f16c")))
+  static void rows(const float* x, int64_t K, const uint16_t* w, int64_t m0, float* acc) {
+    for (int j = 0; j < OUT; ++j) {
+      __m256 lo[R], hi[R];
+      for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+      for (int64_t k = 0; k < K; k += LANES) {
+        const __m256 w0 = load(w + j * K + k), w1 = load(w + j * K + k + 8);
+        for (int r = 0; r < R; ++r) {
+          const float* xr = x + (m0 + r) * K + k;
+          lo[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), lo[r]);
+          hi[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), hi[r]);
+        }
+      }
+      for (int r = 0; r < R; ++r) acc[(m0 + r) * OUT + j] = sum(lo[r], hi[r]);
+    }
+  }
+};
+
+// All M rows of a tile: 4 at a time (each weight read once for the 4), then the 1-3 left.
+template <typename Kernel>
+void half_by_rows(const float* x, int64_t M, int64_t K, const uint16_t* w, float* acc) {
+  int64_t m = 0;
+  for (; m + ROWS_AT_ONCE <= M; m += ROWS_AT_ONCE) Kernel::template rows<ROWS_AT_ONCE>(x, K, w, m, acc);
+  switch (M - m) {
+    case 1: Kernel::template rows<1>(x, K, w, m, acc); break;
+    case 2: Kernel::template rows<2>(x, K, w, m, acc); break;
+    case 3: Kernel::template rows<3>(x, K, w, m, acc); break;
+    default: break;
+  }
+}
+#endif  // LADECHAT_X86
+
+using HalfKernel = void (*)(const float*, int64_t, int64_t, const uint16_t*, float*);
+
+// x (M, K) fp32 or bf16, w (N, K) fp16 or bf16 -> y (M, N) in x's dtype. path: as q4_mm's.
+at::Tensor half_mm(const at::Tensor& x, const at::Tensor& w, int64_t path) {
+  check_rows(x, "half_mm");
+  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kHalf || w.scalar_type() == at::kBFloat16) && w.is_contiguous()
+              && w.device().is_cpu() && w.size(1) == x.size(1) && w.size(0) % OUT == 0,
+              "half_mm: w must be (out, in) fp16 or bf16, contiguous, on the CPU, out a multiple of 16");
+  TORCH_CHECK(path == PORTABLE || (path == AVX2 && has_avx2()) || (path == VNNI && has_vnni()),
+              "blocks: this CPU lacks the instructions of the path asked for");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), NB = N / OUT;
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const at::Tensor rows = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);  // bf16 -> fp32: exact
+  const float* xp = rows.data_ptr<float>();
+  const bool bf16 = w.scalar_type() == at::kBFloat16;
+  static const HalfKernel fp16_kernels[3] = {half_tile_portable<false>, X86_ONLY(half_by_rows<HalfAvx2<false>>),
+                                             X86_ONLY(half_by_rows<HalfAvx512<false>>)};
+  static const HalfKernel bf16_kernels[3] = {half_tile_portable<true>, X86_ONLY(half_by_rows<HalfAvx2<true>>),
+                                             X86_ONLY(half_by_rows<HalfAvx512<true>>)};
+  const HalfKernel kernel = (bf16 ? bf16_kernels : fp16_kernels)[path];
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  c10::BFloat16* y_bf16 = x.scalar_type() == at::kBFloat16 ? y.data_ptr<c10::BFloat16>() : nullptr;
+  float* y_fp32 = y_bf16 ? nullptr : y.data_ptr<float>();
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> acc(M * OUT);
+    for (int64_t b = b0; b < b1; ++b) {
+      kernel(xp, M, K, wp + b * OUT * K, acc.data());
+      for (int64_t m = 0; m < M; ++m) {
+        if (y_bf16)
+          for (int j = 0; j < OUT; ++j) y_bf16[m * N + b * OUT + j] = c10::BFloat16(acc[m * OUT + j]);  // nearest even
+        else
+          std::memcpy(y_fp32 + m * N + b * OUT, acc.data() + m * OUT, OUT * sizeof(float));
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
 // -- a GGUF's blocks into the tiles above, at a model's first use ---------------------------------
 //
 // The same bytes q4.layout / q4.layout_k / q6.layout make from decoded codes (tests/test_q6.py
@@ -1034,5 +1198,6 @@ TORCH_LIBRARY(ladechat_blocks, m) {
   m.def("q4_mm(Tensor x, Tensor codes, Tensor scales, Tensor lows, int path) -> Tensor", &q4_mm);
   m.def("q8_mm(Tensor x, Tensor codes, Tensor scales, Tensor sums, int path) -> Tensor", &q8_mm);
   m.def("q6_mm(Tensor x, Tensor codes, Tensor d, int path) -> Tensor", &q6_mm);
+  m.def("half_mm(Tensor x, Tensor w, int path) -> Tensor", &half_mm);
   m.def("best_path() -> int", &best_path);
 }

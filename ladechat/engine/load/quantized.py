@@ -1,12 +1,12 @@
 """A GGUF file's quantized Linear weights read once into ladechat's kernels' layout and kept:
 Q4_0, Q4_1 and Q4_K (q4.py, or torch's int4 kernel where no compiler builds ladechat's: int4.py),
-Q5_0, Q5_1 and Q5_K (q4.py's 5-bit tiles), Q6_K (q6.py) and Q8_0 (q8.py; a Q8_0 output layer is
-head.py's).
+Q5_0, Q5_1 and Q5_K (q4.py's 5-bit tiles), Q6_K (q6.py), Q8_0 (q8.py; a Q8_0 output layer is
+head.py's), and F16 and BF16 weights as they are (half.py).
 
 Each tensor is read from the file as it is (a memory map of its bytes, header.py, unmapped once
 read; no dequantized copy) in the precision the file holds it, its rows in the model's own order
 (llama.cpp permutes the rows of q and k, and transformers' GGUF tensor processor says how). Everything else (norms, attention, the residual stream) stays in the
-model's dtype, and tensors of other types (F16, BF16, Q2_K, Q3_K, ...) keep the path they had:
+model's dtype, and tensors of other types (Q2_K, Q3_K, IQ4_XS, ...) keep the path they had:
 dense, packed for oneDNN where that applies.
 
 The kernels compute each row on its own, in the same order whatever the step's size; SDPA's rows
@@ -32,11 +32,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ladechat.engine.kernels import attention, int4, native, q4, q6, q8
+from ladechat.engine.kernels import attention, half, int4, native, q4, q6, q8
 from ladechat.engine.kernels.int4 import Int4Error, Int4Linear, check_shape
 
 # the GGUF block types ladechat's kernels run at their own bits
-BLOCK_KINDS = (*q4.KINDS, *q4.FIVE_BIT_KINDS, "Q6_K", "Q8_0")
+BLOCK_KINDS = (*q4.KINDS, *q4.FIVE_BIT_KINDS, "Q6_K", "Q8_0", *half.KINDS)
+LIBRARY_ONLY = (*q4.FIVE_BIT_KINDS, *half.KINDS)  # no torch kernel takes these: dense without the library
 CACHE_PREFIX = "int4-"
 
 
@@ -51,10 +52,10 @@ def cache_path(folder: Path) -> Path:
 
 
 def read_gguf(gguf_path: Path, model, folder: Path) -> tuple[dict[str, torch.Tensor], list[str], dict[str, str]]:
-    """The kernels' form of every Q4_0/Q4_1/Q4_K/Q6_K/Q8_0 tensor of `gguf_path` that is a plain
-    Linear weight of `model` (built from the file's config, its weights empty or not), a Q8_0 output
-    layer aside: ({module.buffer: q4.layout's tiles/scales/lows, q6.layout's tiles/d or
-    q8.kernel_layout's tiles/scales/sums}, notices, {module: block type}). A tensor
+    """The kernels' form of every BLOCK_KINDS tensor of `gguf_path` that is a plain Linear weight of
+    `model` (built from the file's config, its weights empty or not), a Q8_0 output layer aside:
+    ({module.buffer: q4.layout's tiles/scales/lows, q6.layout's tiles/d, q8.kernel_layout's
+    tiles/scales/sums or half.py's halves}, notices, {module: block type}). A tensor
     that cannot run so keeps its dense weight, with a notice when that is a surprise (a corrupt
     block, rows transformed on loading), none for the types that have no kernel."""
     from ladechat.engine.load import gguf as gguf_files
@@ -80,7 +81,7 @@ def read_gguf(gguf_path: Path, model, folder: Path) -> tuple[dict[str, torch.Ten
         target = names.get(name, "")
         if kind not in BLOCK_KINDS or not target.endswith(".weight"):
             continue
-        if kind in q4.FIVE_BIT_KINDS and not q4.loaded():  # only ladechat's library runs 5-bit codes
+        if kind in LIBRARY_ONLY and not q4.loaded():
             continue
         module_name = target.removesuffix(".weight")
         try:
@@ -96,7 +97,7 @@ def read_gguf(gguf_path: Path, model, folder: Path) -> tuple[dict[str, torch.Ten
             buffers = _kernel_form(kind, np.asarray(tensor.data), rows, cols,
                                    lambda: gguf_files.row_order(processor, tensor.name, rows),  # noqa: B023 (called at once)
                                    places.get(module_name))
-        except (Int4Error, q4.Q4Error, q6.Q6Error, q8.Q8Error) as exc:
+        except (Int4Error, q4.Q4Error, q6.Q6Error, q8.Q8Error, half.HalfError) as exc:
             notices.append(f"{name} ({kind}) runs dense: {exc}")
             continue
         arrays.update({f"{module_name}.{buffer}": value for buffer, value in buffers.items()})
@@ -138,6 +139,11 @@ def _kernel_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of,
     `into` where given."""
     if kind in q4.TILED_KINDS and q4.loaded():
         return _tiled_form(kind, data, rows, cols, order_of, into)
+    if kind in half.KINDS:  # the weights as they are, in the model's row order
+        half.check_shape(rows, cols)
+        order = _model_order([], rows, order_of)
+        halves = half.decode(kind, data if order is None else np.asarray(data)[order], rows, cols)
+        return dict(zip(half.BUFFERS, (halves,), strict=True))
     if kind == "Q6_K":
         q6.check_shape(rows, cols)
         parts = q6.decode(data, rows, cols)
@@ -271,8 +277,14 @@ def _replace(model, read: q4.KeptReader, kinds: dict[str, str], notices: list[st
             linear = model.get_submodule(name)
             if type(linear) is not torch.nn.Linear:
                 continue
-            if kind in ("Q6_K", "Q8_0", *q4.FIVE_BIT_KINDS) and path is None:
+            if kind in ("Q6_K", "Q8_0", *LIBRARY_ONLY) and path is None:
                 continue  # torch has no kernel for these blocks: the tensor is read dense
+            if kind in half.KINDS:
+                module = half.HalfLinear(read(name, half.BUFFERS[0]), linear.bias, path)
+                if module.out_features == linear.out_features and module.in_features == linear.in_features:
+                    model.set_submodule(name, module)
+                    count += 1
+                continue
             if kind in ("Q6_K", "Q8_0"):
                 module = (q6.Q6Linear(*(read(name, b) for b in q6.BUFFERS), linear.bias, path) if kind == "Q6_K"
                           else q8.Q8Linear(*(read(name, b) for b in q8.BUFFERS), path, linear.bias))
@@ -304,7 +316,7 @@ def weight_layout(model) -> str:
     from ladechat.engine.kernels.q8 import Q8Linear
     from ladechat.engine.load.packing import PackedLinear
 
-    counts = {"q4": 0, "q6_k": 0, "int4": 0, "q8_0": 0, "packed": 0, "dense": 0, "norm": 0}
+    counts = {"q4": 0, "q6_k": 0, "int4": 0, "q8_0": 0, "half": 0, "packed": 0, "dense": 0, "norm": 0}
     for module in model.modules():
         if type(module) is NativeRMSNorm:
             counts["norm"] += 1
@@ -316,6 +328,8 @@ def weight_layout(model) -> str:
             counts["int4"] += 1
         elif type(module) is Q8Linear:
             counts["q8_0"] += 1
+        elif type(module) is half.HalfLinear:
+            counts["half"] += 1
         elif type(module) is PackedLinear:
             counts["packed"] += 1
         elif isinstance(module, torch.nn.Linear):
@@ -335,6 +349,7 @@ def describe(model) -> str:
     six = [m for m in model.modules() if type(m) is q6.Q6Linear]
     on_torch = [m for m in model.modules() if type(m) is Int4Linear]
     q8_0 = [m for m in model.modules() if type(m) is Q8Linear]
+    sixteen = [m for m in model.modules() if type(m) is half.HalfLinear]
     packed = [m for m in model.modules() if type(m) is PackedLinear]
     dense = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     parts = []
@@ -353,6 +368,10 @@ def describe(model) -> str:
         paths = "/".join(sorted({q4.PATHS[m.path] for m in q8_0 if m is not head}))
         count = sum(m is not head for m in q8_0)
         parts.append(f"{count} Linear from Q8_0 blocks (ladechat's {paths} kernel, int8 activations)")
+    if sixteen:
+        kinds = "/".join(sorted({m.kind for m in sixteen}))
+        paths = "/".join(sorted({q4.PATHS[m.path] for m in sixteen}))
+        parts.append(f"{len(sixteen)} Linear from {kinds} weights as they are (ladechat's {paths} kernel, fp32 activations)")
     if head in q8_0:
         parts.append(f"the output layer from Q8_0 blocks (ladechat's {q4.PATHS[head.path]} kernel)")
     if packed:

@@ -1,0 +1,170 @@
+"""F16 and BF16 weights at their own 16 bits (engine/kernels/half.py, blocks.cpp's half_mm): the
+products against fp64 of the exact weights, the same bits for a row whatever the step's size,
+thread count or instruction set, and a GGUF of F16 and BF16 weights loaded onto the kernel, its
+lookahead answers plain decoding's."""
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ladechat.engine.config import LookaheadConfig, SamplingConfig
+from ladechat.engine.decode import Session, generate
+from ladechat.engine.kernels import half, int4, native, q4
+from ladechat.engine.load import quantized
+from ladechat.engine.load.loading import LoadSpec, load
+from ladechat.paths import cache_root
+
+gguf = pytest.importorskip("gguf")
+T = gguf.GGMLQuantizationType
+
+pytestmark = pytest.mark.skipif(not int4.supported(torch.device("cpu")),
+                                reason="the 16-bit kernel is built with x86-64 vector instructions")
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if shutil.which(native.COMPILER) is None:
+        pytest.skip(f"no C++ compiler ({native.COMPILER}) to build the kernel here")
+    assert q4.load(cache_root() / "kernels") is None
+
+
+def paths() -> list[int]:
+    return list(range(q4.best_path() + 1))
+
+
+def weights(rows: int, cols: int, dtype, seed: int = 0) -> torch.Tensor:
+    return (torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.05).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_products_are_the_fp32_rows_times_the_exact_weights(kernel, dtype):
+    w = weights(48, 512, dtype, seed=1)
+    x = torch.randn(5, 512) * torch.tensor([1.0, 0.01, 30.0, 1e-6, 1.0])[:, None]  # rows of any scale
+    exact = x.double() @ w.double().t()
+    # 32 fp32 roundings a sum at most (its partial sums, then the fold), each within 2^-24 of what it adds
+    bound = (x.double().abs() @ w.double().abs().t()) * 2**-24 * 40
+    results = []
+    for path in paths():
+        layer = half.HalfLinear(w, path=path)
+        assert torch.equal(layer.dense_weight(), w.float()) and layer.kind == ("F16" if dtype == torch.float16 else "BF16")
+        y = layer(x)
+        assert y.dtype == torch.float32 and y.shape == (5, 48)
+        assert ((y.double() - exact).abs() <= bound).all(), path
+        assert torch.equal(layer(x.bfloat16()), layer(x.bfloat16().float()).bfloat16())
+        assert torch.equal(layer.product()(x), y)
+        results.append(y)
+    assert all(torch.equal(y, results[0]) for y in results)  # AVX-512, AVX2 and portable: the same bits
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_row_count_gives_each_row_its_own_bits(kernel, dtype):
+    from test_q4 import assert_each_row_its_own
+
+    w = weights(48, 256, dtype, seed=5)
+    assert_each_row_its_own(lambda path: half.HalfLinear(w, path=path),
+                            torch.randn(11, 256, generator=torch.Generator().manual_seed(5)))
+
+
+def test_a_row_is_the_same_alone_among_many_and_on_any_thread_count(kernel):
+    layer = half.HalfLinear(weights(1536, 512, torch.bfloat16, seed=2))
+    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(2))
+    together = layer(x)
+    assert all(torch.equal(layer(x[i:i + 1]), together[i:i + 1]) for i in range(40))
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            assert torch.equal(layer(x), together)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_weights_the_kernel_cannot_take_are_refused(kernel):
+    with pytest.raises(half.HalfError, match="does not fit the 16-bit kernel"):
+        half.HalfLinear(weights(40, 512, torch.float16))
+    with pytest.raises(half.HalfError, match="not fp16 or bf16"):
+        half.HalfLinear(weights(32, 512, torch.float32))
+    with pytest.raises(half.HalfError, match="does not make 32x256 weights"):
+        half.decode("F16", np.zeros((32, 128), np.float16), 32, 256)
+    layer = half.HalfLinear(weights(32, 256, torch.float16))
+    with pytest.raises(TypeError, match="16-bit weights stay on the CPU"):
+        layer.to(torch.float32)
+    with pytest.raises(RuntimeError, match="half_mm: w must be"):
+        torch.ops.ladechat_blocks.half_mm(torch.randn(2, 256), layer.halves.float(), 0)
+
+
+# -- a GGUF of F16 and BF16 weights ---------------------------------------------------------------
+
+HIDDEN, FFN, VOCAB = 256, 512, 96
+
+
+def write_sixteen_bit_gguf(path: Path) -> Path:
+    """A 2-layer Llama: layer 0's Linear weights F16, layer 1's BF16, a Q8_0 embedding and an F16
+    output layer."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for add, value in ((writer.add_context_length, 512), (writer.add_embedding_length, HIDDEN),
+                       (writer.add_feed_forward_length, FFN), (writer.add_block_count, 2),
+                       (writer.add_head_count, 4), (writer.add_head_count_kv, 2), (writer.add_rope_freq_base, 1e4),
+                       (writer.add_layer_norm_rms_eps, 1e-5), (writer.add_vocab_size, VOCAB)):
+        add(value)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(VOCAB - 3)])
+    writer.add_token_scores([0.0] * VOCAB)
+    writer.add_token_types([1] * VOCAB)
+    rng = np.random.default_rng(4)
+    writer.add_tensor("token_embd.weight", gguf.quantize(rng.standard_normal((VOCAB, HIDDEN)).astype(np.float32), T.Q8_0),
+                      raw_dtype=T.Q8_0)
+    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
+    writer.add_tensor("output.weight", (rng.standard_normal((VOCAB, HIDDEN)) * 0.05).astype(np.float16))
+    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (HIDDEN // 2, HIDDEN), "attn_v": (HIDDEN // 2, HIDDEN),
+              "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN),
+              "ffn_down": (HIDDEN, FFN)}
+    for layer in range(2):
+        writer.add_tensor(f"blk.{layer}.attn_norm.weight", np.ones(HIDDEN, np.float32))
+        writer.add_tensor(f"blk.{layer}.ffn_norm.weight", np.ones(HIDDEN, np.float32))
+        for name, (rows, cols) in shapes.items():
+            values = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
+            if layer == 0:
+                writer.add_tensor(f"blk.{layer}.{name}.weight", values.astype(np.float16))
+            else:
+                writer.add_tensor(f"blk.{layer}.{name}.weight", gguf.quantize(values, T.BF16), raw_dtype=T.BF16)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.slow
+def test_a_gguf_of_16_bit_weights_runs_them_as_they_are_and_lookahead_answers_as_plain(kernel, tmp_path):
+    from test_int4 import dense_from_gguf
+
+    path = write_sixteen_bit_gguf(tmp_path / "sixteen.gguf")
+    dense = dense_from_gguf(path)  # transformers' own GGUF load: every tensor in fp32
+    lm = load(LoadSpec(model=str(path), dtype="float32", device="cpu"))
+    model = lm.model
+    assert quantized.weight_layout(model).startswith("half:15,"), quantized.weight_layout(model)
+    assert "15 Linear from BF16/F16 weights as they are" in lm.weights
+    assert not [n for n in lm.notices if "no kernel" in n]
+    for name, module in model.named_modules():
+        if type(module) is half.HalfLinear:
+            assert torch.equal(module.dense_weight(), dense.get_submodule(name).weight.detach()), name
+    ids = torch.randint(3, VOCAB, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = model(ids).logits, dense(ids).logits
+    assert torch.allclose(ours, theirs, rtol=0, atol=1e-4 * float(theirs.abs().max()))
+    again = load(LoadSpec(model=str(path), dtype="float32", device="cpu"))  # from the kept weights
+    with torch.no_grad():
+        assert torch.equal(again.model(ids).logits, ours)
+    prompt = ids[0].tolist()
+    answers = {}
+    for name, la in (("plain", LookaheadConfig(enabled=False, store=False)),
+                     ("lookahead", LookaheadConfig(window=5, ngram=4, candidates=5, store=False))):
+        done = list(generate(Session(model, la), prompt, SamplingConfig(max_new_tokens=48), ()))[-1]
+        answers[name] = (list(done.text_tokens), done.stats)
+    assert answers["lookahead"][0] == answers["plain"][0] and len(answers["plain"][0]) == 48
+    assert sum(n for k, n in answers["lookahead"][1].accepted_histogram.items() if k >= 2) > 0
