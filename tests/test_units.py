@@ -816,3 +816,32 @@ def test_a_prompt_the_tokenizer_turns_into_nothing_is_one_line(monkeypatch):
     with pytest.raises(ConversationError, match="^the model's tokenizer turns this prompt into no tokens$"):
         conversation.encode(object(), None, 100)
     assert conversation.messages == [{"role": "user", "content": "hi"}]
+
+
+def test_the_kernels_build_step_names_each_library_or_why_not(tmp_path):
+    """`python -m ladechat.engine.load.build_kernels` (the Makefile's install step): each library's path, exit
+    status 0; with no compiler on the PATH and nothing built, one line each saying so, status 1."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import PATIENCE_S
+
+    from ladechat.engine.kernels import native, q4, step_ops
+    from ladechat.paths import cache_root
+
+    command = [sys.executable, "-m", "ladechat.engine.load.build_kernels"]
+    if shutil.which(native.COMPILER) is not None:
+        built = subprocess.run(command, capture_output=True, text=True, check=False, timeout=PATIENCE_S)
+        assert built.returncode == 0, built.stdout + built.stderr
+        lines = built.stdout.splitlines()
+        assert [line.split(": ")[0] for line in lines] == ["blocks.cpp", "step_ops.cpp"]
+        assert all(Path(line.split(": ", 1)[1]).parent == cache_root() / "kernels" for line in lines)
+        assert native.built_before(q4.SOURCE, cache_root() / "kernels") and native.built_before(step_ops.SOURCE, cache_root() / "kernels")
+    bare = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PATH": str(tmp_path)}
+    none = subprocess.run(command, capture_output=True, text=True, check=False, env=bare, timeout=PATIENCE_S)
+    assert none.returncode == 1
+    assert none.stdout.splitlines() == [f"blocks.cpp: not built: no C++ compiler ({native.COMPILER}) to build blocks.cpp",
+                                        f"step_ops.cpp: not built: no C++ compiler ({native.COMPILER}) to build step_ops.cpp"]
