@@ -60,7 +60,6 @@ def test_a_slice_of_rows_is_those_rows():
 
 # -- a GGUF of every type read densely: the weights of transformers' own GGUF load ---------------
 
-HIDDEN, FFN, VOCAB = 256, 512, 96
 LAYER_KINDS = [  # q and k are permuted on loading (llama.cpp's rotary layout): both paths are read
     {"attn_q": T.Q5_K, "attn_k": T.Q3_K, "attn_v": T.Q6_K, "attn_output": T.BF16, "ffn_gate": T.Q2_K,
      "ffn_up": T.Q5_0, "ffn_down": T.Q5_1},
@@ -70,43 +69,22 @@ LAYER_KINDS = [  # q and k are permuted on loading (llama.cpp's rotary layout): 
 
 
 def write_every_type(path):
-    import gguf
+    from gguf import quantize
+    from gguf_files import HIDDEN, VOCAB, write_llama
 
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for add, value in ((writer.add_context_length, 512), (writer.add_embedding_length, HIDDEN),
-                       (writer.add_feed_forward_length, FFN), (writer.add_block_count, len(LAYER_KINDS)),
-                       (writer.add_head_count, 4), (writer.add_head_count_kv, 2), (writer.add_rope_freq_base, 1e4),
-                       (writer.add_layer_norm_rms_eps, 1e-5), (writer.add_vocab_size, VOCAB)):
-        add(value)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(VOCAB - 3)])
-    writer.add_token_scores([0.0] * VOCAB)
-    writer.add_token_types([1] * VOCAB)
     rng = np.random.default_rng(5)
-    writer.add_tensor("token_embd.weight", rng.standard_normal((VOCAB, HIDDEN)).astype(np.float32))
-    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
-    writer.add_tensor("output.weight", random_rows(T.Q6_K, VOCAB, HIDDEN // 256, seed=9), raw_dtype=T.Q6_K)
-    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (HIDDEN // 2, HIDDEN), "attn_v": (HIDDEN // 2, HIDDEN),
-              "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN),
-              "ffn_down": (HIDDEN, FFN)}
-    for layer, kinds in enumerate(LAYER_KINDS):
-        writer.add_tensor(f"blk.{layer}.attn_norm.weight", np.ones(HIDDEN, np.float32))
-        writer.add_tensor(f"blk.{layer}.ffn_norm.weight", np.ones(HIDDEN, np.float32))
-        for name, kind in kinds.items():
-            rows, cols = shapes[name]
-            if kind == T.TQ2_0:
-                raw = gguf.quantize(rng.standard_normal((rows, cols)).astype(np.float32), kind)
-            else:
-                per_block = GGML_QUANT_SIZES[kind][0]
-                raw = random_rows(kind, rows, cols // per_block, seed=layer * 100 + int(kind))
-            if kind in (T.F32, T.F16):
-                raw = raw.view(np.float32 if kind == T.F32 else np.float16)
-            writer.add_tensor(f"blk.{layer}.{name}.weight", raw, raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+
+    def weight(layer: int, name: str, rows: int, cols: int):
+        kind = LAYER_KINDS[layer][name]
+        if kind == T.TQ2_0:
+            return quantize(rng.standard_normal((rows, cols)).astype(np.float32), kind), kind
+        raw = random_rows(kind, rows, cols // GGML_QUANT_SIZES[kind][0], seed=layer * 100 + int(kind))
+        if kind in (T.F32, T.F16):
+            return raw.view(np.float32 if kind == T.F32 else np.float16), kind
+        return raw, kind
+
+    return write_llama(path, weight, (rng.standard_normal((VOCAB, HIDDEN)).astype(np.float32), None),
+                       (random_rows(T.Q6_K, VOCAB, HIDDEN // 256, seed=9), T.Q6_K))
 
 
 @pytest.mark.slow

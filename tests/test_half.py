@@ -9,9 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gguf_files import HIDDEN, VOCAB, assert_lookahead_answers_as_plain, write_llama
 
-from ladechat.engine.config import LookaheadConfig, SamplingConfig
-from ladechat.engine.decode import Session, generate
 from ladechat.engine.kernels import half, int4, native, q4
 from ladechat.engine.load import quantized
 from ladechat.engine.load.loading import LoadSpec, load
@@ -70,17 +69,10 @@ def test_every_row_count_gives_each_row_its_own_bits(kernel, dtype):
 
 
 def test_a_row_is_the_same_alone_among_many_and_on_any_thread_count(kernel):
-    layer = half.HalfLinear(weights(1536, 512, torch.bfloat16, seed=2))
-    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(2))
-    together = layer(x)
-    assert all(torch.equal(layer(x[i:i + 1]), together[i:i + 1]) for i in range(40))
-    threads = torch.get_num_threads()
-    try:
-        for count in (1, 2):
-            torch.set_num_threads(count)
-            assert torch.equal(layer(x), together)
-    finally:
-        torch.set_num_threads(threads)
+    from test_q4 import assert_alone_as_among_many_on_any_thread_count
+
+    assert_alone_as_among_many_on_any_thread_count(half.HalfLinear(weights(1536, 512, torch.bfloat16, seed=2)),
+                                                   torch.randn(40, 512, generator=torch.Generator().manual_seed(2)))
 
 
 def test_weights_the_kernel_cannot_take_are_refused(kernel):
@@ -99,44 +91,17 @@ def test_weights_the_kernel_cannot_take_are_refused(kernel):
 
 # -- a GGUF of F16 and BF16 weights ---------------------------------------------------------------
 
-HIDDEN, FFN, VOCAB = 256, 512, 96
-
-
 def write_sixteen_bit_gguf(path: Path) -> Path:
     """A 2-layer Llama: layer 0's Linear weights F16, layer 1's BF16, a Q8_0 embedding and an F16
     output layer."""
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for add, value in ((writer.add_context_length, 512), (writer.add_embedding_length, HIDDEN),
-                       (writer.add_feed_forward_length, FFN), (writer.add_block_count, 2),
-                       (writer.add_head_count, 4), (writer.add_head_count_kv, 2), (writer.add_rope_freq_base, 1e4),
-                       (writer.add_layer_norm_rms_eps, 1e-5), (writer.add_vocab_size, VOCAB)):
-        add(value)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(VOCAB - 3)])
-    writer.add_token_scores([0.0] * VOCAB)
-    writer.add_token_types([1] * VOCAB)
     rng = np.random.default_rng(4)
-    writer.add_tensor("token_embd.weight", gguf.quantize(rng.standard_normal((VOCAB, HIDDEN)).astype(np.float32), T.Q8_0),
-                      raw_dtype=T.Q8_0)
-    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
-    writer.add_tensor("output.weight", (rng.standard_normal((VOCAB, HIDDEN)) * 0.05).astype(np.float16))
-    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (HIDDEN // 2, HIDDEN), "attn_v": (HIDDEN // 2, HIDDEN),
-              "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN),
-              "ffn_down": (HIDDEN, FFN)}
-    for layer in range(2):
-        writer.add_tensor(f"blk.{layer}.attn_norm.weight", np.ones(HIDDEN, np.float32))
-        writer.add_tensor(f"blk.{layer}.ffn_norm.weight", np.ones(HIDDEN, np.float32))
-        for name, (rows, cols) in shapes.items():
-            values = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
-            if layer == 0:
-                writer.add_tensor(f"blk.{layer}.{name}.weight", values.astype(np.float16))
-            else:
-                writer.add_tensor(f"blk.{layer}.{name}.weight", gguf.quantize(values, T.BF16), raw_dtype=T.BF16)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+
+    def weight(layer: int, name: str, rows: int, cols: int):
+        values = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
+        return (values.astype(np.float16), None) if layer == 0 else (gguf.quantize(values, T.BF16), T.BF16)
+
+    embedding = gguf.quantize(rng.standard_normal((VOCAB, HIDDEN)).astype(np.float32), T.Q8_0), T.Q8_0
+    return write_llama(path, weight, embedding, ((rng.standard_normal((VOCAB, HIDDEN)) * 0.05).astype(np.float16), None))
 
 
 @pytest.mark.slow
@@ -160,11 +125,4 @@ def test_a_gguf_of_16_bit_weights_runs_them_as_they_are_and_lookahead_answers_as
     again = load(LoadSpec(model=str(path), dtype="float32", device="cpu"))  # from the kept weights
     with torch.no_grad():
         assert torch.equal(again.model(ids).logits, ours)
-    prompt = ids[0].tolist()
-    answers = {}
-    for name, la in (("plain", LookaheadConfig(enabled=False, store=False)),
-                     ("lookahead", LookaheadConfig(window=5, ngram=4, candidates=5, store=False))):
-        done = list(generate(Session(model, la), prompt, SamplingConfig(max_new_tokens=48), ()))[-1]
-        answers[name] = (list(done.text_tokens), done.stats)
-    assert answers["lookahead"][0] == answers["plain"][0] and len(answers["plain"][0]) == 48
-    assert sum(n for k, n in answers["lookahead"][1].accepted_histogram.items() if k >= 2) > 0
+    assert_lookahead_answers_as_plain(model, ids[0].tolist())

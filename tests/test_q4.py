@@ -121,21 +121,25 @@ def test_every_row_count_gives_each_row_its_own_bits(kernel):
                             torch.randn(11, 96, generator=torch.Generator().manual_seed(5)))
 
 
-def test_a_row_is_the_same_alone_among_many_and_on_any_thread_count(kernel):
-    """What lets a lookahead step's rows equal one-row steps' (plain decoding) bit for bit."""
-    codes, scales, lows = random_weight(1536, 576, seed=1)
-    layer = q4.Q4Linear(*q4.layout(codes, scales, lows))
-    x = torch.randn(40, 576, generator=torch.Generator().manual_seed(1))  # > 16 rows: quantized on 2 threads
+def assert_alone_as_among_many_on_any_thread_count(layer, x: torch.Tensor) -> None:
+    """Each row of x (many: > 16 rows are quantized on 2 threads) gets alone the bits it gets among
+    them all, and all of them the same bits on 1 thread and on 2: what lets a lookahead step's rows
+    equal one-row steps' (plain decoding) bit for bit."""
     together = layer(x)
-    assert all(torch.equal(layer(x[i:i + 1]), together[i:i + 1]) for i in range(40))
+    assert all(torch.equal(layer(x[i:i + 1]), together[i:i + 1]) for i in range(len(x)))
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        assert torch.equal(layer(x), together)
-        torch.set_num_threads(2)
-        assert torch.equal(layer(x), together)
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            assert torch.equal(layer(x), together)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_row_is_the_same_alone_among_many_and_on_any_thread_count(kernel):
+    codes, scales, lows = random_weight(1536, 576, seed=1)
+    assert_alone_as_among_many_on_any_thread_count(q4.Q4Linear(*q4.layout(codes, scales, lows)),
+                                                   torch.randn(40, 576, generator=torch.Generator().manual_seed(1)))
 
 
 def test_the_layout_keeps_every_code_scale_and_low(kernel):

@@ -10,9 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gguf_files import HIDDEN, LAYERS, VOCAB, assert_lookahead_answers_as_plain, write_llama
 
-from ladechat.engine.config import LookaheadConfig, SamplingConfig
-from ladechat.engine.decode import Session, generate
 from ladechat.engine.kernels import int4, native, q4, q6
 from ladechat.engine.load import quantized
 from ladechat.engine.load.loading import LoadSpec, load
@@ -126,17 +125,10 @@ def test_every_row_count_gives_each_row_its_own_bits(kernel, kind):
 
 
 def test_a_row_is_the_same_alone_among_many_and_on_any_thread_count(kernel):
-    layer = layer_of("Q5_K", random_blocks("Q5_K", 1536, 512, seed=1), 1536, 512)
-    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(1))
-    together = layer(x)
-    assert all(torch.equal(layer(x[i:i + 1]), together[i:i + 1]) for i in range(40))
-    threads = torch.get_num_threads()
-    try:
-        for count in (1, 2):
-            torch.set_num_threads(count)
-            assert torch.equal(layer(x), together)
-    finally:
-        torch.set_num_threads(threads)
+    from test_q4 import assert_alone_as_among_many_on_any_thread_count
+
+    assert_alone_as_among_many_on_any_thread_count(layer_of("Q5_K", random_blocks("Q5_K", 1536, 512, seed=1), 1536, 512),
+                                                   torch.randn(40, 512, generator=torch.Generator().manual_seed(1)))
 
 
 def test_siblings_of_four_and_five_bits_multiply_apart_with_their_own_bits(kernel):
@@ -150,7 +142,6 @@ def test_siblings_of_four_and_five_bits_multiply_apart_with_their_own_bits(kerne
 
 # -- a GGUF laid out as llama-quantize's Q5_K_M files are ----------------------------------------
 
-HIDDEN, FFN, VOCAB, LAYERS = 256, 512, 96, 2
 LAYER_KINDS = [
     {"attn_q": "Q5_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q5_0", "ffn_gate": "Q5_K",
      "ffn_up": "Q5_K", "ffn_down": "Q6_K"},
@@ -164,40 +155,16 @@ def write_q5_k_m_gguf(path: Path) -> Path:
     input embedding; weights of ~0.05 (Q5_0, Q5_1 quantized by gguf from Gaussian ones)."""
     from test_q6 import random_blocks as q6_blocks
 
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for add, value in ((writer.add_context_length, 512), (writer.add_embedding_length, HIDDEN),
-                       (writer.add_feed_forward_length, FFN), (writer.add_block_count, LAYERS),
-                       (writer.add_head_count, 4), (writer.add_head_count_kv, 2), (writer.add_rope_freq_base, 1e4),
-                       (writer.add_layer_norm_rms_eps, 1e-5), (writer.add_vocab_size, VOCAB)):
-        add(value)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(VOCAB - 3)])
-    writer.add_token_scores([0.0] * VOCAB)
-    writer.add_token_types([1] * VOCAB)
-    writer.add_tensor("token_embd.weight", q6_blocks(VOCAB, HIDDEN, seed=9, size=2e-5), raw_dtype=T.Q6_K)
-    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
-    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (HIDDEN // 2, HIDDEN), "attn_v": (HIDDEN // 2, HIDDEN),
-              "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN),
-              "ffn_down": (HIDDEN, FFN)}
-    for layer, kinds in enumerate(LAYER_KINDS):
-        writer.add_tensor(f"blk.{layer}.attn_norm.weight", np.ones(HIDDEN, np.float32))
-        writer.add_tensor(f"blk.{layer}.ffn_norm.weight", np.ones(HIDDEN, np.float32))
-        for name, kind in kinds.items():
-            rows, cols = shapes[name]
-            seed = layer * 10 + len(name)
-            if kind == "Q6_K":
-                blocks = q6_blocks(rows, cols, seed, 2e-5)
-            elif kind == "Q5_K":  # d sc q - dmin m with sc, m < 64, q < 32: ~0.05
-                blocks = random_blocks(kind, rows, cols, seed, size=3e-5)
-            else:
-                gaussian = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.05
-                blocks = gguf.quantize(gaussian, T[kind])
-            writer.add_tensor(f"blk.{layer}.{name}.weight", blocks, raw_dtype=T[kind])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    def weight(layer: int, name: str, rows: int, cols: int):
+        kind, seed = LAYER_KINDS[layer][name], layer * 10 + len(name)
+        if kind == "Q6_K":
+            return q6_blocks(rows, cols, seed, 2e-5), T.Q6_K
+        if kind == "Q5_K":  # d sc q - dmin m with sc, m < 64, q < 32: ~0.05
+            return random_blocks(kind, rows, cols, seed, size=3e-5), T.Q5_K
+        gaussian = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.05
+        return gguf.quantize(gaussian, T[kind]), T[kind]
+
+    return write_llama(path, weight, (q6_blocks(VOCAB, HIDDEN, seed=9, size=2e-5), T.Q6_K))
 
 
 @pytest.mark.slow
@@ -220,11 +187,4 @@ def test_a_q5_k_m_like_layout_runs_every_tensor_at_its_own_bits_and_lookahead_an
     again = load(LoadSpec(model=str(path), dtype="float32", device="cpu"))  # from the kept blocks
     with torch.no_grad():
         assert torch.equal(again.model(ids).logits, ours)
-    prompt = ids[0].tolist()
-    answers = {}
-    for name, la in (("plain", LookaheadConfig(enabled=False, store=False)),
-                     ("lookahead", LookaheadConfig(window=5, ngram=4, candidates=5, store=False))):
-        done = list(generate(Session(model, la), prompt, SamplingConfig(max_new_tokens=48), ()))[-1]
-        answers[name] = (list(done.text_tokens), done.stats)
-    assert answers["lookahead"][0] == answers["plain"][0] and len(answers["plain"][0]) == 48
-    assert sum(n for k, n in answers["lookahead"][1].accepted_histogram.items() if k >= 2) > 0
+    assert_lookahead_answers_as_plain(model, ids[0].tolist())

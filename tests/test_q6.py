@@ -10,9 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gguf_files import HIDDEN, LAYERS, VOCAB, assert_lookahead_answers_as_plain, write_llama
 
-from ladechat.engine.config import LookaheadConfig, SamplingConfig
-from ladechat.engine.decode import Session, generate
 from ladechat.engine.kernels import int4, native, q4, q6
 from ladechat.engine.load import quantized
 from ladechat.engine.load.loading import LoadSpec, load
@@ -116,17 +115,10 @@ def test_every_row_count_gives_each_row_its_own_bits(kernel):
 
 
 def test_a_row_is_the_same_alone_among_many_and_on_any_thread_count(kernel):
-    layer = q6.Q6Linear(*q6.layout(*random_layer(1536, 512, seed=1)))
-    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(1))
-    together = layer(x)
-    assert all(torch.equal(layer(x[i:i + 1]), together[i:i + 1]) for i in range(40))
-    threads = torch.get_num_threads()
-    try:
-        for count in (1, 2):
-            torch.set_num_threads(count)
-            assert torch.equal(layer(x), together)
-    finally:
-        torch.set_num_threads(threads)
+    from test_q4 import assert_alone_as_among_many_on_any_thread_count
+
+    assert_alone_as_among_many_on_any_thread_count(q6.Q6Linear(*q6.layout(*random_layer(1536, 512, seed=1))),
+                                                   torch.randn(40, 512, generator=torch.Generator().manual_seed(1)))
 
 
 def test_the_module_keeps_its_bias_refuses_moves_and_bad_buffers(kernel):
@@ -146,7 +138,6 @@ def test_the_module_keeps_its_bias_refuses_moves_and_bad_buffers(kernel):
 
 # -- a GGUF laid out as llama-quantize's Q4_K_M files are -----------------------------------------
 
-HIDDEN, FFN, VOCAB, LAYERS = 256, 512, 96, 2
 
 
 def q4_0_blocks(rows: int, cols: int, seed: int) -> np.ndarray:
@@ -160,45 +151,18 @@ def write_q4_k_m_gguf(path: Path, more_bits: str = "Q6_K") -> Path:
     """A 2-layer Llama: Q4_0 q/k/v/o/gate/up, `more_bits` (Q6_K, or Q8_0) ffn_down and attn_v in
     layer 0 (as llama-quantize gives some layers more bits), and no output.weight: the output layer
     is the Q6_K input embedding (tied)."""
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_context_length(512)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
-    writer.add_block_count(LAYERS)
-    writer.add_head_count(4)
-    writer.add_head_count_kv(2)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(VOCAB)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(VOCAB - 3)])
-    writer.add_token_scores([0.0] * VOCAB)
-    writer.add_token_types([1] * VOCAB)
+
+    def weight(layer: int, name: str, rows: int, cols: int):
+        seed = layer * 10 + len(name)
+        if not (name == "ffn_down" or (name == "attn_v" and layer == 0)):
+            return q4_0_blocks(rows, cols, seed), T.Q4_0
+        if more_bits == "Q6_K":
+            return random_blocks(rows, cols, seed, 2e-5), T.Q6_K
+        gaussian = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.05
+        return gguf.quantize(gaussian, T[more_bits]), T[more_bits]
+
     # weights of ~0.05, as a model's: d sc (q - 32) with |sc| < 128, |q - 32| <= 32
-    writer.add_tensor("token_embd.weight", random_blocks(VOCAB, HIDDEN, seed=9, size=2e-5), raw_dtype=T.Q6_K)
-    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
-    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (HIDDEN // 2, HIDDEN), "attn_v": (HIDDEN // 2, HIDDEN),
-              "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN),
-              "ffn_down": (HIDDEN, FFN)}
-    for layer in range(LAYERS):
-        writer.add_tensor(f"blk.{layer}.attn_norm.weight", np.ones(HIDDEN, np.float32))
-        writer.add_tensor(f"blk.{layer}.ffn_norm.weight", np.ones(HIDDEN, np.float32))
-        for name, (rows, cols) in shapes.items():
-            six = name == "ffn_down" or (name == "attn_v" and layer == 0)
-            seed = layer * 10 + len(name)
-            if not six:
-                blocks, kind = q4_0_blocks(rows, cols, seed), T.Q4_0
-            elif more_bits == "Q6_K":
-                blocks, kind = random_blocks(rows, cols, seed, 2e-5), T.Q6_K
-            else:
-                gaussian = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.05
-                blocks, kind = gguf.quantize(gaussian, T[more_bits]), T[more_bits]
-            writer.add_tensor(f"blk.{layer}.{name}.weight", blocks, raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_llama(path, weight, (random_blocks(VOCAB, HIDDEN, seed=9, size=2e-5), T.Q6_K))
 
 
 @pytest.mark.slow
@@ -226,14 +190,7 @@ def test_a_q4_k_m_like_layout_runs_every_tensor_at_its_own_bits_and_lookahead_an
     with torch.no_grad():
         assert torch.equal(again.model(ids).logits, ours)
     # lookahead's steps of many rows give plain decoding's tokens on these kernels
-    prompt = ids[0].tolist()
-    answers = {}
-    for name, la in (("plain", LookaheadConfig(enabled=False, store=False)),
-                     ("lookahead", LookaheadConfig(window=5, ngram=4, candidates=5, store=False))):
-        done = list(generate(Session(model, la), prompt, SamplingConfig(max_new_tokens=48), ()))[-1]
-        answers[name] = (list(done.text_tokens), done.stats)
-    assert answers["lookahead"][0] == answers["plain"][0] and len(answers["plain"][0]) == 48
-    assert sum(n for k, n in answers["lookahead"][1].accepted_histogram.items() if k >= 2) > 0
+    assert_lookahead_answers_as_plain(model, ids[0].tolist())
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q6_K"])
