@@ -121,3 +121,19 @@ def test_a_load_names_the_types_no_kernel_takes(tmp_path):
     wanted = "every-type.gguf: ladechat has no kernel for its Q2_K/Q3_K/TQ2_0 tensors; they run dequantized to float32"
     assert named == [wanted], lm.notices
     assert "Q5_0/Q5_1/Q5_K" in lm.weights and "BF16/F16 weights as they are" in lm.weights
+
+
+@pytest.mark.slow
+def test_a_weight_of_a_type_nothing_reads_is_one_line_naming_it(tmp_path):
+    from gguf_files import HIDDEN, VOCAB, write_llama
+
+    from ladechat.engine.load.loading import LoadError, LoadSpec, load
+
+    def weight(layer: int, name: str, rows: int, cols: int):
+        values = np.zeros((rows, cols), np.float64 if (layer, name) == (1, "ffn_up") else np.float32)
+        return values, None
+
+    path = write_llama(tmp_path / "f64.gguf", weight, (np.zeros((VOCAB, HIDDEN), np.float32), None))
+    with pytest.raises(LoadError) as caught:
+        load(LoadSpec(model=str(path), dtype="float32", device="cpu"))
+    assert str(caught.value) == "cannot read f64.gguf: its tensor blk.1.ffn_up.weight is F64, a type ladechat cannot read"

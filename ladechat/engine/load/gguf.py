@@ -386,6 +386,9 @@ def read_tensors(model, gguf: Path, index: dict, dtype, device, wanted: set[str]
                 weights = dequantize(blocks, kind)
             except (ValueError, OSError) as exc:  # a file cut short since it was indexed
                 raise BadGGUF(f"cannot read {gguf}: {' '.join(str(exc).split())}") from None
+            except NotImplementedError:  # a type gguf-py cannot dequantize (F64, integers)
+                raise BadGGUF(f"cannot read {gguf.name}: its tensor {where['name']} is {kind.name}, a type "
+                              "ladechat cannot read") from None
             result = processor.process(weights=weights, name=where["name"], tensor_key_mapping=mapping,
                                        parsed_parameters=parsed)
             if result.name not in mapping or result.weights is None:
