@@ -105,9 +105,10 @@ def test_a_dense_load_of_every_type_has_transformers_own_weights(tmp_path, devic
 
 
 @pytest.mark.slow
-def test_a_load_names_the_types_no_kernel_takes(tmp_path):
+def test_a_load_names_the_types_no_kernel_takes(tmp_path, monkeypatch):
     """On the CPU's kernels each of the file's types runs at its own bits but those no kernel takes
-    (Q2_K, Q3_K, TQ2_0 here), which one notice names."""
+    (Q2_K, Q3_K, TQ2_0 here), which one notice names; where ladechat's kernels do not run (a CPU
+    without AVX2: its portable loops are not used), it names every type then read dense."""
     import shutil
 
     from ladechat.engine.kernels import int4, native
@@ -117,10 +118,18 @@ def test_a_load_names_the_types_no_kernel_takes(tmp_path):
         pytest.skip("ladechat's kernels are not built on this machine")
     path = write_every_type(tmp_path / "every-type.gguf")
     lm = load(LoadSpec(model=str(path), dtype="float32", device="cpu"))
-    named = [n for n in lm.notices if "ladechat has no kernel" in n]
-    wanted = "every-type.gguf: ladechat has no kernel for its Q2_K/Q3_K/TQ2_0 tensors; they run dequantized to float32"
+    named = [n for n in lm.notices if "no kernel for them" in n]
+    wanted = "every-type.gguf: its Q2_K/Q3_K/TQ2_0 tensors run dequantized to float32 (no kernel for them here)"
     assert named == [wanted], lm.notices
     assert "Q5_0/Q5_1/Q5_K" in lm.weights and "BF16/F16 weights as they are" in lm.weights
+    from ladechat.engine.kernels import q4
+
+    monkeypatch.setattr(q4, "best_path", lambda: 0)
+    portable = load(LoadSpec(model=str(path), dtype="float32", device="cpu"))
+    named = [n for n in portable.notices if "no kernel for them" in n]
+    kinds = "BF16/F16/Q2_K/Q3_K/Q5_0/Q5_1/Q5_K/Q6_K/Q8_0/TQ2_0"
+    assert named == [f"every-type.gguf: its {kinds} tensors run dequantized to float32 (no kernel for them here)"]
+    assert "int4 from Q4_0/Q4_1/Q4_K blocks (torch" in portable.weights
 
 
 @pytest.mark.slow

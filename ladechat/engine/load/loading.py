@@ -506,17 +506,20 @@ def _check_dense_fits(model, gguf_file: Path, index: dict, empty: set[str], avai
 
 
 def _no_kernel_notices(model, gguf_file: Path, index: dict, empty: set[str]) -> tuple[str, ...]:
-    """A notice naming the block types of the file's weights that no kernel here takes (IQ4_XS,
-    Q3_K, F16, ...) and so run dequantized into the model's dtype: slower and larger than the file."""
+    """A notice naming the block types of the file's weights that no kernel here runs (IQ4_XS,
+    Q3_K, ...; and every type of BLOCK_KINDS where ladechat's kernels do not run: no compiler, no
+    AVX2) and so run dequantized into the model's dtype: slower and larger than the file. A Q8_0
+    embedding that runs dense because its module scales its rows (Gemma) is not news."""
     from gguf import GGMLQuantizationType
 
     tensors = dict((*model.named_parameters(), *model.named_buffers()))
+    ours = quantized.BLOCK_KINDS if q4.loaded() and q4.best_path() >= 1 else ()
     kinds = sorted({GGMLQuantizationType(where["type"]).name for name, where in index["tensors"].items()
-                    if name in empty and tensors[name].dim() >= 2} - {*quantized.BLOCK_KINDS, "F32"})
+                    if name in empty and tensors[name].dim() >= 2} - {*ours, "F32"})
     if not kinds:
         return ()
     dtype = str(model.dtype).removeprefix("torch.")
-    return (f"{gguf_file.name}: ladechat has no kernel for its {'/'.join(kinds)} tensors; they run dequantized to {dtype}",)
+    return (f"{gguf_file.name}: its {'/'.join(kinds)} tensors run dequantized to {dtype} (no kernel for them here)",)
 
 
 def _size(count: int) -> str:

@@ -13,7 +13,7 @@ The kernels compute each row on its own, in the same order whatever the step's s
 depend in fp32's last bits on how many rows and masked keys a step has, so where ladechat's kernels
 load, model loading also switches attention to its row-wise kernel (attention.py): a lookahead
 answer on these weights is then plain decoding's, token for token, where every Linear is such
-blocks (tests/test_int4.py, tests/test_q6.py).
+blocks (tests/test_int4.py, tests/kernels/test_q6.py).
 
 Reading a GGUF's metadata takes seconds on a small CPU, so the first load writes the blocks in the
 kernels' layout into one file in the GGUF's cache folder (kept.py), named for the code that reads
@@ -37,7 +37,7 @@ from ladechat.engine.kernels.int4 import Int4Error, Int4Linear, check_shape
 
 # the GGUF block types ladechat's kernels run at their own bits
 BLOCK_KINDS = (*q4.KINDS, *q4.FIVE_BIT_KINDS, "Q6_K", "Q8_0", *half.KINDS)
-LIBRARY_ONLY = (*q4.FIVE_BIT_KINDS, *half.KINDS)  # no torch kernel takes these: dense without the library
+LIBRARY_ONLY = (*q4.FIVE_BIT_KINDS, *half.KINDS)  # no torch kernel takes these: dense without ladechat's
 CACHE_PREFIX = "int4-"
 
 
@@ -48,7 +48,8 @@ def cache_path(folder: Path) -> Path:
     reads and lays them out (a change to either is read afresh)."""
     from ladechat.engine.load.gguf import source_digest
 
-    return Path(folder) / f"{CACHE_PREFIX}{source_digest(__file__, q4.__file__, q6.__file__, q8.__file__)}.safetensors"
+    readers = (__file__, q4.__file__, q6.__file__, q8.__file__, half.__file__, q4.SOURCE)  # SOURCE: gguf_tiles
+    return Path(folder) / f"{CACHE_PREFIX}{source_digest(*readers)}.safetensors"
 
 
 def read_gguf(gguf_path: Path, model, folder: Path) -> tuple[dict[str, torch.Tensor], list[str], dict[str, str]]:
@@ -80,8 +81,6 @@ def read_gguf(gguf_path: Path, model, folder: Path) -> tuple[dict[str, torch.Ten
         kind = tensor.tensor_type.name
         target = names.get(name, "")
         if kind not in BLOCK_KINDS or not target.endswith(".weight"):
-            continue
-        if kind in LIBRARY_ONLY and not q4.loaded():
             continue
         module_name = target.removesuffix(".weight")
         try:
@@ -200,8 +199,8 @@ def _tiled_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of,
         sc, m, d, dmin = tiled
         scales = (np.concatenate([sc, m], axis=2), np.concatenate([d, -dmin], axis=2).astype(np.float32))
     else:
-        half = all(part.dtype == np.float16 for part in tiled)
-        scales = tuple(part.astype(np.float16 if half else np.float32) for part in tiled)
+        fp16 = all(part.dtype == np.float16 for part in tiled)
+        scales = tuple(part.astype(np.float16 if fp16 else np.float32) for part in tiled)
     buffers = q6.BUFFERS if kind == "Q6_K" else q4.BUFFERS
     return dict(zip(buffers, (tiles, *(torch.from_numpy(np.ascontiguousarray(part)) for part in scales)), strict=True))
 
