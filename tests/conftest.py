@@ -62,7 +62,7 @@ os.environ["LADECHAT_KEEP_ALIVE"] = "0"
 # a new test file joins the fast tier by being named here.
 FAST_MODULES = {"test_units", "test_settings", "test_templates", "test_text_stream", "test_structure", "test_docs",
                 "test_embedding", "test_header", "test_pending", "test_template_injection", "test_q4", "test_q5", "test_q6", "test_q8", "test_half",
-                "test_attend", "test_norms", "test_sampling", "test_files", "test_thinking", "test_dequantize"}
+                "test_attend", "test_norms", "test_top_k", "test_sampling", "test_files", "test_thinking", "test_dequantize"}
 
 
 def pytest_collection_modifyitems(items):
@@ -82,7 +82,7 @@ def shared_data() -> Path:
 def embedded_fp32():
     """The embedded SmolLM2 model in fp32 (make test installs it; its absence is a failure), its Linear
     weights packed for oneDNN where that runs (not the default of its 4-bit blocks at 4 bits, whose
-    rounded activations tests/test_int4.py and tests/test_q4.py cover): the fp32 path that must equal HF greedy."""
+    rounded activations tests/test_int4.py and tests/kernels/test_q4.py cover): the fp32 path that must equal HF greedy."""
     from ladechat.engine.load.loading import LoadSpec, load
 
     return load(LoadSpec(dtype="float32", device="cpu", weights="packed" if _packs_fp32() else "dense"))

@@ -1,5 +1,5 @@
 """A GGUF's 4-bit blocks run at 4 bits (engine/load/quantized.py, engine/kernels/q4.py and int4.py): the exact 4-bit form of Q4_0, Q4_1
-and Q4_K blocks, on ladechat's kernel (q4.py; tests/test_q4.py tests the kernel itself) or torch's
+and Q4_K blocks, on ladechat's kernel (q4.py; tests/kernels/test_q4.py tests the kernel itself) or torch's
 int4 kernel where none is built, products within int8 / bf16 rounding of the dense weights `gguf`
 dequantizes, rows independent of the step's size (so lookahead answers equal plain decoding's on
 these weights), and what happens with files and choices it cannot run."""
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.skipif(not int4.supported(torch.device("cpu")),
 # Relative to sum |x| |w| of each output: bf16 rounds activations, scales and zeros, and the result,
 # each by at most 2^-9; a misread block (nibble order, scale, zero, row) is off by tens of percent.
 BF16_ERROR = 2**-7
-# int8 activations round each input by up to 1/254 of its group's largest (tests/test_q4.py bounds
+# int8 activations round each input by up to 1/254 of its group's largest (tests/kernels/test_q4.py bounds
 # it exactly); against sum |x| |w| per output of random rows that stays well under 2^-5
 INT8_ERROR = 2**-5
 
@@ -367,7 +367,7 @@ def embedded_int4():
 def test_auto_runs_the_embedded_model_as_int4(embedded_int4):
     lm = embedded_int4
     # Q4_1 Linears on ladechat's kernel; the output layer tied to the Q8_0 embedding runs its blocks
-    # (tests/test_q8.py) and its norms by ladechat's kernel (tests/test_norms.py), where a C++
+    # (tests/kernels/test_q8.py) and its norms by ladechat's kernel (tests/kernels/test_norms.py), where a C++
     # compiler built them; else torch's int4 kernel, the output layer packed, transformers' norms
     layout = "q4:210,q8_0:1,norm:61" if HAS_COMPILER else "int4:210,packed:1"
     assert quantized.weight_layout(lm.model) == layout

@@ -35,7 +35,7 @@
 // fixed sequence on every path: t = scale * isum; (Q4: t = fma(low, asum, t);) y = fma(t, da, y),
 // group after group (Q6: the bracket is an exact int32, |.| < 2^24 so exact as a float too, then
 // t = d * float(bracket); y = fma(t, da, y)). So a row gives the same bits alone or among a step's rows, on one thread or
-// two, and on the VNNI, AVX2 and portable paths alike (tests/test_q4.py, tests/test_q8.py).
+// two, and on the VNNI, AVX2 and portable paths alike (tests/kernels/test_q4.py, tests/kernels/test_q8.py).
 //
 // Layout (q4.layout, q4.layout_k and q8.kernel_layout make it), one tile per 16 outputs x 32 inputs:
 //
@@ -81,7 +81,7 @@
 
 // The SIMD paths are x86-64's (AVX2, AVX-512 VNNI); elsewhere (an ARM Mac, aarch64 Linux) the
 // library builds with the portable loops alone, which give the same bits. LADECHAT_PORTABLE_ONLY
-// builds that on x86 too (tests/test_q4.py compiles it so).
+// builds that on x86 too (tests/kernels/test_q4.py compiles it so).
 #if (defined(__x86_64__) || defined(_M_X64)) && !defined(LADECHAT_PORTABLE_ONLY)
 #define LADECHAT_X86 1
 #include <cpuid.h>
@@ -1061,7 +1061,7 @@ at::Tensor half_mm(const at::Tensor& x, const at::Tensor& w, int64_t path) {
 
 // -- a GGUF's blocks into the tiles above, at a model's first use ---------------------------------
 //
-// The same bytes q4.layout / q4.layout_k / q6.layout make from decoded codes (tests/test_q6.py
+// The same bytes q4.layout / q4.layout_k / q6.layout make from decoded codes (tests/kernels/test_q6.py
 // compares them for every kind), straight from the file's blocks, a word at a time, where numpy
 // decoded every code to a byte and reshaped them. The scales, lows and d stay numpy's (a 32nd of the bytes).
 

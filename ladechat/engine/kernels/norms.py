@@ -21,7 +21,7 @@ import torch
 
 from ladechat.engine.kernels import step_ops
 
-# transformers' RMSNorm classes whose forward is exactly the computation above (tests/test_norms.py
+# transformers' RMSNorm classes whose forward is exactly the computation above (tests/kernels/test_norms.py
 # reads their source); Gemma's (1 + weight) and others with a different formula are not here.
 REPLACEABLE = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"})
 

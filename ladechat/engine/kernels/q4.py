@@ -19,7 +19,7 @@ scripts/kernel_bench.py).
 
 What it changes: the activations' int8 codes carry ~1/254 of each 32-input group's largest value
 as their rounding, where torch's kernel rounded them to bf16 (8 bits of mantissa): an error of the
-same order (tests/test_q4.py bounds it), and the one llama.cpp's users run. What it keeps: every
+same order (tests/kernels/test_q4.py bounds it), and the one llama.cpp's users run. What it keeps: every
 row is computed alone in a fixed order, so a row gives the same bits in any step, on any thread
 count, and on the kernel's three paths (AVX-512 VNNI, AVX2, portable C++).
 """

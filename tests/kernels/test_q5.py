@@ -188,3 +188,23 @@ def test_a_q5_k_m_like_layout_runs_every_tensor_at_its_own_bits_and_lookahead_an
     with torch.no_grad():
         assert torch.equal(again.model(ids).logits, ours)
     assert_lookahead_answers_as_plain(model, ids[0].tolist())
+
+
+@pytest.mark.slow
+def test_a_cache_kept_where_the_kernels_did_not_run_serves_a_load_where_they_do(kernel, tmp_path, monkeypatch):
+    """The kept file holds the 5-bit tiles whether or not the library ran when it was written (a
+    first use without AVX2 or a compiler): a later load that has the kernels runs them from it."""
+    path = write_q5_k_m_gguf(tmp_path / "tiny.gguf")
+    with monkeypatch.context() as patch:
+        patch.setattr(q4, "loaded", lambda: False)  # numpy lays the tiles out
+        patch.setattr(q4, "best_path", lambda: 0)  # and nothing runs them
+        first = load(LoadSpec(model=str(path), dtype="float32", device="cpu"))
+        assert "Q5" not in first.weights and any("Q5_0/Q5_1/Q5_K" in n for n in first.notices)
+    later = load(LoadSpec(model=str(path), dtype="float32", device="cpu"))
+    assert quantized.weight_layout(later.model).startswith(f"q4:{7 * LAYERS - 2},q6_k:3,")
+    ids = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(2))
+    fresh = tmp_path / "again"
+    fresh.mkdir()
+    other = load(LoadSpec(model=str(write_q5_k_m_gguf(fresh / "tiny.gguf")), dtype="float32", device="cpu"))
+    with torch.no_grad():
+        assert torch.equal(later.model(ids).logits, other.model(ids).logits)  # the library's own layout

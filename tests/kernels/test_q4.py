@@ -266,7 +266,7 @@ def test_the_compact_forms_give_the_fp32_forms_bits(kernel):
 PORTABLE_SCRIPT = """
 import sys
 import torch
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{tests!r}, {kernel_tests!r}]
 from test_int4 import random_blocks
 from test_q4 import random_weight
 from test_q6 import random_layer as q6_layer
@@ -308,7 +308,7 @@ def test_the_library_builds_with_the_portable_loops_alone_and_gives_their_bits(k
     built = subprocess.run([command[0], "-DLADECHAT_PORTABLE_ONLY", *command[1:]], capture_output=True, text=True,
                            check=False)
     assert built.returncode == 0, built.stderr[-2000:]
-    script = PORTABLE_SCRIPT.format(tests=str(Path(__file__).parent), library=str(library), saved=str(tmp_path / "out.pt"))
+    script = PORTABLE_SCRIPT.format(tests=str(Path(__file__).parent.parent), kernel_tests=str(Path(__file__).parent), library=str(library), saved=str(tmp_path / "out.pt"))
     ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
     assert ran.returncode == 0, ran.stderr[-2000:]
     theirs = torch.load(tmp_path / "out.pt")
