@@ -223,9 +223,10 @@ def apply(model, gguf_path: Path, folder: Path, kernels: Path | None,
     """Replace every plain Linear of `model` (built from `gguf_path`'s config; `folder`: its cache
     folder) whose GGUF weight is Q4_0, Q4_1 or Q4_K by a module of the same blocks: a
     q4.Q4Linear, its kernel compiled into `kernels` if not yet, or an Int4Linear (torch's kernel)
-    where it cannot be built (a one-line notice) or `kernels` is None; and those of Q6_K and Q8_0
-    blocks by a q6.Q6Linear or q8.Q8Linear where ladechat's kernel runs (else they stay dense). The first time reads the
-    GGUF (seconds) and keeps the 4-bit form in `folder`. A file that cannot be read leaves the
+    where it cannot be built (a one-line notice) or `kernels` is None; and those of Q5_0/Q5_1/Q5_K,
+    Q6_K, Q8_0, F16 and BF16 weights by a Q4Linear (5-bit tiles), q6.Q6Linear, q8.Q8Linear or
+    half.HalfLinear where ladechat's kernels run (else they stay dense). The first time reads the
+    GGUF (seconds) and keeps the kernels' form in `folder`. A file that cannot be read leaves the
     model as it is, with a one-line notice."""
     from ladechat.engine.load import gguf as gguf_files
     from ladechat.engine.load import kept
