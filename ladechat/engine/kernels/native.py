@@ -152,7 +152,7 @@ def _version(compiler: str) -> str:
 def _build(source: Path, path: Path, compiler: str, name: str,
            progress: Callable[[str], AbstractContextManager] | None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    status = progress(f"Compiling ladechat's {source.stem} kernels (one time, ~8 s)") if progress else nullcontext()
+    status = progress(f"Compiling ladechat's {source.stem} kernels (one time, 10-15 s)") if progress else nullcontext()
     with status, tempfile.TemporaryDirectory(dir=path.parent) as scratch:
         built = Path(scratch) / path.name
         try:
