@@ -71,6 +71,33 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slow)
 
 
+def _kernels_built(source: Path) -> None:
+    """A kernel library loaded, built into the suite's kernel cache if not yet; the test skipped
+    where no C++ compiler builds it (tests/test_int4.py covers loading without one)."""
+    from ladechat.engine.kernels import native
+    from ladechat.paths import cache_root
+
+    if shutil.which(native.COMPILER) is None:
+        pytest.skip(f"no C++ compiler ({native.COMPILER}) to build the kernels here")
+    assert native.why_not_loaded(source, cache_root() / "kernels") is None
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """blocks.cpp's library: the block products (tests/kernels/: q4, q5, q6, half)."""
+    from ladechat.engine.kernels import q4
+
+    _kernels_built(q4.SOURCE)
+
+
+@pytest.fixture(scope="module")
+def step_kernel():
+    """step_ops.cpp's library: a step's small ops (tests/kernels/: norms, top_k, attend)."""
+    from ladechat.engine.kernels import step_ops
+
+    _kernels_built(step_ops.SOURCE)
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     if not (SHARED_DATA / "mtbench-dev.jsonl").is_file():

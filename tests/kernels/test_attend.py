@@ -2,23 +2,14 @@
 within fp32's / bf16's rounding, and what SDPA does not promise: a row's bits depend only on the
 keys it sees, not on the step's other rows, the masked keys between them or the thread count."""
 
-import shutil
 
 import pytest
 import torch
 
-from ladechat.engine.kernels import attention, int4, native, step_ops
-from ladechat.paths import cache_root
+from ladechat.engine.kernels import attention, int4
 
 pytestmark = pytest.mark.skipif(not int4.supported(torch.device("cpu")),
                                 reason="the kernel is built with x86-64 vector instructions")
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    if shutil.which(native.COMPILER) is None:
-        pytest.skip(f"no C++ compiler ({native.COMPILER}) to build the kernel here")
-    assert step_ops.load(cache_root() / "kernels") is None
 
 
 def paths() -> list[int]:
@@ -51,7 +42,7 @@ def tree_step(dtype, past: int, parents: list[int], dim: int = 64, heads: int = 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim", [64, 128])
-def test_the_results_are_sdpas_within_rounding(kernel, dtype, dim):
+def test_the_results_are_sdpas_within_rounding(step_kernel, dtype, dim):
     q, k, v, mask, _ = tree_step(dtype, 150, [-1, 0, 1, 0, 3, -1, 5], dim=dim)
     expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask.float(),
                                                                  scale=0.125)
@@ -66,7 +57,7 @@ def test_the_results_are_sdpas_within_rounding(kernel, dtype, dim):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("past", [150, 1500])
-def test_a_row_is_the_same_alone_as_among_a_steps_rows(kernel, dtype, past):
+def test_a_row_is_the_same_alone_as_among_a_steps_rows(step_kernel, dtype, past):
     """Row 4 of this tree sees the cache and rows 0, 3, 4: alone, over exactly those keys (as a
     one-row step of plain decoding sees them, one after the other), its bits are the same. (With
     1500 keys cached torch 2.13's SDPA gives other bits for every row here, fp32 and bf16.)"""
@@ -81,7 +72,7 @@ def test_a_row_is_the_same_alone_as_among_a_steps_rows(kernel, dtype, past):
             assert torch.equal(alone, together[:, :, row::len(parents)]), (path, row)
 
 
-def test_the_thread_count_does_not_change_a_bit(kernel):
+def test_the_thread_count_does_not_change_a_bit(step_kernel):
     q, k, v, mask, _ = tree_step(torch.float32, 1500, list(range(-1, 15)))
     together = attend(q, k, v, mask, 16)
     threads = torch.get_num_threads()
@@ -93,7 +84,7 @@ def test_the_thread_count_does_not_change_a_bit(kernel):
         torch.set_num_threads(threads)
 
 
-def test_without_a_mask_the_rows_are_causal(kernel):
+def test_without_a_mask_the_rows_are_causal(step_kernel):
     """A prefill (transformers leaves the mask out): row s sees the keys up to its own, in each
     group of stacked rows; with keys cached before them, those too."""
     for past in (0, 20):
@@ -101,7 +92,7 @@ def test_without_a_mask_the_rows_are_causal(kernel):
         assert torch.equal(attend(q, k, v, None, 6), attend(q, k, v, mask, 6))
 
 
-def test_a_prefill_with_more_keys_than_rows_and_no_mask_keeps_sdpa(kernel):
+def test_a_prefill_with_more_keys_than_rows_and_no_mask_keeps_sdpa(step_kernel):
     """transformers leaves the mask out of a prefill whose keys are its rows (causal: the kernel's
     own), and also of one into an empty static cache, longer than the prompt, where SDPA's
     is_causal aligns the rows with the first keys: that one stays SDPA's."""
@@ -118,7 +109,7 @@ def test_a_prefill_with_more_keys_than_rows_and_no_mask_keeps_sdpa(kernel):
         assert (ours - theirs.transpose(1, 2)).abs().max() < 2e-6, keys
 
 
-def test_bad_inputs_are_one_line_errors(kernel):
+def test_bad_inputs_are_one_line_errors(step_kernel):
     q, k, v, mask, _ = tree_step(torch.float32, 10, [-1, 0])
     with pytest.raises(RuntimeError, match="dim \\(64 or 128\\)"):
         attend(q[..., :48], k[..., :48], v[..., :48], mask, 2)
@@ -131,7 +122,7 @@ def test_bad_inputs_are_one_line_errors(kernel):
 
 
 @pytest.mark.slow
-def test_the_embedded_model_on_4bit_weights_attends_row_by_row(kernel):
+def test_the_embedded_model_on_4bit_weights_attends_row_by_row(step_kernel):
     from ladechat.engine.load.loading import LoadSpec, load
 
     lm = load(LoadSpec(dtype="float32", device="cpu", weights="int4"))

@@ -3,18 +3,17 @@ products against fp64 of the exact weights, the same bits for a row whatever the
 thread count or instruction set, and a GGUF of F16 and BF16 weights loaded onto the kernel, its
 lookahead answers plain decoding's."""
 
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from gguf_files import HIDDEN, VOCAB, assert_lookahead_answers_as_plain, write_llama
+from test_q4 import paths
 
-from ladechat.engine.kernels import half, int4, native, q4
+from ladechat.engine.kernels import half, int4
 from ladechat.engine.load import quantized
 from ladechat.engine.load.loading import LoadSpec, load
-from ladechat.paths import cache_root
 
 gguf = pytest.importorskip("gguf")
 T = gguf.GGMLQuantizationType
@@ -22,17 +21,6 @@ T = gguf.GGMLQuantizationType
 pytestmark = pytest.mark.skipif(not int4.supported(torch.device("cpu")),
                                 reason="the 16-bit kernel is built with x86-64 vector instructions")
 DTYPES = [torch.float16, torch.bfloat16]
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    if shutil.which(native.COMPILER) is None:
-        pytest.skip(f"no C++ compiler ({native.COMPILER}) to build the kernel here")
-    assert q4.load(cache_root() / "kernels") is None
-
-
-def paths() -> list[int]:
-    return list(range(q4.best_path() + 1))
 
 
 def weights(rows: int, cols: int, dtype, seed: int = 0) -> torch.Tensor:

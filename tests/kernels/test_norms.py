@@ -14,19 +14,11 @@ import torch
 from conftest import PATIENCE_S
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from ladechat.engine.kernels import int4, native, norms, step_ops
+from ladechat.engine.kernels import int4, native, norms
 from ladechat.engine.load import quantized
 from ladechat.engine.load.loading import LoadSpec, load
-from ladechat.paths import cache_root
 
 HAS_COMPILER = shutil.which(native.COMPILER) is not None
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    if not HAS_COMPILER:
-        pytest.skip(f"no C++ compiler ({native.COMPILER}) to build the kernel here")
-    assert step_ops.load(cache_root() / "kernels") is None
 
 
 def pair(dtype: torch.dtype, hidden: int = 576, seed: int = 0) -> tuple[LlamaRMSNorm, norms.NativeRMSNorm]:
@@ -42,7 +34,7 @@ def rows(count: int, dtype: torch.dtype, hidden: int = 576, seed: int = 1) -> to
 
 
 @pytest.mark.parametrize("hidden", [576, 64, 37])  # the embedded model's, a tiny model's, one with a tail
-def test_the_kernel_computes_the_modules_norm(kernel, hidden):
+def test_the_kernel_computes_the_modules_norm(step_kernel, hidden):
     """fp32: within the last bits (the sum of squares is added in another order); bf16: the
     module's bits but where a product lands within a rounding of a tie."""
     for dtype in (torch.float32, torch.bfloat16):
@@ -58,7 +50,7 @@ def test_the_kernel_computes_the_modules_norm(kernel, hidden):
         assert torch.equal(ours(x[None])[0], got)  # any leading dims
 
 
-def test_a_row_is_the_same_alone_among_many_and_on_any_thread_count(kernel):
+def test_a_row_is_the_same_alone_among_many_and_on_any_thread_count(step_kernel):
     threads = torch.get_num_threads()
     for dtype in (torch.float32, torch.bfloat16):
         _, ours = pair(dtype)
@@ -73,7 +65,7 @@ def test_a_row_is_the_same_alone_among_many_and_on_any_thread_count(kernel):
         assert torch.equal(alone, together[0:300:37])
 
 
-def test_the_fused_add_is_the_add_then_the_norm(kernel):
+def test_the_fused_add_is_the_add_then_the_norm(step_kernel):
     for dtype in (torch.float32, torch.bfloat16):
         module, ours = pair(dtype)
         x, delta = rows(9, dtype), rows(9, dtype, seed=2)
@@ -95,7 +87,7 @@ def test_the_replaced_classes_compute_what_the_kernel_does():
 
 
 @pytest.mark.slow
-def test_the_embedded_model_on_4bit_weights_runs_its_norms_on_the_kernel(kernel):
+def test_the_embedded_model_on_4bit_weights_runs_its_norms_on_the_kernel(step_kernel):
     if not int4.supported(torch.device("cpu")):
         pytest.skip("the embedded model's 4-bit path runs on x86-64 only")
     lm = load(LoadSpec(dtype="float32", device="cpu", weights="int4"))
@@ -134,7 +126,7 @@ def test_without_a_compiler_everything_runs_on_torchs_ops(tmp_path):
                                         "True", "[1, 4, 7, 10]"]
 
 
-def test_norms_stay_on_the_cpu(kernel):
+def test_norms_stay_on_the_cpu(step_kernel):
     _, ours = pair(torch.float32)
     with pytest.raises(TypeError, match="stay on the CPU"):
         ours.to(torch.bfloat16)
@@ -142,7 +134,7 @@ def test_norms_stay_on_the_cpu(kernel):
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_lean_step_with_kernel_norms_is_the_forward(kernel, family, dtype):
+def test_the_lean_step_with_kernel_norms_is_the_forward(step_kernel, family, dtype):
     """Every norm of a tiny model of each family the lean step takes replaced: its steps' logits
     and cache (the residual add fused into the norm's call) equal the model's own forward's."""
     from test_lean import assert_steps_match, grouped
@@ -152,7 +144,7 @@ def test_the_lean_step_with_kernel_norms_is_the_forward(kernel, family, dtype):
     assert_steps_match(model, list(range(3, 40)))
 
 
-def test_finding_the_norms_reads_no_other_modules_weight(kernel):
+def test_finding_the_norms_reads_no_other_modules_weight(step_kernel):
     """An int4 or Q8_0 layer's `weight` is a dense copy computed at each read (seconds for the
     embedded model's 210 int4 layers): finding the norms must not read it."""
     from test_lean import grouped

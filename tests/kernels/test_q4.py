@@ -2,25 +2,15 @@
 activation codes, the rounding those codes cost against the exact weights, the same bits for a row
 whatever the step's size, the thread count or the instruction set, the layout and the module."""
 
-import shutil
 
 import numpy as np
 import pytest
 import torch
 
 from ladechat.engine.kernels import int4, native, q4
-from ladechat.paths import cache_root
 
 pytestmark = pytest.mark.skipif(not int4.supported(torch.device("cpu")),
                                 reason="the 4-bit kernel is built with x86-64 vector instructions")
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    if shutil.which(native.COMPILER) is None:
-        pytest.skip(f"no C++ compiler ({native.COMPILER}) to build the kernel here "
-                    "(tests/test_int4.py covers the load without one)")
-    assert q4.load(cache_root() / "kernels") is None
 
 
 def paths() -> list[int]:

@@ -4,18 +4,17 @@ products against fp64 of the same int8 activation codes, the same bits for a row
 size, thread count or instruction set, and a GGUF laid out as llama-quantize's Q5_K_M files are
 loaded onto the kernels, its lookahead answers plain decoding's."""
 
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from gguf_files import HIDDEN, LAYERS, VOCAB, assert_lookahead_answers_as_plain, write_llama
+from test_q4 import paths
 
-from ladechat.engine.kernels import int4, native, q4, q6
+from ladechat.engine.kernels import int4, q4, q6
 from ladechat.engine.load import quantized
 from ladechat.engine.load.loading import LoadSpec, load
-from ladechat.paths import cache_root
 
 gguf = pytest.importorskip("gguf")
 T = gguf.GGMLQuantizationType
@@ -23,17 +22,6 @@ T = gguf.GGMLQuantizationType
 pytestmark = pytest.mark.skipif(not int4.supported(torch.device("cpu")),
                                 reason="the 5-bit kernel is built with x86-64 vector instructions")
 KINDS = q4.FIVE_BIT_KINDS
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    if shutil.which(native.COMPILER) is None:
-        pytest.skip(f"no C++ compiler ({native.COMPILER}) to build the kernel here")
-    assert q4.load(cache_root() / "kernels") is None
-
-
-def paths() -> list[int]:
-    return list(range(q4.best_path() + 1))
 
 
 def random_blocks(kind: str, rows: int, cols: int, seed: int = 0, size: float = 0.02) -> np.ndarray:

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 from gguf_files import HIDDEN, LAYERS, VOCAB, assert_lookahead_answers_as_plain, write_llama
+from test_q4 import paths
 
 from ladechat.engine.kernels import int4, native, q4, q6
 from ladechat.engine.load import quantized
 from ladechat.engine.load.loading import LoadSpec, load
-from ladechat.paths import cache_root
 
 gguf = pytest.importorskip("gguf")
 T = gguf.GGMLQuantizationType
@@ -24,17 +24,6 @@ pytestmark = pytest.mark.skipif(not int4.supported(torch.device("cpu")),
                                 reason="the Q6_K kernel is built with x86-64 vector instructions")
 
 HAS_COMPILER = shutil.which(native.COMPILER) is not None
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    if not HAS_COMPILER:
-        pytest.skip(f"no C++ compiler ({native.COMPILER}) to build the kernel here")
-    assert q4.load(cache_root() / "kernels") is None
-
-
-def paths() -> list[int]:
-    return list(range(q4.best_path() + 1))
 
 
 def random_blocks(rows: int, cols: int, seed: int = 0, size: float = 1e-3) -> np.ndarray:

@@ -1,23 +1,11 @@
 """step_ops.cpp's top_k: the k best logits of each row, ranked as torch.topk ranks them (NaN first,
 then larger, then the lower index), a row's ranking the same alone or among a step's rows."""
 
-import shutil
 
-import pytest
 import torch
 
-from ladechat.engine.kernels import native, step_ops
-from ladechat.paths import cache_root
 
-
-@pytest.fixture(scope="module")
-def kernel():
-    if shutil.which(native.COMPILER) is None:
-        pytest.skip(f"no C++ compiler ({native.COMPILER}) to build the step kernels here")
-    assert step_ops.load(cache_root() / "kernels") is None
-
-
-def test_top_k_ranks_as_torch_and_breaks_ties_by_index(kernel):
+def test_top_k_ranks_as_torch_and_breaks_ties_by_index(step_kernel):
     from ladechat.engine.draft.recycle import TOP_K
     from ladechat.engine.runner import top_k
 
@@ -45,7 +33,7 @@ def test_top_k_ranks_as_torch_and_breaks_ties_by_index(kernel):
     assert torch.equal(alone[0], torch.ops.ladechat_step.top_k(logits, TOP_K)[5])
 
 
-def test_top_k_of_long_fp32_rows_with_ties_and_nans_ranks_as_one_pass_does(kernel):
+def test_top_k_of_long_fp32_rows_with_ties_and_nans_ranks_as_one_pass_does(step_kernel):
     """Past the first k, fp32 rows are scanned 8 logits at a time for what may enter (above the
     k-th best, or NaN): the ranking stays NaN first (by index), then larger, then lower index."""
     generator = torch.Generator().manual_seed(8)
