@@ -70,7 +70,6 @@ class LoadedModel:
     threads: object = None
 
 
-
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     """Whether the CPU computes bf16 natively (AVX512-BF16 or AMX), from /proc/cpuinfo unless given."""
     if cpuinfo is None:
@@ -492,14 +491,11 @@ def _check_dense_fits(model, gguf_file: Path, index: dict, empty: set[str], avai
     """LoadError (one line) where the tensors still to be read dense, in the model's dtype (those
     without a kernel for their blocks here, e.g. an F16 file's, or a Q3_K_M file's Q3_K ones), would not fit in the
     memory available: the kernel's OOM killer would otherwise end the process without a word."""
-    from gguf import GGMLQuantizationType
-
     tensors = dict((*model.named_parameters(), *model.named_buffers()))
     needed = sum(tensors[name].numel() * tensors[name].element_size() for name in empty)
     if available is None or needed <= available:
         return
-    kinds = sorted({GGMLQuantizationType(where["type"]).name for name, where in index["tensors"].items()
-                    if name in empty and tensors[name].dim() >= 2})
+    kinds = sorted(_dense_kinds(model, index, empty))
     what = f"its {'/'.join(kinds)} tensors" if kinds else "its tensors"
     raise LoadError(f"not enough memory for {gguf_file.name}: {what} run dense here, "
                     f"{_size(needed)} in {str(model.dtype).removeprefix('torch.')}, and {_size(available)} is available")
@@ -510,16 +506,21 @@ def _no_kernel_notices(model, gguf_file: Path, index: dict, empty: set[str]) -> 
     Q3_K, ...; and every type of BLOCK_KINDS where ladechat's kernels do not run: no compiler, no
     AVX2) and so run dequantized into the model's dtype: slower and larger than the file. A Q8_0
     embedding that runs dense because its module scales its rows (Gemma) is not news."""
-    from gguf import GGMLQuantizationType
-
-    tensors = dict((*model.named_parameters(), *model.named_buffers()))
     ours = quantized.BLOCK_KINDS if q4.loaded() and q4.best_path() >= 1 else ()
-    kinds = sorted({GGMLQuantizationType(where["type"]).name for name, where in index["tensors"].items()
-                    if name in empty and tensors[name].dim() >= 2} - {*ours, "F32"})
+    kinds = sorted(_dense_kinds(model, index, empty) - {*ours, "F32"})
     if not kinds:
         return ()
     dtype = str(model.dtype).removeprefix("torch.")
     return (f"{gguf_file.name}: its {'/'.join(kinds)} tensors run dequantized to {dtype} (no kernel for them here)",)
+
+
+def _dense_kinds(model, index: dict, empty: set[str]) -> set[str]:
+    """The GGUF block types of the weights (2-D tensors) among `empty`: those still to be read dense."""
+    from gguf import GGMLQuantizationType
+
+    tensors = dict((*model.named_parameters(), *model.named_buffers()))
+    return {GGMLQuantizationType(where["type"]).name for name, where in index["tensors"].items()
+            if name in empty and tensors[name].dim() >= 2}
 
 
 def _size(count: int) -> str:
