@@ -940,6 +940,14 @@ void half_tile_portable(const float* x, int64_t M, int64_t K, const uint16_t* w,
 }
 
 #ifdef LADECHAT_X86
+// The 8 sums of lanes l and l + 8 -> fold's result: + 4, + 2, + 1, as fold adds them.
+__attribute__((target("avx2")))
+inline float fold_eight(__m256 a) {
+  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));  // l + 4
+  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));                                  // l + 2
+  return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));                              // l + 1
+}
+
 template <bool BF16>
 struct HalfAvx512 {
   __attribute__((target("avx512f,avx512dq")))
@@ -950,10 +958,7 @@ struct HalfAvx512 {
   }
   __attribute__((target("avx512f,avx512dq")))
   static float sum(__m512 v) {
-    const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));  // l + 8
-    const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));     // l + 4
-    const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));                                     // l + 2
-    return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));                                 // l + 1
+    return fold_eight(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));  // l + 8
   }
   template <int R>
   __attribute__((target("avx512f,avx512dq")))
@@ -979,12 +984,7 @@ struct HalfAvx2 {
     else return _mm256_cvtph_ps(h);
   }
   __attribute__((target("avx2,fma,f16c")))
-  static float sum(__m256 low, __m256 high) {
-    const __m256 a = _mm256_add_ps(low, high);                                           // l + 8
-    const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));  // l + 4
-    const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));                                  // l + 2
-    return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));                              // l + 1
-  }
+  static float sum(__m256 low, __m256 high) { return fold_eight(_mm256_add_ps(low, high)); }  // l + 8
   template <int R>
   __attribute__((target("avx2,fma,f16c")))
   static void rows(const float* x, int64_t K, const uint16_t* w, int64_t m0, float* acc) {
