@@ -67,7 +67,7 @@ def main() -> int:
     record = {"name": args.name, "gguf": args.gguf, "device": args.device, "dtype": args.dtype,
               "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None}
     old, record["gguf_py"] = timed_load(args.gguf, args.device, args.dtype, by_torch=False)
-    old_state = {name: tensor for name, tensor in old.state_dict().items()}
+    old_state = old.state_dict()
     new, record["torch"] = timed_load(args.gguf, args.device, args.dtype, by_torch=True)
     new_state = new.state_dict()
     differ = [name for name, tensor in old_state.items() if not torch.equal(new_state[name], tensor)]

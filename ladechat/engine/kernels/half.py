@@ -29,15 +29,16 @@ def check_shape(rows: int, cols: int) -> None:
                         f"inputs of {q4.GROUP})")
 
 
-def decode(kind: str, data: np.ndarray, rows: int, cols: int) -> torch.Tensor:
+def decode(kind: str, data: np.ndarray, rows: int, cols: int, order: np.ndarray | None = None) -> torch.Tensor:
     """A GGUF tensor's F16 or BF16 data (rows, cols, or its bytes (rows, 2 cols)) -> (rows, cols)
-    in torch's fp16 or bf16, the same bits (a copy out of the file's mapping)."""
+    in torch's fp16 or bf16, the same bits (one copy out of the file's mapping), row r from the
+    data's row order[r] where an order is given."""
     if kind not in KINDS:
         raise HalfError(f"{kind} is not a 16-bit float type (only {', '.join(KINDS)})")
     halves = np.ascontiguousarray(data).view(np.uint16)
     if halves.shape != (rows, cols):
         raise HalfError(f"{kind} data of shape {data.shape} does not make {rows}x{cols} weights")
-    return torch.from_numpy(halves.copy()).view(KINDS[kind])
+    return torch.from_numpy(halves.copy() if order is None else halves[order]).view(KINDS[kind])
 
 
 class HalfLinear(BlockLinear):

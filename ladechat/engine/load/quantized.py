@@ -141,7 +141,7 @@ def _kernel_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of,
     if kind in half.KINDS:  # the weights as they are, in the model's row order
         half.check_shape(rows, cols)
         order = _model_order([], rows, order_of)
-        halves = half.decode(kind, data if order is None else np.asarray(data)[order], rows, cols)
+        halves = half.decode(kind, data, rows, cols, order)
         return dict(zip(half.BUFFERS, (halves,), strict=True))
     if kind == "Q6_K":
         q6.check_shape(rows, cols)
