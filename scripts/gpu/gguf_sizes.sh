@@ -60,6 +60,18 @@ ask() {  # ask NAME LIMIT ARGS...: one measured `ladechat ask --json`
         "$PY" -m ladechat ask --json --keep-alive 0 --max-new-tokens "$NEW" --device "$DEVICE" "$@" "$PROMPT"
 }
 
+q4km() {  # q4km SHAPE LIMIT: $WORK/SHAPE-q4km.gguf made here (F16 by gguf-py, then llama-quantize)
+    step make-"$1" "$2" "$PY" scripts/gguf_shapes.py "$1" "$WORK/$1-f16.gguf" --tokenizer-from "$CARRIED/vocab.gguf" \
+        --quantize Q4_K_M "$WORK/$1-q4km.gguf" --llama-quantize "$CARRIED/bin/llama-quantize" || return 1
+    rm -f "$WORK/$1-f16.gguf"
+}
+
+ask_both() {  # ask_both FILE LIMIT LIMIT: the big shape asked with lookahead, then plain, and whether they agree
+    ask "$BIG-lookahead" "$2" --model "$1"
+    ask "$BIG-plain" "$3" --model "$1" --no-lookahead
+    same "$BIG-lookahead" "$BIG-plain"
+}
+
 same() {  # same A B: whether two results' answers are the same tokens, in the log
     "$PY" - "$RESULTS" "$1" "$2" >>"$LOG" 2>&1 <<'EOF'
 import json, sys
@@ -83,35 +95,21 @@ fi
 case $PART in
 A)
     gguf=$WORK/$BIG-q4km.gguf
-    if step make-$BIG 180 "$PY" scripts/gguf_shapes.py "$BIG" "$WORK/$BIG-f16.gguf" --tokenizer-from \
-        "$CARRIED/vocab.gguf" --quantize Q4_K_M "$gguf" --llama-quantize "$CARRIED/bin/llama-quantize"; then
-        rm -f "$WORK/$BIG-f16.gguf"
-    elif [ -f "$WORK/$BIG-f16.gguf" ]; then  # llama-quantize could not run there: the F16 file, a GGUF too
-        echo "== llama-quantize failed: asking the F16 file instead" >>"$LOG"
+    if ! q4km "$BIG" 180; then
+        [ -f "$WORK/$BIG-f16.gguf" ] || exit 1
+        echo "== llama-quantize failed: asking the F16 file instead" >>"$LOG"  # a GGUF too
         gguf=$WORK/$BIG-f16.gguf
-    else
-        exit 1
     fi
-    ask "$BIG-lookahead" 200 --model "$gguf"
-    ask "$BIG-plain" 170 --model "$gguf" --no-lookahead
-    same "$BIG-lookahead" "$BIG-plain"
+    ask_both "$gguf" 200 170
     ;;
 C)
     step dequantize-tests 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_dequantize.py
-    small=$WORK/$SMALL-q4km.gguf
-    if step make-$SMALL 60 "$PY" scripts/gguf_shapes.py "$SMALL" "$WORK/$SMALL-f16.gguf" --tokenizer-from \
-        "$CARRIED/vocab.gguf" --quantize Q4_K_M "$small" --llama-quantize "$CARRIED/bin/llama-quantize"; then
-        rm -f "$WORK/$SMALL-f16.gguf"
-        step load-$SMALL 100 "$PY" scripts/gpu/load_time.py "$RESULTS" "$SMALL-load" "$small" --device "$DEVICE" \
-            --dtype "$([ "$DEVICE" = cuda ] && echo bfloat16 || echo float32)"
+    if q4km "$SMALL" 60; then
+        step load-$SMALL 100 "$PY" scripts/gpu/load_time.py "$RESULTS" "$SMALL-load" "$WORK/$SMALL-q4km.gguf" \
+            --device "$DEVICE" --dtype "$([ "$DEVICE" = cuda ] && echo bfloat16 || echo float32)"
     fi
-    gguf=$WORK/$BIG-q4km.gguf
-    step make-$BIG 170 "$PY" scripts/gguf_shapes.py "$BIG" "$WORK/$BIG-f16.gguf" --tokenizer-from \
-        "$CARRIED/vocab.gguf" --quantize Q4_K_M "$gguf" --llama-quantize "$CARRIED/bin/llama-quantize" || exit 1
-    rm -f "$WORK/$BIG-f16.gguf"
-    ask "$BIG-lookahead" 150 --model "$gguf"
-    ask "$BIG-plain" 150 --model "$gguf" --no-lookahead
-    same "$BIG-lookahead" "$BIG-plain"
+    q4km "$BIG" 170 || exit 1
+    ask_both "$WORK/$BIG-q4km.gguf" 150 150
     ;;
 B)
     folder=$WORK/$SMALL-hf
