@@ -219,8 +219,8 @@ def test_siblings_are_kept_together_and_multiply_in_one_call_with_the_same_bits(
 
 
 def test_the_compact_forms_give_the_fp32_forms_bits(kernel):
-    """fp16 scales and lows (Q4_0, Q4_1 as the file holds them) and Q4_K's 6-bit sc and m with an
-    fp32 d and dmin per 256: the kernel widens them to the very fp32 values, so every path, row
+    """fp16 scales and lows (Q4_0, Q4_1 as the file holds them) and Q4_K's packed 6-bit sc and m
+    with an fp16 d and dmin per 256: the kernel widens them to the very fp32 values, so every path, row
     count and dtype gives the fp32 form's bits, from fewer bytes."""
     generator = torch.Generator().manual_seed(11)
     rows, cols = 48, 512
@@ -237,7 +237,7 @@ def test_the_compact_forms_give_the_fp32_forms_bits(kernel):
     assert q4.form(*half[1:]) == "fp16" and q4.form(*k_form[1:]) == "Q4_K"
     assert q4.form(*q4.layout(codes, scales16.float(), lows16.float())[1:]) == "fp32"
     weights = rows * cols
-    assert sum(t.nbytes for t in half) / weights == 0.625 and sum(t.nbytes for t in k_form) / weights == 0.59375
+    assert sum(t.nbytes for t in half) / weights == 0.625 and sum(t.nbytes for t in k_form) / weights == 0.5625
     assert all(torch.equal(a, b) for a, b in zip(q4.expand(*k_form[1:]), q4.layout(codes, k_scales, k_lows)[1:]))
     x = torch.randn(9, cols, generator=generator)
     for path in paths():
@@ -249,8 +249,12 @@ def test_the_compact_forms_give_the_fp32_forms_bits(kernel):
                                    q4.Q4Linear(*q4.layout(codes, k_scales, k_lows), path=0)(rows_in)), (path, count)
     layer = q4.Q4Linear(*k_form)
     assert torch.equal(layer.dense_weight(), q4.Q4Linear(*q4.layout(codes, k_scales, k_lows)).dense_weight())
+    assert all(torch.equal(a, b) for a, b in zip(q4.unpack_k(k_form[1]), (q4.per_tile(sc, torch.uint8),
+                                                                          q4.per_tile(m, torch.uint8))))
     with pytest.raises(ValueError, match="multiple of 256"):
         q4.layout_k(codes[:, :288], sc[:, :9], m[:, :9], d[:, :1], dmin[:, :1])
+    with pytest.raises(ValueError, match="not fp16 values"):
+        q4.layout_k(codes, sc, m, d + 1e-6, dmin)
 
 
 PORTABLE_SCRIPT = """

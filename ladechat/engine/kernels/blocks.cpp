@@ -6,11 +6,12 @@
 //          per 32 weights along a row, given in one of three forms (the fp32 values are the same):
 //            fp32   scale and low per 32 weights
 //            fp16   scale and low per 32 weights (Q4_0, Q4_1: the file's own fp16 values)
-//            Q4_K   sc and m (uint8 < 64) per 32 weights, d and -dmin (fp32) per 256: scale = d * sc,
+//            Q4_K   sc and m (6-bit integers) per 32 weights, d and -dmin (fp16) per 256: scale = d * sc,
 //                   low = -dmin * m, each exact in fp32 (an fp16 times an integer below 64)
-//          The compact forms are what a step streams: ~0.59-0.63 bytes a weight against 0.75.
+//          The compact forms are what a step streams: the file's 0.5625 (Q4_K) or 0.625 bytes a
+//          weight against the fp32 form's 0.75.
 //          Q5_0 / Q5_1 / Q5_K run here too: a code q in 0..31, its top bit in a plane of its own
-//          (Q5_0: scale d, low -16 d; Q5_1: d, m; Q5_K: Q4_K's form), ~0.72-0.75 bytes a weight.
+//          (Q5_0: scale d, low -16 d; Q5_1: d, m; Q5_K: Q4_K's form), 0.69-0.75 bytes a weight.
 //   q8_mm  Q8_0: w = scale * q, a code q in -128..127 per weight, an fp32 scale per 32 weights
 //   half_mm  F16 / BF16: the weights as they are, widened to fp32 as read; fp32 activations (below)
 //   q6_mm  Q6_K: w = d * sc * (q - 32), a code q in 0..63 per weight, an int8 sc per 16 weights and
@@ -44,7 +45,7 @@
 //        low nibble:  q[j][4 p + i]            inputs 0..15 of the group
 //        high nibble: q[j][4 (p + 4) + i]      inputs 16..31
 //     and scales, lows: fp32 or fp16 (N / 16, K / 32, 16), output j at j; or (Q4_K form) scales
-//     uint8 (N / 16, K / 32, 32): sc of output j at j, m at 16 + j, and lows fp32
+//     uint8 (N / 16, K / 32, 24), a record of 192 bytes per 8 groups (KForm below), and lows fp16
 //     (N / 16, K / 256, 32): d of output j at j, -dmin at 16 + j
 //   Q5 codes (N / 16, K / 32, 320) uint8
 //     tile bytes 0..255 as Q4's, holding the low 4 bits of each code
@@ -109,6 +110,7 @@ constexpr int Q5_TILE = Q4_TILE + OUT * GROUP / 8;  // bytes: 320 (Q4's and a pl
 constexpr int Q8_TILE = OUT * GROUP;      // bytes: 512
 constexpr int Q6_TILE = Q4_TILE + OUT * GROUP / 4 + 2 * OUT;  // bytes: 416
 constexpr int Q6_SUPER = 8;                  // groups per d (256 inputs); Q4_K's d and dmin too
+constexpr int K_SCALE_BYTES = OUT + 8;       // a group's share of sc and m in the Q4_K form: 6 bits each
 constexpr int64_t QUANTIZE_GRAIN = 16;       // rows quantized per thread: a step's few rows on one
 constexpr int ROWS_AT_ONCE = 4;              // rows of a tile in registers at once (by_rows)
 constexpr int64_t PREFETCH_BYTES = 4096;     // how far ahead of its reads a kernel asks for the codes
@@ -324,15 +326,16 @@ inline void top_bits_avx2(const uint8_t* c, int h, __m256i q[8]) {
 // values of the fp32 form exactly (an fp16 widens exactly; d * sc and -dmin * m are exact), so the
 // kernels compute the same bits from every form.
 struct F32Form {
+  struct State {};
   static constexpr int SCALE_BYTES = OUT * 4, LOW_BYTES = OUT * 4;
 #ifdef LADECHAT_X86
   __attribute__((target("avx512f")))
-  static void avx512(const Tile& w, int64_t g, __m512& scale, __m512& low) {
+  static void avx512(const Tile& w, int64_t g, State&, __m512& scale, __m512& low) {
     scale = _mm512_loadu_ps(w.f32() + g * OUT);
     low = _mm512_loadu_ps(static_cast<const float*>(w.lows) + g * OUT);
   }
   __attribute__((target("avx2,fma,f16c")))
-  static void avx2(const Tile& w, int64_t g, int h, __m256& scale, __m256& low) {
+  static void avx2(const Tile& w, int64_t g, int h, State&, __m256& scale, __m256& low) {
     scale = _mm256_loadu_ps(w.f32() + g * OUT + 8 * h);
     low = _mm256_loadu_ps(static_cast<const float*>(w.lows) + g * OUT + 8 * h);
   }
@@ -344,16 +347,17 @@ struct F32Form {
 };
 
 struct F16Form {
+  struct State {};
   static constexpr int SCALE_BYTES = OUT * 2, LOW_BYTES = OUT * 2;
   static const uint16_t* of(const void* p) { return static_cast<const uint16_t*>(p); }
 #ifdef LADECHAT_X86
   __attribute__((target("avx512f")))
-  static void avx512(const Tile& w, int64_t g, __m512& scale, __m512& low) {
+  static void avx512(const Tile& w, int64_t g, State&, __m512& scale, __m512& low) {
     scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(of(w.scales) + g * OUT)));
     low = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(of(w.lows) + g * OUT)));
   }
   __attribute__((target("avx2,fma,f16c")))
-  static void avx2(const Tile& w, int64_t g, int h, __m256& scale, __m256& low) {
+  static void avx2(const Tile& w, int64_t g, int h, State&, __m256& scale, __m256& low) {
     scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(of(w.scales) + g * OUT + 8 * h)));
     low = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(of(w.lows) + g * OUT + 8 * h)));
   }
@@ -364,35 +368,89 @@ struct F16Form {
   }
 };
 
+// The Q4_K form, the file's bytes per weight: per tile and 8 groups (256 inputs), 192 bytes of sc
+// and m and 32 fp16 of d and -dmin. Their 256 values v in the order sc of group 0's 16 outputs, ..
+// of group 7's, then m likewise: bytes 0..127 hold the low 4 bits of v (low nibble) and of 128 + v
+// (high nibble); bytes 128..191, bits 2 s..2 s + 1 of byte b, the top 2 bits of value 64 s + b. So
+// four vector ops of a kind widen the 8 groups' values to bytes at once (unpack), and each group's
+// then read as in a byte-wide form. The kernels call the form per group: `State` holds a super's
+// values, unpacked at its first group.
 struct KForm {
-  static constexpr int SCALE_BYTES = 2 * OUT, LOW_BYTES = 2 * OUT * 4 / Q6_SUPER;
-  static const uint8_t* sub(const Tile& w, int64_t g) { return static_cast<const uint8_t*>(w.scales) + g * 2 * OUT; }
-  static const float* super(const Tile& w, int64_t g) {
-    return static_cast<const float*>(w.lows) + g / Q6_SUPER * 2 * OUT;
+  static constexpr int SCALE_BYTES = K_SCALE_BYTES, LOW_BYTES = 2 * OUT * 2 / Q6_SUPER;
+  struct State {
+    alignas(64) uint8_t values[2 * Q6_SUPER * OUT];  // sc then m, 16 per group
+    alignas(64) float supers[2 * OUT];                       // d, -dmin
+  };
+  static const uint8_t* record(const Tile& w, int64_t g) {
+    return static_cast<const uint8_t*>(w.scales) + g / Q6_SUPER * Q6_SUPER * K_SCALE_BYTES;
+  }
+  static const uint16_t* super(const Tile& w, int64_t g) {
+    return static_cast<const uint16_t*>(w.lows) + g / Q6_SUPER * 2 * OUT;
   }
 #ifdef LADECHAT_X86
-  __attribute__((target("avx512f")))
-  static void avx512(const Tile& w, int64_t g, __m512& scale, __m512& low) {
-    const uint8_t* s = sub(w, g);
-    const float* f = super(w, g);
-    scale = _mm512_mul_ps(_mm512_loadu_ps(f), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(s)))));
-    low = _mm512_mul_ps(_mm512_loadu_ps(f + OUT), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + OUT)))));
+  __attribute__((target("avx512f,avx512bw")))
+  static void unpack_avx512(const Tile& w, int64_t g, State& st) {
+    const uint8_t* r = record(w, g);
+    const __m512i low0 = _mm512_loadu_si512(r), low1 = _mm512_loadu_si512(r + 64), top = _mm512_loadu_si512(r + 128);
+    const __m512i nibble = _mm512_set1_epi8(0x0F), bits = _mm512_set1_epi8(0x30);
+    __m512i* out = reinterpret_cast<__m512i*>(st.values);  // (lambdas do not take the function's target)
+    out[0] = _mm512_or_si512(_mm512_and_si512(low0, nibble), _mm512_and_si512(_mm512_slli_epi16(top, 4), bits));
+    out[1] = _mm512_or_si512(_mm512_and_si512(low1, nibble), _mm512_and_si512(_mm512_slli_epi16(top, 2), bits));
+    out[2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low0, 4), nibble), _mm512_and_si512(top, bits));
+    out[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low1, 4), nibble), _mm512_and_si512(_mm512_srli_epi16(top, 2), bits));
+    const uint16_t* f = super(w, g);
+    _mm512_store_ps(st.supers, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(f))));
+    _mm512_store_ps(st.supers + OUT, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(f + OUT))));
+  }
+  __attribute__((target("avx512f,avx512bw")))
+  static void avx512(const Tile& w, int64_t g, State& st, __m512& scale, __m512& low) {
+    const int64_t sub = g % Q6_SUPER;
+    if (sub == 0) unpack_avx512(w, g, st);
+    const uint8_t* v = st.values + OUT * sub;
+    scale = _mm512_mul_ps(_mm512_load_ps(st.supers), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+        _mm_load_si128(reinterpret_cast<const __m128i*>(v)))));
+    low = _mm512_mul_ps(_mm512_load_ps(st.supers + OUT), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+        _mm_load_si128(reinterpret_cast<const __m128i*>(v + 8 * OUT)))));
   }
   __attribute__((target("avx2,fma,f16c")))
-  static void avx2(const Tile& w, int64_t g, int h, __m256& scale, __m256& low) {
-    const uint8_t* s = sub(w, g) + 8 * h;
-    const float* f = super(w, g) + 8 * h;
-    scale = _mm256_mul_ps(_mm256_loadu_ps(f), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s)))));
-    low = _mm256_mul_ps(_mm256_loadu_ps(f + OUT), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + OUT)))));
+  static void unpack_avx2(const Tile& w, int64_t g, State& st) {
+    const uint8_t* r = record(w, g);
+    const __m256i nibble = _mm256_set1_epi8(0x0F), bits = _mm256_set1_epi8(0x30);
+    for (int half = 0; half < 2; ++half) {
+      const __m256i* in = reinterpret_cast<const __m256i*>(r + 32 * half);
+      const __m256i low0 = _mm256_loadu_si256(in), low1 = _mm256_loadu_si256(in + 2), top = _mm256_loadu_si256(in + 4);
+      __m256i* out = reinterpret_cast<__m256i*>(st.values + 32 * half);  // value 64 s + 32 half + i at out[2 s][i]
+      out[0] = _mm256_or_si256(_mm256_and_si256(low0, nibble), _mm256_and_si256(_mm256_slli_epi16(top, 4), bits));
+      out[2] = _mm256_or_si256(_mm256_and_si256(low1, nibble), _mm256_and_si256(_mm256_slli_epi16(top, 2), bits));
+      out[4] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low0, 4), nibble), _mm256_and_si256(top, bits));
+      out[6] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low1, 4), nibble), _mm256_and_si256(_mm256_srli_epi16(top, 2), bits));
+    }
+    const uint16_t* f = super(w, g);
+    for (int q = 0; q < 4; ++q)
+      _mm256_store_ps(st.supers + 8 * q, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(f + 8 * q))));
+  }
+  __attribute__((target("avx2,fma,f16c")))
+  static void avx2(const Tile& w, int64_t g, int h, State& st, __m256& scale, __m256& low) {
+    const int64_t sub = g % Q6_SUPER;
+    if (sub == 0 && h == 0) unpack_avx2(w, g, st);
+    const uint8_t* v = st.values + OUT * sub + 8 * h;
+    scale = _mm256_mul_ps(_mm256_load_ps(st.supers + 8 * h), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(v)))));
+    low = _mm256_mul_ps(_mm256_load_ps(st.supers + OUT + 8 * h), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(v + 8 * OUT)))));
   }
 #endif
+  // value v (0..255) of the super of group g, from the bytes as they lie
+  static int value(const Tile& w, int64_t g, int v) {
+    const uint8_t* r = record(w, g);
+    const int nibbles = v < 8 * OUT ? r[v] & 0x0F : r[v - 8 * OUT] >> 4;
+    return nibbles | ((r[8 * OUT + v % 64] >> (2 * (v / 64))) & 3) << 4;
+  }
   static void portable(const Tile& w, int64_t g, int j, float& scale, float& low) {
-    scale = super(w, g)[j] * static_cast<float>(sub(w, g)[j]);
-    low = super(w, g)[OUT + j] * static_cast<float>(sub(w, g)[OUT + j]);
+    const int v = OUT * static_cast<int>(g % Q6_SUPER) + j;
+    const uint16_t* f = super(w, g);
+    scale = static_cast<float>(c10::Half(f[j], c10::Half::from_bits())) * static_cast<float>(value(w, g, v));
+    low = static_cast<float>(c10::Half(f[OUT + j], c10::Half::from_bits())) * static_cast<float>(value(w, g, 8 * OUT + v));
   }
 };
 
@@ -414,6 +472,7 @@ struct Q4Vnni {
     const float* sa = x.sum + m0 * G;
     __m512 y[R];
     for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
+    typename Form::State state;
     for (int64_t g = 0; g < G; ++g) {
       prefetch_group<TILE, Form::SCALE_BYTES, Form::LOW_BYTES>(w, w.lows, g);
       const uint8_t* c = w.codes + g * TILE;
@@ -421,7 +480,7 @@ struct Q4Vnni {
       nibbles_avx512(c, q);
       if constexpr (TOP) top_bits_avx512(c, q);
       __m512 scale, low;
-      Form::avx512(w, g, scale, low);
+      Form::avx512(w, g, state, scale, low);
       for (int r = 0; r < R; ++r) {
         const Quad a{codes + r * K + g * GROUP};
         __m512i s0 = _mm512_setzero_si512(), s1 = s0;  // two chains: the sum is exact in any order
@@ -452,6 +511,7 @@ struct Q4Avx2 {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 y[R][2];
     for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
+    typename Form::State state;
     for (int64_t g = 0; g < G; ++g) {
       prefetch_group<TILE, Form::SCALE_BYTES, Form::LOW_BYTES>(w, w.lows, g);
       const uint8_t* c = w.codes + g * TILE;
@@ -460,7 +520,7 @@ struct Q4Avx2 {
         nibbles_avx2(c, h, q);
         if constexpr (TOP) top_bits_avx2(c, h, q);
         __m256 scale, low;
-        Form::avx2(w, g, h, scale, low);
+        Form::avx2(w, g, h, state, scale, low);
         for (int r = 0; r < R; ++r) {
           const Quad a{codes + r * K + g * GROUP};
           // a 16-bit pair sum is 2 products of at most 31 * 127, and two such added: within 16 bits
@@ -836,12 +896,12 @@ at::Tensor q4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
   const bool top = codes.size(2) == Q5_TILE;
   if (scales.scalar_type() == at::kByte) {  // the Q4_K form
     TORCH_CHECK(G % Q6_SUPER == 0, "q4_mm: the Q4_K form needs inputs in multiples of 256");
-    TORCH_CHECK(scales.dim() == 3 && scales.size(0) == NB && scales.size(1) == G && scales.size(2) == 2 * OUT
+    TORCH_CHECK(scales.dim() == 3 && scales.size(0) == NB && scales.size(1) == G && scales.size(2) == K_SCALE_BYTES
                 && scales.is_contiguous() && scales.device().is_cpu(),
-                "q4_mm: Q4_K scales must be (out / 16, in / 32, 32) uint8, contiguous, on the CPU");
+                "q4_mm: Q4_K scales must be (out / 16, in / 32, 24) uint8, contiguous, on the CPU");
     TORCH_CHECK(lows.dim() == 3 && lows.size(0) == NB && lows.size(1) == G / Q6_SUPER && lows.size(2) == 2 * OUT
-                && lows.scalar_type() == at::kFloat && lows.is_contiguous() && lows.device().is_cpu(),
-                "q4_mm: Q4_K lows must be (out / 16, in / 256, 32) fp32, contiguous, on the CPU");
+                && lows.scalar_type() == at::kHalf && lows.is_contiguous() && lows.device().is_cpu(),
+                "q4_mm: Q4_K lows must be (out / 16, in / 256, 32) fp16, contiguous, on the CPU");
     static const TileKernel kernels[3] = {q4_tile_portable<KForm>, X86_ONLY(by_rows<Q4Avx2<KForm>>), X86_ONLY(by_rows<Q4Vnni<KForm>>)};
     static const TileKernel kernels5[3] = {q4_tile_portable<KForm, true>, X86_ONLY((by_rows<Q4Avx2<KForm, true>>)),
                                            X86_ONLY((by_rows<Q4Vnni<KForm, true>>))};

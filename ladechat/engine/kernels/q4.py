@@ -7,8 +7,8 @@ layout and the Linear module that runs it. A 5-bit code is a 4-bit one and a top
 plane of its own beside the tile, so a step streams the file's 5.5 bits a weight, not a byte. A step reads
 every weight once, so the bytes it streams set its floor: the scales and lows are kept in the
 file's own precision, fp16 for Q4_0 and Q4_1 (0.625 bytes a weight with the codes) and for Q4_K its
-6-bit integers per 32 weights with an fp32 d and dmin per 256 (~0.59), the kernel widening them as
-it reads (exactly: the same fp32 values, so the same products, as the fp32 form that any scales can
+6-bit integers per 32 weights, packed, with an fp16 d and dmin per 256 (0.5625, the file's size),
+the kernel widening them as it reads (exactly: the same fp32 values, so the same products, as the fp32 form that any scales can
 take, 0.75 bytes a weight).
 
 Why not torch's int4 kernel (int4.Int4Linear, still the path where no compiler builds this one):
@@ -48,6 +48,7 @@ KINDS = ("Q4_0", "Q4_1", "Q4_K")  # GGUF block types with an exact 4-bit form
 # ... and with a 5-bit one: w = scale * q + low, q in 0..31 (this library only: torch has no kernel)
 FIVE_BIT_KINDS = ("Q5_0", "Q5_1", "Q5_K")
 K_FORMS = ("Q4_K", "Q5_K")  # 6-bit sc and m per 32 weights, d and dmin per 256
+K_SCALE_BYTES = OUT + 8  # a group's share of its sc and m in the Q4_K form (pack_k)
 
 
 class Q4Error(ValueError):
@@ -93,8 +94,8 @@ def layout_scales(scales: torch.Tensor, lows: torch.Tensor) -> tuple[torch.Tenso
 def layout_k(codes: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor,
              dmin: torch.Tensor, five_bit: bool = False) -> tuple[torch.Tensor, ...]:
     """Q4_K's and Q5_K's own form: codes (N, K) in 0..15 (0..31), sc and m (N, K / 32) integers in 0..63, d and dmin
-    (N, K / 256) fp32 (w = d sc q - dmin m per 32 weights) -> tiles, scales (N / 16, K / 32, 32)
-    uint8 (sc of output j at j, m at 16 + j) and lows (N / 16, K / 256, 32) fp32 (d, -dmin)."""
+    (N, K / 256) fp16 values (w = d sc q - dmin m per 32 weights) -> tiles, scales (N / 16, K / 32, 24)
+    uint8 and lows (N / 16, K / 256, 32) fp16 (pack_k)."""
     rows, cols = codes.shape
     if cols % (GROUP * SUPER):
         raise ValueError(f"a {rows}x{cols} weight does not fit the Q4_K form (input features a multiple of "
@@ -105,9 +106,44 @@ def layout_k(codes: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Te
 def layout_k_scales(sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """layout_k()'s scales and lows."""
-    sub = torch.cat([per_tile(sc, torch.uint8), per_tile(m, torch.uint8)], dim=2)
-    supers = torch.cat([per_tile(d, torch.float32), per_tile(-dmin.float(), torch.float32)], dim=2)
-    return sub.contiguous(), supers.contiguous()
+    parts = (per_tile(sc, torch.uint8), per_tile(m, torch.uint8), per_tile(d), per_tile(dmin))
+    return tuple(torch.from_numpy(part) for part in pack_k(*(part.numpy() for part in parts)))
+
+
+def pack_k(sc: np.ndarray, m: np.ndarray, d: np.ndarray, dmin: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's parts per tile (per_tile's layout): sc and m (T, G, 16) integers in 0..63, d and dmin
+    (T, G / 8, 16) fp16 values -> the Q4_K form blocks.cpp reads (its KForm), the file's 12 bytes of
+    sc and m and 4 of d and dmin per 256 weights: scales (T, G, 24) uint8, per 8 groups a record of
+    192 bytes for the values v = sc of the 8 groups' 16 outputs, then m likewise: bytes 0..127 the
+    low 4 bits of v (low nibble) and of 128 + v (high nibble), bytes 128..191 bits 2 s of byte b the
+    top 2 bits of value 64 s + b; lows (T, G / 8, 32) fp16, d then -dmin. ValueError where d or dmin
+    is not an fp16 value (the form would change the weights)."""
+    tiles, groups, _ = sc.shape
+    values = np.concatenate([sc.reshape(tiles, groups // SUPER, -1), m.reshape(tiles, groups // SUPER, -1)],
+                            axis=-1).astype(np.uint8)  # (T, G / 8, 256)
+    if values.max(initial=0) > 63:
+        raise ValueError("Q4_K's sc and m are 6-bit integers")
+    half = values.shape[-1] // 2
+    low = (values[..., :half] & 0x0F) | ((values[..., half:] & 0x0F) << 4)
+    tops = (values >> 4).reshape(tiles, groups // SUPER, 4, -1)
+    plane = tops[:, :, 0] | (tops[:, :, 1] << 2) | (tops[:, :, 2] << 4) | (tops[:, :, 3] << 6)
+    scales = np.concatenate([low, plane], axis=-1).reshape(tiles, groups, K_SCALE_BYTES)
+    supers = np.concatenate([d, -dmin], axis=-1)
+    lows = supers.astype(np.float16)
+    if not np.array_equal(lows.astype(supers.dtype), supers):
+        raise ValueError("the Q4_K form holds d and dmin as fp16: these are not fp16 values")
+    return np.ascontiguousarray(scales), np.ascontiguousarray(lows)
+
+
+def unpack_k(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """pack_k's scales -> sc and m (T, G, 16) uint8 again."""
+    tiles, groups, _ = scales.shape
+    record = scales.reshape(tiles, groups // SUPER, SUPER * K_SCALE_BYTES)
+    low, plane = record[..., :SUPER * OUT], record[..., SUPER * OUT:]
+    tops = torch.stack([(plane >> (2 * s)) & 3 for s in range(4)], dim=2).reshape(tiles, groups // SUPER, -1)
+    values = torch.cat([low & 0x0F, low >> 4], dim=-1) | (tops << 4)
+    half = values.shape[-1] // 2
+    return values[..., :half].reshape(tiles, groups, OUT), values[..., half:].reshape(tiles, groups, OUT)
 
 
 def tiles_of(codes: torch.Tensor, five_bit: bool = False) -> torch.Tensor:
@@ -138,7 +174,7 @@ def per_tile(values: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.
 def form(scales: torch.Tensor, lows: torch.Tensor) -> str:
     """Which of the kernel's forms the buffers are: 'fp32', 'fp16' or 'Q4_K' (ValueError if none)."""
     count, groups = scales.shape[:2]
-    if scales.dtype == torch.uint8 and lows.dtype == torch.float32 and scales.shape == (count, groups, 2 * OUT) \
+    if scales.dtype == torch.uint8 and lows.dtype == torch.float16 and scales.shape == (count, groups, K_SCALE_BYTES) \
             and groups % SUPER == 0 and lows.shape == (count, groups // SUPER, 2 * OUT):
         return "Q4_K"
     if scales.dtype == lows.dtype and scales.dtype in (torch.float32, torch.float16) \
@@ -154,8 +190,9 @@ def expand(scales: torch.Tensor, lows: torch.Tensor) -> tuple[torch.Tensor, torc
     kind = form(scales, lows)
     if kind not in K_FORMS:
         return scales.float(), lows.float()
-    supers = lows.repeat_interleave(SUPER, dim=1)  # (count, groups, 32): d, -dmin per group
-    return supers[..., :OUT] * scales[..., :OUT].float(), supers[..., OUT:] * scales[..., OUT:].float()
+    supers = lows.float().repeat_interleave(SUPER, dim=1)  # (count, groups, 32): d, -dmin per group
+    sc, m = unpack_k(scales)
+    return supers[..., :OUT] * sc.float(), supers[..., OUT:] * m.float()
 
 
 def codes_of(tiles: torch.Tensor) -> torch.Tensor:

@@ -196,8 +196,7 @@ def _tiled_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of,
     if kind == "Q6_K":
         scales = (tiled[0].astype(np.float32),)
     elif kind in q4.K_FORMS:
-        sc, m, d, dmin = tiled
-        scales = (np.concatenate([sc, m], axis=2), np.concatenate([d, -dmin], axis=2).astype(np.float32))
+        scales = q4.pack_k(*tiled)
     else:
         fp16 = all(part.dtype == np.float16 for part in tiled)
         scales = tuple(part.astype(np.float16 if fp16 else np.float32) for part in tiled)
