@@ -118,11 +118,16 @@ constexpr int64_t PREFETCH_BYTES = 4096;     // how far ahead of its reads a ker
 enum Path : int64_t { PORTABLE = 0, AVX2 = 1, VNNI = 2 };
 
 // F16C (the fp16 scales' widening) read from CPUID: __builtin_cpu_supports knows it only from GCC 11
-// and clang 18, and an unknown name there is a compile error.
+// and clang 18, and an unknown name there is a compile error. Read once: in a virtual machine CPUID
+// traps to the hypervisor (10 us a call on the 2-core VMs here, BENCHMARKS.md), and every product
+// checks its path.
 #ifdef LADECHAT_X86
 bool has_f16c() {
-  unsigned a, b, c, d;
-  return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
+  static const bool f16c = [] {
+    unsigned a, b, c, d;
+    return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
+  }();
+  return f16c;
 }
 bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && has_f16c(); }
 bool has_vnni() {
