@@ -7,6 +7,7 @@ import random
 import shutil
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from tiny_models import tiny_loaded, tiny_model
@@ -50,19 +51,24 @@ def tokens(session, prompt, max_new, eos=frozenset()):
     return list(list(generate(session, prompt, SamplingConfig(max_new_tokens=max_new), eos))[-1].text_tokens)
 
 
+def assert_caches_equal(ours, ref) -> None:
+    for a, b in zip(ours.cache.layers, ref.cache.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
 def assert_steps_match(model, prompt: list[int], rope_kernel: bool | None = None) -> None:
-    """After `prompt`, every row's logits of one-row, window and tree steps through the lean step
-    equal the model's forward's exactly, and the cache holds the same keys and values."""
+    """The lean prefill of `prompt` ranks the next tokens of its rows as the model's forward does and
+    fills the cache with the same keys and values; after it every row's logits of one-row, window
+    and tree steps through the lean step equal the model's forward's exactly, and so does the cache."""
     ours, ref = LeanRunner(model, rope_kernel), DynamicRunner(model)
-    for runner in (ours, ref):
-        runner.prefill(prompt, 0)
+    assert np.array_equal(ours.prefill(prompt, 0), ref.prefill(prompt, 0))
+    assert_caches_equal(ours, ref)
     for window, candidates in STEPS:
         layout = build_layout(window, candidates)
         got, want = ours.step(layout, len(prompt)), ref.step(layout, len(prompt))
         assert got.shape == want.shape == (layout.size, model.config.vocab_size)
         assert torch.equal(got, want), layout.size
-        for a, b in zip(ours.cache.layers, ref.cache.layers, strict=True):
-            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        assert_caches_equal(ours, ref)
         ours.truncate(len(prompt))
         ref.truncate(len(prompt))
 
@@ -165,18 +171,12 @@ def test_rope_kv_rotates_into_the_cache_what_rope_and_an_update_put_there(rope_k
                                         randn(2, dim), key_buffer, value_buffer, key_buffer.shape[2] - 1)
 
 
-@pytest.mark.parametrize("rotation", ["kernel", "torch"])
-def test_on_4bit_weights_kept_together_the_lean_step_is_the_forward(rotation, request):
-    """A tiny Llama whose Linear weights are 4-bit, q/k/v and gate/up kept together as the 4-bit
-    file keeps them (q4.joined): the lean step multiplies each group in one call and, with the
-    rope kernel, rotates into the cache in one (rope_kv), or rotates column slices with torch's
-    ops; either way every row's logits and the cache are the forward's, bit for bit."""
-    if shutil.which(native.COMPILER) is None or q4.load(cache_root() / "kernels"):
-        pytest.skip(f"no C++ compiler ({native.COMPILER}) to build the 4-bit kernel here")
-    use_kernel = rotation == "kernel" and request.getfixturevalue("rope_kernel")
-    model = grouped("llama")
+def four_bit(model, lm_head: bool = False):
+    """`model` with its layers' Linear weights (and lm_head's where asked) as random 4-bit codes,
+    q/k/v and gate/up kept together as the 4-bit file keeps them (q4.joined)."""
     generator = torch.Generator().manual_seed(9)
-    names = [name for name, module in model.named_modules() if type(module) is torch.nn.Linear and ".layers." in name]
+    names = [name for name, module in model.named_modules()
+             if type(module) is torch.nn.Linear and (".layers." in name or lm_head and name == "lm_head")]
     arrays = {}
     for name in names:
         rows, cols = model.get_submodule(name).weight.shape
@@ -187,10 +187,50 @@ def test_on_4bit_weights_kept_together_the_lean_step_is_the_forward(rotation, re
     read = q4.KeptReader(kept.__getitem__, kept, model)
     for name in names:
         model.set_submodule(name, q4.Q4Linear(*(read(name, buffer) for buffer in q4.BUFFERS)))
+    return model
+
+
+@pytest.mark.parametrize("rotation", ["kernel", "torch"])
+def test_on_4bit_weights_kept_together_the_lean_step_is_the_forward(rotation, request):
+    """A tiny Llama whose Linear weights are 4-bit, q/k/v and gate/up kept together as the 4-bit
+    file keeps them (q4.joined): the lean step multiplies each group in one call and, with the
+    rope kernel, rotates into the cache in one (rope_kv), or rotates column slices with torch's
+    ops; either way every row's logits and the cache are the forward's, bit for bit."""
+    if shutil.which(native.COMPILER) is None or q4.load(cache_root() / "kernels"):
+        pytest.skip(f"no C++ compiler ({native.COMPILER}) to build the 4-bit kernel here")
+    use_kernel = rotation == "kernel" and request.getfixturevalue("rope_kernel")
+    model = four_bit(grouped("llama"))
     step = LeanRunner(model, use_kernel).lean
     assert all(qkv is not None for _, qkv, *_ in step.layers)  # q/k/v in one call
     assert (step.rope_kv is not None) == use_kernel
     assert_steps_match(model, list(range(3, 40)), rope_kernel=use_kernel)
+
+
+def test_a_prompt_in_parts_is_one_pass_where_each_row_is_computed_alone(rope_kernel, monkeypatch):
+    """With 4-bit weights (the output layer's too) and the row-wise attention, whose rows' bits do
+    not depend on the rows beside them, the lean prefill feeds a prompt in parts of PREFILL_CHUNK
+    tokens and ranks the rows of two of them, and its ranks and cache are the model's forward's in
+    one pass, on a first turn and on one that follows it."""
+    from tiny_models import COMMON
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ladechat.engine import runner
+
+    if shutil.which(native.COMPILER) is None or q4.load(cache_root() / "kernels"):
+        pytest.skip(f"no C++ compiler ({native.COMPILER}) to build the 4-bit kernel here")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**COMMON, "head_dim": 64}, attn_implementation="sdpa")).eval()
+    assert use_grouped_sdpa(model, rowwise=True) and model.config._attn_implementation == attention.ROWWISE
+    four_bit(model, lm_head=True)
+    monkeypatch.setattr(runner, "PREFILL_CHUNK", 5)
+    monkeypatch.setattr(runner, "PREFILL_TOP_K", 7)
+    ours, ref = LeanRunner(model), DynamicRunner(model)
+    first, second = list(range(3, 40)), [5, 9, 2, 7, 7, 1, 30, 31, 12, 60, 61, 62]
+    for prompt, past in ((first, 0), (second, len(first))):
+        ranked = ours.prefill(prompt, past)
+        assert ranked.shape[0] == 7 and np.array_equal(ranked, ref.prefill(prompt, past))
+        assert_caches_equal(ours, ref)
+    assert np.array_equal(ours.prefill([4, 4, 4, 4, 4, 4], 49, ranked=False), ref.prefill([4, 4, 4, 4, 4, 4], 49, ranked=False))
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS) + ["bf16"])

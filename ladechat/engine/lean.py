@@ -1,4 +1,4 @@
-"""A Llama-family decoding step on the CPU, written out over the model's own modules.
+"""A Llama-family decoding step and prefill on the CPU, written out over the model's own modules.
 
 transformers' forward is built for every model and every use: per layer it passes kwargs through
 decorators and wrappers, asks the attention interface for its function, and per step it builds a
@@ -16,14 +16,16 @@ much as the weights' products (the embedded model at 4 bits: ~7,000 small ops a 
                 x = x + o_proj(attend(q stacked per kv head, K, V, mask tiled per group))
                 h = post_norm(x)                           the layer's own RMSNorm module
                 x = x + down(silu(gate(h)) * up(h))        its MLP's Linear modules (gate, up: as q, k, v)
-    logits = lm_head(norm(x))                              every row's (lookahead reads them all)
+    logits = lm_head(norm(x))                              every row's (lookahead reads them all); a
+                                                           prefill's last rows only (those it ranks)
 
 Each residual add and the norm after it are one call (norms.add_norm): where the norms are
 ladechat's kernel (engine/kernels/norms.py, on 4-bit weights) that is one operator instead of ~9.
 
 The mask is the step's tree mask of layout.step_inputs (1, 1, S, past + S), tiled for the grouped
 query heads once a step (engine/kernels/attention.py draws that layout), not once a layer; a one-row
-step has none (it sees every key). The same ops run in the same order as the model's own forward
+step has none (it sees every key), nor has a prompt with the row-wise attention (causal without
+one: a long prompt needs no mask of its size). The same ops run in the same order as the model's own forward
 with ladechat's grouped attention, so the logits are bitwise the same (tests/test_lean.py, for each
 family it accepts) and only the framework's work around them goes. The model is not changed here: its
 modules are called, none replaced; a model it does not accept runs its own forward (runner.py).
@@ -36,7 +38,7 @@ import torch
 from ladechat.engine import kv
 from ladechat.engine.kernels import attention, int4, norms, q4, step_ops
 from ladechat.engine.kernels.linear import BlockLinear
-from ladechat.engine.layout import StepLayout, step_inputs
+from ladechat.engine.layout import StepLayout, build_layout, step_inputs
 
 FAMILIES = frozenset({"llama", "mistral", "qwen2"})
 TABLE_MIN = 1024  # positions of the first cos/sin table; it grows by half when a step passes it
@@ -195,41 +197,63 @@ class LeanStep:
 
     def forward(self, layout: StepLayout, past: int, cache) -> torch.Tensor:
         """Logits (S, vocab) of every row of the step, its keys and values appended to `cache`."""
-        model, size = self.model, layout.size
-        heads, kv_heads, dim, groups = self.heads, self.kv_heads, self.dim, self.groups
         with torch.inference_mode():
-            if size == 1:
-                ids, positions = (torch.tensor(v, device=model.device) for v in (layout.tokens, [past]))
-                mask = None
+            if layout.size == 1:
+                ids, positions = (torch.tensor(v, device=self.model.device) for v in (layout.tokens, [past]))
+                return self._run(ids, positions, None, past, cache)
+            return self._run(*self._tree_inputs(layout, past), past, cache)
+
+    def prefill(self, tokens: list[int], past: int, cache, keep: int) -> torch.Tensor | None:
+        """Logits (keep, vocab) of the last `keep` (0: None) of prompt tokens that follow `past` cached ones,
+        their keys and values appended to `cache`. The row-wise attention takes no mask for them
+        (it is causal without one), so a long prompt costs no mask of its size."""
+        with torch.inference_mode():
+            if self.attend is not attention.attend_stacked:
+                return self._run(*self._tree_inputs(build_layout([tokens], []), past), past, cache, keep)
+            device = self.model.device
+            ids, positions = torch.tensor(tokens, device=device), torch.arange(past, past + len(tokens), device=device)
+            return self._run(ids, positions, None, past, cache, keep)
+
+    def _tree_inputs(self, layout: StepLayout, past: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A step's token ids, positions and mask (tiled for the query heads of a group)."""
+        ids, positions, mask = step_inputs(layout, past, self.model.dtype, self.model.device)
+        if self.groups > 1:  # one copy per query head of a group, stacked as rows
+            mask = mask.repeat(1, 1, self.groups, 1)
+        return ids[0], positions[0], mask
+
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, past: int, cache,
+             keep: int | None = None) -> torch.Tensor | None:
+        """The layers over rows `ids` at `positions` (below past + rows), seeing the cache and each
+        other as `mask` says (None: a one-row step sees every key; the row-wise attention is causal
+        without one); the logits of every row, or of the last `keep` (0: none, None)."""
+        model, size = self.model, ids.shape[0]
+        heads, kv_heads, dim, groups = self.heads, self.kv_heads, self.dim, self.groups
+        self.table(past + size)  # a row's position is past + its depth, below size: no read of the device
+        cos, signed_sin = self.cos[positions], self.signed_sin[positions]  # (S, dim), broadcast over heads
+        x = model.model.embed_tokens(ids)  # (S, hidden)
+        silu, attend, rope, rope_kv = torch.nn.functional.silu, self.attend, self.rope, self.rope_kv
+        layers = cache.layers
+        h = self.first_norm(x)
+        for i, (q_k_v, qkv, o_proj, scaling, add_norm2, gate_up, down, add_next_norm) in enumerate(self.layers):
+            layer = layers[i] if i < len(layers) else None
+            if rope_kv is not None and qkv is not None and isinstance(layer, kv.GrowingLayer) \
+                    and layer.keys is not None and layer.keys.dim() == 4:  # a reset layer: update() sets it up
+                held, key_buffer, value_buffer = layer.room(size)
+                q = rope_kv(qkv(h), heads, kv_heads, cos, signed_sin, key_buffer, value_buffer, held)
+                keys, values = layer.filled(held + size)
             else:
-                ids, positions, mask = step_inputs(layout, past, model.dtype, model.device)
-                ids, positions = ids[0], positions[0]
-                if groups > 1:  # one copy per query head of a group, stacked as rows
-                    mask = mask.repeat(1, 1, groups, 1)
-            self.table(past + size)  # a row's position is past + its depth, below size: no read of the device
-            cos, signed_sin = self.cos[positions], self.signed_sin[positions]  # (S, dim), broadcast over heads
-            x = model.model.embed_tokens(ids)  # (S, hidden)
-            silu, attend, rope, rope_kv = torch.nn.functional.silu, self.attend, self.rope, self.rope_kv
-            layers = cache.layers
-            h = self.first_norm(x)
-            for i, (q_k_v, qkv, o_proj, scaling, add_norm2, gate_up, down, add_next_norm) in enumerate(self.layers):
-                layer = layers[i] if i < len(layers) else None
-                if rope_kv is not None and qkv is not None and isinstance(layer, kv.GrowingLayer) \
-                        and layer.keys is not None and layer.keys.dim() == 4:  # a reset layer: update() sets it up
-                    held, key_buffer, value_buffer = layer.room(size)
-                    q = rope_kv(qkv(h), heads, kv_heads, cos, signed_sin, key_buffer, value_buffer, held)
-                    keys, values = layer.filled(held + size)
-                else:
-                    q, k, v = q_k_v(h)
-                    q, k = rope(q, k, heads, kv_heads, cos, signed_sin)
-                    v = v.view(size, kv_heads, dim).transpose(0, 1)
-                    if layer is not None:
-                        keys, values = layer.update(k[None], v[None])
-                    else:  # an empty cache (a one-token prompt): the cache makes the layer
-                        keys, values = cache.update(k[None], v[None], i)
-                out = attend(q.reshape(1, kv_heads, groups * size, dim), keys, values, mask, scaling, size)
-                x, h = add_norm2(x, o_proj(out.reshape(heads, size, dim).transpose(0, 1).reshape(size, heads * dim)))
-                gate, up = gate_up(h)
-                x, h = add_next_norm(x, down(silu(gate) * up))
-            return model.lm_head(h)
+                q, k, v = q_k_v(h)
+                q, k = rope(q, k, heads, kv_heads, cos, signed_sin)
+                v = v.view(size, kv_heads, dim).transpose(0, 1)
+                if layer is not None:
+                    keys, values = layer.update(k[None], v[None])
+                else:  # an empty cache (a prompt's first part): the cache makes the layer
+                    keys, values = cache.update(k[None], v[None], i)
+            out = attend(q.reshape(1, kv_heads, groups * size, dim), keys, values, mask, scaling, size)
+            x, h = add_norm2(x, o_proj(out.reshape(heads, size, dim).transpose(0, 1).reshape(size, heads * dim)))
+            gate, up = gate_up(h)
+            x, h = add_next_norm(x, down(silu(gate) * up))
+        if keep == 0:  # a prompt's chunk before the rows it ranks
+            return None
+        return model.lm_head(h if keep is None else h[size - keep:])
 

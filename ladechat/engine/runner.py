@@ -2,8 +2,8 @@
 
 DynamicRunner: the cache grows and shrinks and each step feeds exactly its rows. Right for a
 CPU, where every extra row costs and the planner sizes steps to the token.
-LeanRunner: DynamicRunner with each step computed by lean.py over the model's own modules, bitwise
-the same logits without the forward's framework work. default_runner picks it where it runs (a
+LeanRunner: DynamicRunner with its prefill and steps computed by lean.py over the model's own
+modules, bitwise the same logits without the forward's framework work. default_runner picks it where it runs (a
 Llama-family model on a CPU), DynamicRunner elsewhere.
 StaticRunner (--compile): a pre-allocated cache and steps padded to one fixed size, so a step has
 the same shapes every time and torch.compile (CUDA graphs on a GPU) can capture it once. Plain
@@ -120,16 +120,31 @@ class DynamicRunner:
 
 
 class LeanRunner(DynamicRunner):
-    """DynamicRunner with its steps computed by the lean step (lean.py): prefill, commits and
-    truncation are DynamicRunner's, the model's own forward into the same GrowingCache. The lean
-    step holds the model's modules as they were when it was made: build the runner after any
-    change of them (packing.unpack, a LayoutSwitch, another attention), as Sessions are."""
+    """DynamicRunner with its prefill and steps computed by the lean step (lean.py) into the same
+    GrowingCache; commits and truncation are DynamicRunner's. A prompt goes in as steps of
+    PREFILL_CHUNK tokens, each following the one before: every row is computed on its own (the
+    products and attention give a row the same bits among any rows), so chunks give the bits of
+    one pass, and a long prompt's mask stays PREFILL_CHUNK rows high. The lean step holds the
+    model's modules as they were when it was made: build the runner after any change of them
+    (packing.unpack, a LayoutSwitch, another attention), as Sessions are."""
 
     steps = "engine/lean.py"
 
     def __init__(self, model, rope_kernel: bool | None = None, gpu: bool = False) -> None:
         super().__init__(model)
         self.lean = lean.LeanStep(model, rope_kernel, gpu)
+
+    def prefill(self, tokens: list[int], past: int, ranked: bool = True) -> np.ndarray:
+        count = min(len(tokens), PREFILL_TOP_K) if ranked else 1
+        logits = []
+        for start in range(0, len(tokens), PREFILL_CHUNK):
+            part = tokens[start:start + PREFILL_CHUNK]
+            after = len(tokens) - start - len(part)  # prompt tokens after this chunk
+            keep = max(0, min(len(part), count - after))  # of the last `count`, those in this chunk
+            rows = self.lean.prefill(part, past + start, self.cache, keep)
+            if rows is not None:
+                logits.append(rows)
+        return top_k(torch.cat(logits))
 
     def step(self, layout: StepLayout, past: int) -> torch.Tensor:
         self.appended = layout.size
