@@ -93,6 +93,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -114,6 +115,7 @@ constexpr int K_SCALE_BYTES = OUT + 8;       // a group's share of sc and m in t
 constexpr int64_t QUANTIZE_GRAIN = 16;       // rows quantized per thread: a step's few rows on one
 constexpr int ROWS_AT_ONCE = 4;              // rows of a tile in registers at once (by_rows)
 constexpr int64_t PREFETCH_BYTES = 4096;     // how far ahead of its reads a kernel asks for the codes
+constexpr int64_t CHUNK_BYTES = 1 << 18;     // weights a thread takes at a time (for_tiles)
 
 enum Path : int64_t { PORTABLE = 0, AVX2 = 1, VNNI = 2 };
 
@@ -252,7 +254,7 @@ struct Rows {
 };
 
 // Asks the caches for the codes, scales and lows (Q4) or sums (Q8) of the group PREFETCH_BYTES of
-// codes ahead: past a tile's end that is the thread's next tile (a thread's tiles are consecutive in
+// codes ahead: past a tile's end that is the thread's next tile (a chunk of for_tiles is consecutive in
 // memory). Why: the hardware's prefetcher alone left each product waiting on memory, more so with
 // other ops between the products, as in a step (measured: BENCHMARKS.md). A prefetch never
 // faults, so the last groups may ask past the end of the weight.
@@ -838,8 +840,23 @@ void check_per_tile(const at::Tensor& t, int64_t tiles, int64_t groups, at::Scal
               && t.is_contiguous() && t.device().is_cpu(), what);
 }
 
-// The common part of q4_mm and q8_mm: the rows quantized, then tiles of outputs split between
-// threads (each output computed by one thread, in one order), each tile by `kernel`.
+// Tiles 0..NB-1 of a product for the threads, in chunks of about CHUNK_BYTES of weights, each thread
+// taking the next chunk when done with its last (as llama.cpp shares out rows): a thread the
+// hypervisor or another process holds up leaves the rest to the other, where halves fixed in advance
+// had the product wait for it at the end. Which thread computes a tile changes nothing in it: one
+// thread computes it whole, in one order. work(b0, b1): tiles b0..b1-1.
+template <typename Work>
+void for_tiles(int64_t NB, int64_t tile_bytes, const Work& work) {
+  const int64_t per = std::max<int64_t>(1, CHUNK_BYTES / std::max<int64_t>(1, tile_bytes));
+  const int64_t chunks = (NB + per - 1) / per;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(chunks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    for (int64_t c = next++; c < chunks; c = next++) work(c * per, std::min(NB, (c + 1) * per));
+  });
+}
+
+// The common part of q4_mm and q8_mm: the rows quantized, then tiles of outputs shared out between
+// threads (for_tiles: each output computed by one thread, in one order), each tile by `kernel`.
 // scales, lows (Q4), sums (Q8): per tile along dim 0, contiguous (lows, sums: undefined where unused).
 at::Tensor run(const at::Tensor& x, const at::Tensor& codes, int64_t tile_bytes, const at::Tensor& scales,
                const at::Tensor& lows, const at::Tensor& sums, int64_t path, const TileKernel kernels[3]) {
@@ -870,7 +887,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& codes, int64_t tile_bytes,
   const int64_t s_bytes = bytes(scales), l_bytes = bytes(lows), u_bytes = bytes(sums);
   const TileKernel kernel = kernels[path];
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+  for_tiles(NB, G * tile_bytes, [&](int64_t b0, int64_t b1) {
     std::vector<float> acc(M * OUT);
     for (int64_t b = b0; b < b1; ++b) {
       const Tile tile{cp + b * G * tile_bytes, sp + b * s_bytes, lp ? lp + b * l_bytes : nullptr,
@@ -1107,7 +1124,7 @@ at::Tensor half_mm(const at::Tensor& x, const at::Tensor& w, int64_t path) {
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
   c10::BFloat16* y_bf16 = x.scalar_type() == at::kBFloat16 ? y.data_ptr<c10::BFloat16>() : nullptr;
   float* y_fp32 = y_bf16 ? nullptr : y.data_ptr<float>();
-  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+  for_tiles(NB, OUT * K * 2, [&](int64_t b0, int64_t b1) {
     std::vector<float> acc(M * OUT);
     for (int64_t b = b0; b < b1; ++b) {
       kernel(xp, M, K, wp + b * OUT * K, acc.data());
