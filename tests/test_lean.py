@@ -222,6 +222,7 @@ def test_a_prompt_in_parts_is_one_pass_where_each_row_is_computed_alone(rope_ker
     model = LlamaForCausalLM(LlamaConfig(**{**COMMON, "head_dim": 64}, attn_implementation="sdpa")).eval()
     assert use_grouped_sdpa(model, rowwise=True) and model.config._attn_implementation == attention.ROWWISE
     four_bit(model, lm_head=True)
+    assert LeanRunner(model).lean.rows_alone
     monkeypatch.setattr(runner, "PREFILL_CHUNK", 5)
     monkeypatch.setattr(runner, "PREFILL_TOP_K", 7)
     ours, ref = LeanRunner(model), DynamicRunner(model)
@@ -231,6 +232,33 @@ def test_a_prompt_in_parts_is_one_pass_where_each_row_is_computed_alone(rope_ker
         assert ranked.shape[0] == 7 and np.array_equal(ranked, ref.prefill(prompt, past))
         assert_caches_equal(ours, ref)
     assert np.array_equal(ours.prefill([4, 4, 4, 4, 4, 4], 49, ranked=False), ref.prefill([4, 4, 4, 4, 4, 4], 49, ranked=False))
+
+
+def test_where_a_rows_bits_follow_the_row_count_the_forward_prefills(monkeypatch):
+    """SDPA, dense products, 4-bit products beside SDPA: a row's last bits may follow how many rows
+    the call has, so a prompt in parts could differ from one pass; the model's forward prefills."""
+    calls = []
+    monkeypatch.setattr(DynamicRunner, "prefill", lambda self, tokens, past, ranked=True: calls.append(len(tokens)))
+    for model in (grouped("llama"), ungrouped("llama")):
+        ours = LeanRunner(model)
+        assert not ours.lean.rows_alone
+        ours.prefill(list(range(3, 40)), 0)
+        with pytest.raises(ValueError, match="each row is computed alone"):
+            ours.lean.prefill([3, 4], 0, ours.cache, 1)
+    assert calls == [37, 37]
+
+
+def test_the_embedded_models_prefill_is_the_forwards_in_parts():
+    """The embedded model as the chat loads it (its GGUF's blocks on ladechat's kernels, row-wise
+    attention): the lean step prefills a prompt of 1,100 tokens in three parts, the ranked rows
+    across two of them, and ranks and caches what the model's forward does in one pass."""
+    lm = load(LoadSpec(dtype="float32", device="cpu"))
+    ours, ref = LeanRunner(lm.model), DynamicRunner(lm.model)
+    if not ours.lean.rows_alone:
+        pytest.skip(f"ladechat's kernels are not built here: {lm.weights}")
+    prompt = [random.Random(5).randrange(lm.model.config.vocab_size) for _ in range(1100)]
+    assert np.array_equal(ours.prefill(prompt, 0), ref.prefill(prompt, 0))
+    assert_caches_equal(ours, ref)
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS) + ["bf16"])

@@ -24,8 +24,9 @@ ladechat's kernel (engine/kernels/norms.py, on 4-bit weights) that is one operat
 
 The mask is the step's tree mask of layout.step_inputs (1, 1, S, past + S), tiled for the grouped
 query heads once a step (engine/kernels/attention.py draws that layout), not once a layer; a one-row
-step has none (it sees every key), nor has a prompt with the row-wise attention (causal without
-one: a long prompt needs no mask of its size). The same ops run in the same order as the model's own forward
+step has none (it sees every key), nor has a prompt's prefill, which runs here where every row
+is computed alone (ladechat's block products and row-wise attention, causal without a mask: a long
+prompt needs no mask of its size; elsewhere the model's forward prefills, runner.py). The same ops run in the same order as the model's own forward
 with ladechat's grouped attention, so the logits are bitwise the same (tests/test_lean.py, for each
 family it accepts) and only the framework's work around them goes. The model is not changed here: its
 modules are called, none replaced; a model it does not accept runs its own forward (runner.py).
@@ -38,7 +39,7 @@ import torch
 from ladechat.engine import kv
 from ladechat.engine.kernels import attention, int4, norms, q4, step_ops
 from ladechat.engine.kernels.linear import BlockLinear
-from ladechat.engine.layout import StepLayout, build_layout, step_inputs
+from ladechat.engine.layout import StepLayout, step_inputs
 
 FAMILIES = frozenset({"llama", "mistral", "qwen2"})
 TABLE_MIN = 1024  # positions of the first cos/sin table; it grows by half when a step passes it
@@ -120,7 +121,8 @@ def _torch_rope(q: torch.Tensor, k: torch.Tensor, heads: int, kv_heads: int, cos
 
 
 class LeanStep:
-    """The model's decoding steps (see the module's docstring) into a kv.GrowingCache."""
+    """The model's decoding steps, and its prompts' prefill where each row is computed alone (see
+    the module's docstring), into a kv.GrowingCache."""
 
     def __init__(self, model, rope_kernel: bool | None = None, gpu: bool = False) -> None:
         """rope_kernel: rotate with ladechat's kernel (its library loaded, fp32 or bf16, on the CPU)
@@ -181,6 +183,13 @@ class LeanStep:
         # the attention the model's forward runs (attention.py), of the stacked rows
         self.attend = attention.attend_stacked if config._attn_implementation == attention.ROWWISE \
             else attention.sdpa_stacked
+        # Whether a row's bits are the same among any rows: ladechat's block products and row-wise
+        # attention (not SDPA, oneDNN's or torch's dense and int4 products, whose blocking follows
+        # the row count). Only then may a prompt be fed in parts (prefill).
+        products = [module for layer in layers for module in (*layer.self_attn.children(), *layer.mlp.children())
+                    if isinstance(module, torch.nn.Module) and hasattr(module, "in_features")]
+        self.rows_alone = self.attend is attention.attend_stacked and all(
+            isinstance(module, BlockLinear) for module in (*products, model.lm_head))
 
     def table(self, end: int) -> None:
         """cos/sin for positions 0..end-1 at least, from the model's own rotary module: each
@@ -205,11 +214,11 @@ class LeanStep:
 
     def prefill(self, tokens: list[int], past: int, cache, keep: int) -> torch.Tensor | None:
         """Logits (keep, vocab) of the last `keep` (0: None) of prompt tokens that follow `past` cached ones,
-        their keys and values appended to `cache`. The row-wise attention takes no mask for them
-        (it is causal without one), so a long prompt costs no mask of its size."""
+        their keys and values appended to `cache`; where rows_alone (the row-wise attention takes
+        no mask for them: it is causal without one, so a long prompt costs no mask of its size)."""
+        if not self.rows_alone:
+            raise ValueError("the lean prefill runs where each row is computed alone (ladechat's kernels)")
         with torch.inference_mode():
-            if self.attend is not attention.attend_stacked:
-                return self._run(*self._tree_inputs(build_layout([tokens], []), past), past, cache, keep)
             device = self.model.device
             ids, positions = torch.tensor(tokens, device=device), torch.arange(past, past + len(tokens), device=device)
             return self._run(ids, positions, None, past, cache, keep)

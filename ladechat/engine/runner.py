@@ -24,7 +24,7 @@ from ladechat.engine.layout import StepLayout, build_layout, fixed_step_inputs, 
 from ladechat.engine.load import packing
 
 MAX_FIXED_STEP = 512  # rows; the static cache keeps this much room past the context
-PREFILL_CHUNK = 512  # prompt tokens per eager forward into a static cache (bounds the mask's size)
+PREFILL_CHUNK = 512  # prompt tokens a part: an eager forward into a static cache (bounds the mask), a lean prefill
 PREFILL_TOP_K = 512  # prompt tokens (the latest) whose top-k next tokens a prefill keeps
 FIRST_LENGTH = 2048  # a static cache starts this long and doubles when a conversation outgrows it
 
@@ -120,13 +120,14 @@ class DynamicRunner:
 
 
 class LeanRunner(DynamicRunner):
-    """DynamicRunner with its prefill and steps computed by the lean step (lean.py) into the same
-    GrowingCache; commits and truncation are DynamicRunner's. A prompt goes in as steps of
-    PREFILL_CHUNK tokens, each following the one before: every row is computed on its own (the
-    products and attention give a row the same bits among any rows), so chunks give the bits of
-    one pass, and a long prompt's mask stays PREFILL_CHUNK rows high. The lean step holds the
-    model's modules as they were when it was made: build the runner after any change of them
-    (packing.unpack, a LayoutSwitch, another attention), as Sessions are."""
+    """DynamicRunner with its steps computed by the lean step (lean.py) into the same GrowingCache,
+    and its prefill where the lean step computes every row alone (ladechat's block products and
+    row-wise attention: a GGUF's weights), in parts of PREFILL_CHUNK tokens, which then give the
+    bits of one pass; elsewhere (oneDNN's, dense or int4 products, SDPA, whose results follow the
+    row count) the model's forward prefills in one pass. Commits and truncation are
+    DynamicRunner's. The lean step holds the model's modules as they were when it was made: build
+    the runner after any change of them (packing.unpack, a LayoutSwitch, another attention), as
+    Sessions are."""
 
     steps = "engine/lean.py"
 
@@ -135,16 +136,18 @@ class LeanRunner(DynamicRunner):
         self.lean = lean.LeanStep(model, rope_kernel, gpu)
 
     def prefill(self, tokens: list[int], past: int, ranked: bool = True) -> np.ndarray:
+        if not self.lean.rows_alone:
+            return super().prefill(tokens, past, ranked)
         count = min(len(tokens), PREFILL_TOP_K) if ranked else 1
-        logits = []
+        ranks = []
         for start in range(0, len(tokens), PREFILL_CHUNK):
             part = tokens[start:start + PREFILL_CHUNK]
-            after = len(tokens) - start - len(part)  # prompt tokens after this chunk
-            keep = max(0, min(len(part), count - after))  # of the last `count`, those in this chunk
-            rows = self.lean.prefill(part, past + start, self.cache, keep)
-            if rows is not None:
-                logits.append(rows)
-        return top_k(torch.cat(logits))
+            after = len(tokens) - start - len(part)  # prompt tokens after this part
+            keep = max(0, min(len(part), count - after))  # of the last `count`, those in this part
+            logits = self.lean.prefill(part, past + start, self.cache, keep)
+            if logits is not None:
+                ranks.append(top_k(logits))
+        return np.concatenate(ranks)
 
     def step(self, layout: StepLayout, past: int) -> torch.Tensor:
         self.appended = layout.size

@@ -380,8 +380,8 @@ struct F16Form {
 // of group 7's, then m likewise: bytes 0..127 hold the low 4 bits of v (low nibble) and of 128 + v
 // (high nibble); bytes 128..191, bits 2 s..2 s + 1 of byte b, the top 2 bits of value 64 s + b. So
 // four vector ops of a kind widen the 8 groups' values to bytes at once (unpack), and each group's
-// then read as in a byte-wide form. The kernels call the form per group: `State` holds a super's
-// values, unpacked at its first group.
+// then read as in a byte-wide form. The kernels call the form per group, from group 0 on (q4_mm
+// never splits K): `State` holds a super's values, unpacked at its first group.
 struct KForm {
   static constexpr int SCALE_BYTES = K_SCALE_BYTES, LOW_BYTES = 2 * OUT * 2 / Q6_SUPER;
   struct State {
@@ -842,7 +842,7 @@ void check_per_tile(const at::Tensor& t, int64_t tiles, int64_t groups, at::Scal
 
 // Tiles 0..NB-1 of a product for the threads, in chunks of about CHUNK_BYTES of weights, each thread
 // taking the next chunk when done with its last (as llama.cpp shares out rows): a thread the
-// hypervisor or another process holds up leaves the rest to the other, where halves fixed in advance
+// hypervisor or another process holds up leaves the rest to the others, where shares fixed in advance
 // had the product wait for it at the end. Which thread computes a tile changes nothing in it: one
 // thread computes it whole, in one order. work(b0, b1): tiles b0..b1-1.
 template <typename Work>
