@@ -247,6 +247,18 @@ def test_the_compact_forms_give_the_fp32_forms_bits(kernel):
                                    q4.Q4Linear(*q4.layout(codes, scales16.float(), lows16.float()), path=path)(rows_in))
                 assert torch.equal(q4.Q4Linear(*k_form, path=path)(rows_in),
                                    q4.Q4Linear(*q4.layout(codes, k_scales, k_lows), path=0)(rows_in)), (path, count)
+    d16 = scales16.float()  # Q4_0's and Q5_0's d form: the low is d times the tile's factor, made by the kernel
+    for kind, five in (("Q4_0", False), ("Q5_0", True)):
+        factor = q4.D_FACTORS[kind]
+        coded = codes | (codes << 1 & 0x10) if five else codes  # some top bits set for Q5_0
+        d_form = q4.layout_d(coded, d16, kind)
+        assert q4.form(*d_form[1:]) == "fp16 d" and sum(t.nbytes for t in d_form[1:]) == d_form[1].nbytes + rows // 16
+        assert torch.equal(q4.expand(*d_form[1:])[1], q4.per_tile(factor * d16))
+        fp32 = q4.layout(coded, d16, factor * d16, five_bit=five)
+        for path in paths():
+            for count in (1, 2, 5):
+                for rows_in in (x[:count], x[:count].bfloat16()):
+                    assert torch.equal(q4.Q4Linear(*d_form, path=path)(rows_in), q4.Q4Linear(*fp32, path=0)(rows_in))
     layer = q4.Q4Linear(*k_form)
     assert torch.equal(layer.dense_weight(), q4.Q4Linear(*q4.layout(codes, k_scales, k_lows)).dense_weight())
     assert all(torch.equal(a, b) for a, b in zip(q4.unpack_k(k_form[1]), (q4.per_tile(sc, torch.uint8),
@@ -277,6 +289,7 @@ out = {{"best_path": ops.best_path(),
         "tiles": ops.gguf_tiles(torch.from_numpy(random_blocks("Q4_K", 32, 512, 5)), 2, 32, 512, None, None),
         "q5_k": ops.q4_mm(x, *q4.layout_k(*map(torch.from_numpy, q4.decode_compact("Q5_K", random_blocks("Q5_K", 32, 512, 6), 32, 512)), five_bit=True), 0),
         "tiles5": ops.gguf_tiles(torch.from_numpy(random_blocks("Q5_0", 32, 512, 7)), 4, 32, 512, None, None),
+        "q5_0d": ops.q4_mm(x, *q4.layout_d(*map(torch.from_numpy, q4.decode_compact("Q5_0", random_blocks("Q5_0", 32, 512, 10), 32, 512)[:2]), "Q5_0"), 0),
         "half": ops.half_mm(x, (torch.randn(32, 512, generator=torch.Generator().manual_seed(8)) * 0.05).bfloat16(), 0)}}
 torch.save(out, {saved!r})
 """
@@ -316,8 +329,9 @@ def test_the_library_builds_with_the_portable_loops_alone_and_gives_their_bits(k
             "tiles": ops.gguf_tiles(torch.from_numpy(random_blocks("Q4_K", 32, 512, 5)), 2, 32, 512, None, None),
             "q5_k": ops.q4_mm(x, *q4.layout_k(*map(torch.from_numpy, q4.decode_compact("Q5_K", random_blocks("Q5_K", 32, 512, 6), 32, 512)), five_bit=True), 0),
             "tiles5": ops.gguf_tiles(torch.from_numpy(random_blocks("Q5_0", 32, 512, 7)), 4, 32, 512, None, None),
+            "q5_0d": ops.q4_mm(x, *q4.layout_d(*map(torch.from_numpy, q4.decode_compact("Q5_0", random_blocks("Q5_0", 32, 512, 10), 32, 512)[:2]), "Q5_0"), 0),
             "half": ops.half_mm(x, (torch.randn(32, 512, generator=torch.Generator().manual_seed(8)) * 0.05).bfloat16(), 0)}
     assert theirs.keys() == ours.keys()
     assert theirs["best_path"] == 0
-    for name in ("q4", "q4_k", "q6", "q8", "tiles", "q5_k", "tiles5", "half"):
+    for name in ("q4", "q4_k", "q6", "q8", "tiles", "q5_k", "tiles5", "q5_0d", "half"):
         assert torch.equal(theirs[name], ours[name]), name

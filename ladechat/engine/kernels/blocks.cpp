@@ -5,11 +5,13 @@
 //   q4_mm  Q4_0 / Q4_1 / Q4_K: w = scale * q + low, a code q in 0..15 per weight, a scale and low
 //          per 32 weights along a row, given in one of three forms (the fp32 values are the same):
 //            fp32   scale and low per 32 weights
-//            fp16   scale and low per 32 weights (Q4_0, Q4_1: the file's own fp16 values)
+//            fp16   scale and low per 32 weights (Q4_1: the file's own fp16 values)
+//            d      Q4_0, Q5_0: the file's fp16 d per 32 weights, low = factor * d (an int8 per tile:
+//                   -8, -16), exact in fp32
 //            Q4_K   sc and m (6-bit integers) per 32 weights, d and -dmin (fp16) per 256: scale = d * sc,
 //                   low = -dmin * m, each exact in fp32 (an fp16 times an integer below 64)
-//          The compact forms are what a step streams: the file's 0.5625 (Q4_K) or 0.625 bytes a
-//          weight against the fp32 form's 0.75.
+//          The compact forms are what a step streams: the file's 0.5625 (Q4_K, Q4_0) or 0.625
+//          (Q4_1) bytes a weight against the fp32 form's 0.75.
 //          Q5_0 / Q5_1 / Q5_K run here too: a code q in 0..31, its top bit in a plane of its own
 //          (Q5_0: scale d, low -16 d; Q5_1: d, m; Q5_K: Q4_K's form), 0.69-0.75 bytes a weight.
 //   q8_mm  Q8_0: w = scale * q, a code q in -128..127 per weight, an fp32 scale per 32 weights
@@ -46,7 +48,8 @@
 //        high nibble: q[j][4 (p + 4) + i]      inputs 16..31
 //     and scales, lows: fp32 or fp16 (N / 16, K / 32, 16), output j at j; or (Q4_K form) scales
 //     uint8 (N / 16, K / 32, 24), a record of 192 bytes per 8 groups (KForm below), and lows fp16
-//     (N / 16, K / 256, 32): d of output j at j, -dmin at 16 + j
+//     (N / 16, K / 256, 32): d of output j at j, -dmin at 16 + j; or (d form) scales fp16 and
+//     lows int8 (N / 16, 1, 1), the factor of each tile
 //   Q5 codes (N / 16, K / 32, 320) uint8
 //     tile bytes 0..255 as Q4's, holding the low 4 bits of each code
 //     tile byte 256 + 8 c + b, bit t: the top bit of q[j][4 c + i], 4 j + i = 8 b + t (c 0..7)
@@ -372,6 +375,32 @@ struct F16Form {
   static void portable(const Tile& w, int64_t g, int j, float& scale, float& low) {
     scale = static_cast<float>(c10::Half(of(w.scales)[g * OUT + j], c10::Half::from_bits()));
     low = static_cast<float>(c10::Half(of(w.lows)[g * OUT + j], c10::Half::from_bits()));
+  }
+};
+
+// Q4_0's and Q5_0's own form, the file's bytes: d per group, fp16, and the low d times the tile's
+// factor (an int8: -8 for Q4_0, -16 for Q5_0), exact in fp32 (a power of two), so the values of the
+// fp16 and fp32 forms' -8 d and -16 d.
+struct DForm {
+  struct State {};
+  static constexpr int SCALE_BYTES = OUT * 2, LOW_BYTES = 0;
+  static const uint16_t* of(const void* p) { return static_cast<const uint16_t*>(p); }
+  static float factor(const Tile& w) { return static_cast<float>(*static_cast<const int8_t*>(w.lows)); }
+#ifdef LADECHAT_X86
+  __attribute__((target("avx512f")))
+  static void avx512(const Tile& w, int64_t g, State&, __m512& scale, __m512& low) {
+    scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(of(w.scales) + g * OUT)));
+    low = _mm512_mul_ps(scale, _mm512_set1_ps(factor(w)));
+  }
+  __attribute__((target("avx2,fma,f16c")))
+  static void avx2(const Tile& w, int64_t g, int h, State&, __m256& scale, __m256& low) {
+    scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(of(w.scales) + g * OUT + 8 * h)));
+    low = _mm256_mul_ps(scale, _mm256_set1_ps(factor(w)));
+  }
+#endif
+  static void portable(const Tile& w, int64_t g, int j, float& scale, float& low) {
+    scale = static_cast<float>(c10::Half(of(w.scales)[g * OUT + j], c10::Half::from_bits()));
+    low = scale * factor(w);
   }
 };
 
@@ -927,6 +956,15 @@ at::Tensor q4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
     static const TileKernel kernels[3] = {q4_tile_portable<KForm>, X86_ONLY(by_rows<Q4Avx2<KForm>>), X86_ONLY(by_rows<Q4Vnni<KForm>>)};
     static const TileKernel kernels5[3] = {q4_tile_portable<KForm, true>, X86_ONLY((by_rows<Q4Avx2<KForm, true>>)),
                                            X86_ONLY((by_rows<Q4Vnni<KForm, true>>))};
+    return run(x, codes, codes.size(2), scales, lows, at::Tensor(), path, top ? kernels5 : kernels);
+  }
+  if (lows.scalar_type() == at::kChar) {  // the Q4_0 / Q5_0 form: d, and a factor per tile
+    check_per_tile(scales, NB, G, at::kHalf, "q4_mm: d must be (out / 16, in / 32, 16) fp16, contiguous, on the CPU");
+    TORCH_CHECK(lows.dim() == 3 && lows.size(0) == NB && lows.size(1) == 1 && lows.size(2) == 1 && lows.is_contiguous()
+                && lows.device().is_cpu(), "q4_mm: the d form's factors must be (out / 16, 1, 1) int8, on the CPU");
+    static const TileKernel kernels[3] = {q4_tile_portable<DForm>, X86_ONLY(by_rows<Q4Avx2<DForm>>), X86_ONLY(by_rows<Q4Vnni<DForm>>)};
+    static const TileKernel kernels5[3] = {q4_tile_portable<DForm, true>, X86_ONLY((by_rows<Q4Avx2<DForm, true>>)),
+                                           X86_ONLY((by_rows<Q4Vnni<DForm, true>>))};
     return run(x, codes, codes.size(2), scales, lows, at::Tensor(), path, top ? kernels5 : kernels);
   }
   const bool half = scales.scalar_type() == at::kHalf;

@@ -110,6 +110,26 @@ def layout_k_scales(sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor, dmin: to
     return tuple(torch.from_numpy(part) for part in pack_k(*(part.numpy() for part in parts)))
 
 
+D_FACTORS = {"Q4_0": -8, "Q5_0": -16}  # low = factor * d: the kinds kept as their d alone (d_form)
+
+
+def layout_d(codes: torch.Tensor, d: torch.Tensor, kind: str) -> tuple[torch.Tensor, ...]:
+    """Q4_0's and Q5_0's own form: codes (N, K) in 0..15 (Q5_0: 0..31), d (N, K / 32) fp16 values ->
+    tiles, scales (N / 16, K / 32, 16) fp16 and lows (N / 16, 1, 1) int8 (d_form)."""
+    scales, lows = d_form(per_tile(d).numpy(), kind)
+    return tiles_of(codes, kind in FIVE_BIT_KINDS), torch.from_numpy(scales), torch.from_numpy(lows)
+
+
+def d_form(d: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_0's or Q5_0's d per tile (per_tile's layout, (T, G, 16), fp16 values) -> the kernel's d
+    form, the file's bytes: scales fp16 (T, G, 16) and lows int8 (T, 1, 1), the factor (D_FACTORS)
+    the kernel multiplies d by for the low, exactly. ValueError where d is not an fp16 value."""
+    scales = d.astype(np.float16)
+    if not np.array_equal(scales.astype(d.dtype), d):
+        raise ValueError("the d form holds d as fp16: these are not fp16 values")
+    return np.ascontiguousarray(scales), np.full((d.shape[0], 1, 1), D_FACTORS[kind], dtype=np.int8)
+
+
 def pack_k(sc: np.ndarray, m: np.ndarray, d: np.ndarray, dmin: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K's parts per tile (per_tile's layout): sc and m (T, G, 16) integers in 0..63, d and dmin
     (T, G / 8, 16) fp16 values -> the Q4_K form blocks.cpp reads (its KForm), the file's 12 bytes of
@@ -172,11 +192,14 @@ def per_tile(values: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.
 
 
 def form(scales: torch.Tensor, lows: torch.Tensor) -> str:
-    """Which of the kernel's forms the buffers are: 'fp32', 'fp16' or 'Q4_K' (ValueError if none)."""
+    """Which of the kernel's forms the buffers are: 'fp32', 'fp16', 'fp16 d' or 'Q4_K' (ValueError if none)."""
     count, groups = scales.shape[:2]
     if scales.dtype == torch.uint8 and lows.dtype == torch.float16 and scales.shape == (count, groups, K_SCALE_BYTES) \
             and groups % SUPER == 0 and lows.shape == (count, groups // SUPER, 2 * OUT):
         return "Q4_K"
+    if scales.dtype == torch.float16 and lows.dtype == torch.int8 and scales.shape == (count, groups, OUT) \
+            and lows.shape == (count, 1, 1):
+        return "fp16 d"
     if scales.dtype == lows.dtype and scales.dtype in (torch.float32, torch.float16) \
             and scales.shape == lows.shape == (count, groups, OUT):
         return "fp32" if scales.dtype == torch.float32 else "fp16"
@@ -188,6 +211,8 @@ def expand(scales: torch.Tensor, lows: torch.Tensor) -> tuple[torch.Tensor, torc
     """Any form's buffers -> the fp32 form's scales and lows (N / 16, K / 32, 16), the values the
     kernel computes with."""
     kind = form(scales, lows)
+    if kind == "fp16 d":
+        return scales.float(), scales.float() * lows.float()  # exact: d times -8 or -16
     if kind not in K_FORMS:
         return scales.float(), lows.float()
     supers = lows.float().repeat_interleave(SUPER, dim=1)  # (count, groups, 32): d, -dmin per group

@@ -160,6 +160,8 @@ def _kernel_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of,
         return dict(zip(q6.BUFFERS, q6.layout(*parts), strict=True))
     if kind == "Q8_0":
         return dict(zip(q8.BUFFERS, q8.kernel_layout(*parts), strict=True))
+    if kind in q4.D_FACTORS:
+        return dict(zip(q4.BUFFERS, q4.layout_d(parts[0], parts[1], kind), strict=True))
     lay = q4.layout_k if kind in q4.K_FORMS else q4.layout
     return dict(zip(q4.BUFFERS, lay(*parts, five_bit=kind in q4.FIVE_BIT_KINDS), strict=True))
 
@@ -197,6 +199,8 @@ def _tiled_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of,
         scales = (tiled[0].astype(np.float32),)
     elif kind in q4.K_FORMS:
         scales = q4.pack_k(*tiled)
+    elif kind in q4.D_FACTORS:  # the low is d times -8 or -16: the kernel makes it, exactly
+        scales = q4.d_form(tiled[0], kind)
     else:
         fp16 = all(part.dtype == np.float16 for part in tiled)
         scales = tuple(part.astype(np.float16 if fp16 else np.float32) for part in tiled)
