@@ -219,9 +219,10 @@ def test_siblings_are_kept_together_and_multiply_in_one_call_with_the_same_bits(
 
 
 def test_the_compact_forms_give_the_fp32_forms_bits(kernel):
-    """fp16 scales and lows (Q4_0, Q4_1 as the file holds them) and Q4_K's packed 6-bit sc and m
-    with an fp16 d and dmin per 256: the kernel widens them to the very fp32 values, so every path, row
-    count and dtype gives the fp32 form's bits, from fewer bytes."""
+    """fp16 scales and lows (Q4_1 as the file holds them), Q4_0's and Q5_0's fp16 d alone (the
+    kernel makes the low, -8 d or -16 d) and Q4_K's packed 6-bit sc and m with an fp16 d and dmin
+    per 256: the kernel widens them to the very fp32 values, so every path, row count and dtype
+    gives the fp32 form's bits, from fewer bytes."""
     generator = torch.Generator().manual_seed(11)
     rows, cols = 48, 512
     codes, _, _ = random_weight(rows, cols, seed=11)

@@ -5,11 +5,11 @@ load/quantized.py reads the blocks (Q4_0, Q4_1, Q4_K, and Q5_0, Q5_1, Q5_K: w = 
 32 weights, q in 0..15 or 0..31) and keeps them in this kernel's layout; this module makes the
 layout and the Linear module that runs it. A 5-bit code is a 4-bit one and a top bit kept in a
 plane of its own beside the tile, so a step streams the file's 5.5 bits a weight, not a byte. A step reads
-every weight once, so the bytes it streams set its floor: the scales and lows are kept in the
-file's own precision, fp16 for Q4_0 and Q4_1 (0.625 bytes a weight with the codes) and for Q4_K its
-6-bit integers per 32 weights, packed, with an fp16 d and dmin per 256 (0.5625, the file's size),
-the kernel widening them as it reads (exactly: the same fp32 values, so the same products, as the fp32 form that any scales can
-take, 0.75 bytes a weight).
+every weight once, so the bytes it streams set its floor: the scales and lows are kept as the file
+keeps them, Q4_0's fp16 d alone (the kernel makes the low, -8 d; 0.5625 bytes a weight with the
+codes), Q4_1's fp16 scale and low (0.625), Q4_K's 6-bit integers per 32 weights, packed, with an
+fp16 d and dmin per 256 (0.5625), the kernel widening them as it reads (exactly: the same fp32
+values, so the same products, as the fp32 form that any scales can take, 0.75 bytes a weight).
 
 Why not torch's int4 kernel (int4.Int4Linear, still the path where no compiler builds this one):
 it widens the codes to floats for every 4 rows of a step and multiplies in fp32, so each extra
