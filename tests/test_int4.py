@@ -86,22 +86,21 @@ def test_blocks_decode_to_what_gguf_dequantizes(kind):
 
 @pytest.mark.parametrize("kind", q4.KINDS)
 def test_blocks_are_kept_in_the_files_own_precision(kind):
-    """The kernel's buffers hold the file's fp16 scales (Q4_0, Q4_1) or Q4_K's packed 6-bit integers
-    with an fp16 d and dmin per 256, and give back decode()'s fp32 values exactly: no larger than needed, no
-    rounding."""
+    """The kernel's buffers hold the file's own bytes: Q4_0's fp16 d alone (and a factor a tile),
+    Q4_1's fp16 scale and low, Q4_K's packed 6-bit integers with an fp16 d and dmin per 256; and
+    give back decode()'s fp32 values exactly: no larger than needed, no rounding."""
     rows, cols = 48, 512
     data = random_blocks(kind, rows, cols, seed=3)
-    q, *parts = q4.decode_compact(kind, data, rows, cols)
-    tiles, scales, lows = (q4.layout_k if kind == "Q4_K" else q4.layout)(torch.from_numpy(q),
-                                                                         *map(torch.from_numpy, parts))
-    assert q4.form(scales, lows) == ("Q4_K" if kind == "Q4_K" else "fp16")
+    q, *parts = (torch.from_numpy(part) for part in q4.decode_compact(kind, data, rows, cols))
+    tiles, scales, lows = q4.layout_k(q, *parts) if kind == "Q4_K" else q4.layout_d(q, parts[0], kind) \
+        if kind == "Q4_0" else q4.layout(q, *parts)
+    assert q4.form(scales, lows) == {"Q4_K": "Q4_K", "Q4_0": "fp16 d", "Q4_1": "fp16"}[kind]
     _, scale, low = q4.decode(kind, data, rows, cols)
     wide = q4.expand(scales, lows)
     assert torch.equal(q4.per_row(wide[0]), torch.from_numpy(scale)) and torch.equal(q4.per_row(wide[1]),
                                                                                        torch.from_numpy(low))
     kept = tiles.nbytes + scales.nbytes + lows.nbytes
-    # Q4_K: the file's bytes exactly; Q4_0 and Q4_1: a fp16 low beside each scale (Q4_0's -8 d)
-    assert kept == data.nbytes if kind == "Q4_K" else kept <= data.nbytes * 1.12
+    assert kept == data.nbytes + (rows // 16 if kind == "Q4_0" else 0)  # Q4_0: and its factor, a byte a tile
 
 
 def test_a_q4_0_scale_whose_low_leaves_fp16_keeps_fp32():

@@ -12,7 +12,8 @@ def tensors() -> dict[str, torch.Tensor]:
     return {"a.tiles": torch.randint(0, 256, (3, 4, 416), dtype=torch.uint8, generator=generator),
             "a.d": torch.randn(3, 2, 16, generator=generator),
             "b.sums": torch.randint(-1000, 1000, (2, 5, 16), dtype=torch.int32, generator=generator),
-            "b.half": torch.randn(7, generator=generator).bfloat16(),  # 14 bytes: what follows is not aligned
+            "b.half": torch.randn(7, generator=generator).bfloat16(),  # 14 bytes: what followed was not aligned
+            "b.factors": torch.full((3, 1, 1), -8, dtype=torch.int8),  # 3 bytes
             "after": torch.randn(3, 5, generator=generator),
             "empty": torch.zeros(0, 16)}
 
@@ -25,6 +26,8 @@ def test_what_is_written_is_read_back_and_safetensors_reads_it_too(tmp_path):
     assert metadata == {"kinds": '{"a": "Q6_K"}'} and names == list(tensors())
     for name, tensor in tensors().items():
         assert get(name).dtype == tensor.dtype and torch.equal(get(name), tensor), name
+    # each a view of the one read, none copied for its alignment (the widest elements come first)
+    assert len({get(name).untyped_storage().data_ptr() for name in names if get(name).numel()}) == 1
     with safe_open(str(path), framework="pt") as fh:
         assert fh.metadata() == metadata
         assert all(torch.equal(fh.get_tensor(name), tensor) for name, tensor in tensors().items())

@@ -249,6 +249,8 @@ def test_the_compact_forms_give_the_fp32_forms_bits(kernel):
                 assert torch.equal(q4.Q4Linear(*k_form, path=path)(rows_in),
                                    q4.Q4Linear(*q4.layout(codes, k_scales, k_lows), path=0)(rows_in)), (path, count)
     d16 = scales16.float()  # Q4_0's and Q5_0's d form: the low is d times the tile's factor, made by the kernel
+    # with d negative, zero and past fp16's range once multiplied (where the fp16 form kept fp32)
+    d16[0, :4] = torch.tensor([-0.03125, 0.0, 9000.0, -60000.0])
     for kind, five in (("Q4_0", False), ("Q5_0", True)):
         factor = q4.D_FACTORS[kind]
         coded = codes | (codes << 1 & 0x10) if five else codes  # some top bits set for Q5_0
@@ -256,6 +258,8 @@ def test_the_compact_forms_give_the_fp32_forms_bits(kernel):
         assert q4.form(*d_form[1:]) == "fp16 d" and sum(t.nbytes for t in d_form[1:]) == d_form[1].nbytes + rows // 16
         assert torch.equal(q4.expand(*d_form[1:])[1], q4.per_tile(factor * d16))
         fp32 = q4.layout(coded, d16, factor * d16, five_bit=five)
+        with pytest.raises(ValueError, match="must be -8"):
+            q4.Q4Linear(d_form[0], d_form[1], -d_form[2])
         for path in paths():
             for count in (1, 2, 5):
                 for rows_in in (x[:count], x[:count].bfloat16()):

@@ -3,7 +3,7 @@
 // q6.py) and its Q8_0 output layer (engine/kernels/q8.py). One library, so one compile.
 //
 //   q4_mm  Q4_0 / Q4_1 / Q4_K: w = scale * q + low, a code q in 0..15 per weight, a scale and low
-//          per 32 weights along a row, given in one of three forms (the fp32 values are the same):
+//          per 32 weights along a row, given in one of four forms (the fp32 values are the same):
 //            fp32   scale and low per 32 weights
 //            fp16   scale and low per 32 weights (Q4_1: the file's own fp16 values)
 //            d      Q4_0, Q5_0: the file's fp16 d per 32 weights, low = factor * d (an int8 per tile:
@@ -53,7 +53,7 @@
 //   Q5 codes (N / 16, K / 32, 320) uint8
 //     tile bytes 0..255 as Q4's, holding the low 4 bits of each code
 //     tile byte 256 + 8 c + b, bit t: the top bit of q[j][4 c + i], 4 j + i = 8 b + t (c 0..7)
-//     and scales and lows as Q4's (fp16, fp32 or the Q4_K form)
+//     and scales and lows as Q4's (fp16, fp32, the d form or the Q4_K form)
 //   Q8 scales fp32 (N / 16, K / 32, 16)
 //   Q8 codes (N / 16, K / 32, 512) int8
 //     tile byte 64 c + 4 j + i    (c 0..7) = q[j][4 c + i]

@@ -96,7 +96,7 @@ class Int4Linear(FixedLinear):
     @classmethod
     def from_kernel_layout(cls, tiles: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor,
                            bias: torch.Tensor | None = None, kind: str = "Q4") -> Int4Linear:
-        """The same blocks from ladechat's kernel's buffers (q4.layout's or q4.layout_k's)."""
+        """The same blocks from ladechat's kernel's buffers (q4.layout's, q4.layout_d's or q4.layout_k's)."""
         codes = torch.from_numpy(pack_codes(q4.codes_of(tiles).numpy()))
         return cls.from_codes(codes, *map(q4.per_row, q4.expand(scales, lows)), bias, kind)
 

@@ -357,6 +357,8 @@ class Q4Linear(BlockLinear):
             raise ValueError(f"4-bit buffers {tiles.dtype} {tuple(tiles.shape)}, {scales.dtype} {tuple(scales.shape)} "
                              f"and {lows.dtype} {tuple(lows.shape)} do not make one weight")
         self.form = form(scales, lows)
+        if self.form == "fp16 d" and not bool((lows == (-16 if size == FIVE_BIT_TILE_BYTES else -8)).all()):
+            raise ValueError("the d form's factors must be -8 (4-bit tiles) or -16 (5-bit tiles)")
         self.kind = kind
         self.keep((tiles, scales, lows), bias, best_path() if path is None else path)
 

@@ -27,19 +27,24 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
 
 
 def write(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """`tensors` (CPU, of the DTYPES) and `metadata` to `path` in the safetensors format."""
-    header: dict = {"__metadata__": dict(metadata)}
-    offset = 0
-    for name, tensor in tensors.items():
+    """`tensors` (CPU, of the DTYPES) and `metadata` to `path` in the safetensors format; the data
+    of the widest elements first, so that every tensor starts aligned for its dtype (read() would
+    copy one that does not: a tensor of an odd number of bytes before it would misalign the rest)."""
+    offsets, offset = {}, 0
+    in_file = sorted(tensors.items(), key=lambda item: -item[1].element_size())
+    for name, tensor in in_file:
         size = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": NAMES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        offsets[name] = [offset, offset + size]
         offset += size
+    header: dict = {"__metadata__": dict(metadata)}
+    for name, tensor in tensors.items():  # the names in the order given
+        header[name] = {"dtype": NAMES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": offsets[name]}
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
     with open(path, "wb") as fh:
         fh.write(len(encoded).to_bytes(8, "little"))
         fh.write(encoded)
-        for tensor in tensors.values():
+        for _, tensor in in_file:
             fh.write(_bytes_of(tensor))
 
 
