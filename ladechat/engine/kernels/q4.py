@@ -124,10 +124,17 @@ def d_form(d: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
     """Q4_0's or Q5_0's d per tile (per_tile's layout, (T, G, 16), fp16 values) -> the kernel's d
     form, the file's bytes: scales fp16 (T, G, 16) and lows int8 (T, 1, 1), the factor (D_FACTORS)
     the kernel multiplies d by for the low, exactly. ValueError where d is not an fp16 value."""
-    scales = d.astype(np.float16)
-    if not np.array_equal(scales.astype(d.dtype), d):
-        raise ValueError("the d form holds d as fp16: these are not fp16 values")
+    scales = _as_fp16(d, "the d form holds d as fp16")
     return np.ascontiguousarray(scales), np.full((d.shape[0], 1, 1), D_FACTORS[kind], dtype=np.int8)
+
+
+def _as_fp16(values: np.ndarray, why: str) -> np.ndarray:
+    """`values` as fp16, which must hold them exactly (a form that rounded them would change the
+    weights): ValueError saying `why` otherwise."""
+    half = values.astype(np.float16)
+    if not np.array_equal(half.astype(values.dtype), values):
+        raise ValueError(f"{why}: these are not fp16 values")
+    return half
 
 
 def pack_k(sc: np.ndarray, m: np.ndarray, d: np.ndarray, dmin: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -148,10 +155,7 @@ def pack_k(sc: np.ndarray, m: np.ndarray, d: np.ndarray, dmin: np.ndarray) -> tu
     tops = (values >> 4).reshape(tiles, groups // SUPER, 4, -1)
     plane = tops[:, :, 0] | (tops[:, :, 1] << 2) | (tops[:, :, 2] << 4) | (tops[:, :, 3] << 6)
     scales = np.concatenate([low, plane], axis=-1).reshape(tiles, groups, K_SCALE_BYTES)
-    supers = np.concatenate([d, -dmin], axis=-1)
-    lows = supers.astype(np.float16)
-    if not np.array_equal(lows.astype(supers.dtype), supers):
-        raise ValueError("the Q4_K form holds d and dmin as fp16: these are not fp16 values")
+    lows = _as_fp16(np.concatenate([d, -dmin], axis=-1), "the Q4_K form holds d and dmin as fp16")
     return np.ascontiguousarray(scales), np.ascontiguousarray(lows)
 
 
@@ -296,7 +300,7 @@ def compact_scales(kind: str, data: np.ndarray, rows: int, cols: int) -> tuple[n
     blocks = _blocks(kind, data, rows, cols)
     if kind in ("Q4_0", "Q5_0"):  # w = d (q - 8), d (q - 16)
         d = _f16(blocks, 0).reshape(rows, cols // GROUP)
-        low = (-8 if kind == "Q4_0" else -16) * d
+        low = D_FACTORS[kind] * d
         dtype = np.float16 if (np.abs(low) <= np.finfo(np.float16).max).all() else np.float32  # else past fp16's range
         return d.astype(dtype), low.astype(dtype)
     if kind in ("Q4_1", "Q5_1"):
