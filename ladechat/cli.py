@@ -60,6 +60,7 @@ MaxMemory = Annotated[Optional[str], typer.Option("--max-memory", help="With --d
 Attn = Annotated[str, typer.Option("--attn", help="Attention kernel: sdpa, eager or flash.")]
 ContextSize = Annotated[Optional[int], typer.Option("--ctx", help="Most tokens a conversation holds, the answer included (default: the model's context, at most 8192); the oldest turns are dropped past it.")]
 Weights = Annotated[str, typer.Option("--weights", help="Linear weights: auto (a GGUF's 4-bit blocks as int4 on the CPU, the rest packed for oneDNN; else packed where that runs), dense (as transformers loads them), packed (oneDNN's layout, fp32/bf16) or int4.")]
+Quantize = Annotated[Optional[str], typer.Option("--quantize", help="On the CPU, quantize a Hugging Face model's Linear weights as it loads: q4 (Q4_0 blocks) or q8 (Q8_0), run on ladechat's kernels like a GGUF's; kept in the cache, so only the first load quantizes.")]
 Template = Annotated[Optional[str], typer.Option("--template", help="Chat template to use instead of the model's own (see: ladechat templates).")]
 System = Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.")]
 Stop = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop the answer after this text (repeatable).")]
@@ -78,7 +79,7 @@ Resume = Annotated[bool, typer.Option("--resume", help="List the chats kept and 
 KeepAlive = Annotated[str, typer.Option("--keep-alive", envvar="LADECHAT_KEEP_ALIVE", show_envvar=True, help="How long the model stays loaded after an answer, in a local server the next ask or chat uses (5m, 30s, 1h30m; 0: load in this command and keep nothing; -1: until 'ladechat stop').")]
 # Options about loading a model here: refused with --api (the server loaded its model).
 LOCAL_ONLY = ("dtype", "device", "load_in_4bit", "load_in_8bit", "device_map", "max_memory", "attn", "template", "compile",
-              "weights", "context_size")
+              "weights", "context_size", "quantize")
 
 
 def stdout_console() -> Console:
@@ -218,7 +219,7 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = LOOKAHE
          keep_alive: KeepAlive = "5m",
          max_memory: MaxMemory = None, attn: Attn = "sdpa", template: Template = None, system: System = None, stop: Stop = None,
          compile: AutoCompile = None, store: Store = LOOKAHEAD.store, markdown: Markdown = True, hide_thinking: HideThinking = False, debug: Debug = False,
-         api: Api = None, api_key: ApiKey = None, weights: Weights = "auto", context_size: ContextSize = None,
+         api: Api = None, api_key: ApiKey = None, weights: Weights = "auto", context_size: ContextSize = None, quantize: Quantize = None,
          history: KeepHistory = True, continue_: Continue = False, resume: Resume = False) -> None:
     """Interactive multi-turn chat (the default command). Type /help inside for commands."""
     if ctx.invoked_subcommand is not None:
@@ -351,7 +352,7 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
         attn: Attn = "sdpa",
         template: Template = None, system: System = None, stop: Stop = None, compile: AutoCompile = None,
         store: Store = LOOKAHEAD.store, markdown: Markdown = True, hide_thinking: HideThinking = False, debug: Debug = False, as_json: AsJson = False,
-        api: Api = None, api_key: ApiKey = None, weights: Weights = "auto", context_size: ContextSize = None,
+        api: Api = None, api_key: ApiKey = None, weights: Weights = "auto", context_size: ContextSize = None, quantize: Quantize = None,
         files: Annotated[Optional[list[str]], typer.Option("--file", "-f", help="A text file to put into the question, under its name (repeatable); with no PROMPT the files are the question.")] = None) -> None:
     """One-shot answer to PROMPT, streamed to stdout (greedy unless --temperature is given)."""
     from ladechat.backends.base import interrupt
@@ -460,7 +461,7 @@ def serve(ctx: typer.Context, host: Annotated[str, typer.Option("--host", help="
           seed: Seed = None, dtype: Dtype = "auto", device: Device = "auto", load_in_4bit: FourBit = False,
           load_in_8bit: EightBit = False, device_map: DeviceMap = None, max_memory: MaxMemory = None,
           attn: Attn = "sdpa", template: Template = None, stop: Stop = None, compile: AutoCompile = None,
-          store: Store = LOOKAHEAD.store, weights: Weights = "auto", context_size: ContextSize = None) -> None:
+          store: Store = LOOKAHEAD.store, weights: Weights = "auto", context_size: ContextSize = None, quantize: Quantize = None) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions), with lookahead decoding."""
     from ladechat.serve import app as server
     from ladechat.serve.guard import allowed_hosts, is_loopback, normal_origin

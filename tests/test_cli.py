@@ -68,6 +68,10 @@ def test_ask_json_fields(embedded_fp32):
     (["ask", "--api", "http://127.0.0.1:9/v1", "--ctx", "512", "hi"],
      "--ctx is about loading a model here; with --api the server has loaded it"),
     (["ask", "--compile", "-W", "64", "-N", "16", "-G", "64", "hi"], "more than the 512 a fixed-shape step allows"),
+    (["ask", "--quantize", "q3", "hi"], "unknown --quantize 'q3' (choose q4, q8)"),
+    (["ask", "--quantize", "q4", "hi"], "is a GGUF file, already quantized: --quantize takes a Hugging Face model"),
+    (["ask", "--api", "http://127.0.0.1:9/v1", "--quantize", "q8", "hi"],
+     "--quantize is about loading a model here; with --api the server has loaded it"),
     (["bench", "step-cost", "--sizes", "1,3"], "step sizes must be 1 or multiples of 4"),
     (["bench", "step-cost", "--shape", "llama-99b"], "unknown --shape 'llama-99b'"),
     # the forms from before `ladechat bench` had subcommands name the subcommand they became
@@ -103,7 +107,7 @@ def test_help_lists_every_option():
     for opt in ("--model", "--lookahead", "--window", "--ngram", "--candidates", "--max-new-tokens",
                 "--temperature", "--top-p", "--top-k", "--seed", "--dtype", "--device", "--load-in-4bit",
                 "--load-in-8bit", "--device-map", "--max-memory", "--attn", "--template", "--system", "--stop",
-                "--compile", "--markdown", "--debug", "--json"):
+                "--compile", "--markdown", "--debug", "--json", "--quantize"):
         assert opt in text, opt
     r = ladechat("templates")
     assert r.stdout.decode().split() == ["alpaca", "chatml", "llama-2", "vicuna", "zephyr"]

@@ -17,7 +17,7 @@ from ladechat.errors import UserError
 
 LOAD_OPTIONS = {"model": None, "dtype": "auto", "device": "auto", "attn": "sdpa", "weights": "auto",
                 "load_in_4bit": False, "load_in_8bit": False, "device_map": None, "max_memory": None,
-                "compile": None, "context_size": None}  # compile None: the device decides (compiles())
+                "compile": None, "context_size": None, "quantize": None}  # compile None: the device decides (compiles())
 Progress = Callable[[str], AbstractContextManager]
 FLAGS = {"context_size": "--ctx"}  # load options whose flag is not their name (typer keeps `ctx` for itself)
 
@@ -67,12 +67,15 @@ def load_model(options: dict, progress: Progress | None, compile: bool = False):
     if compile and options["weights"] not in ("auto", "dense"):
         raise OptionError(f"--compile compiles the model's own Linear modules: it cannot run --weights "
                           f"{options['weights']}")
+    if compile and options["quantize"]:
+        raise OptionError("--compile compiles the model's own Linear modules: it cannot run --quantize")
     max_memory = options["max_memory"]
     spec = LoadSpec(model=options["model"], dtype=options["dtype"], device=options["device"], attn=options["attn"],
                     load_in_4bit=options["load_in_4bit"], load_in_8bit=options["load_in_8bit"],
                     device_map=options["device_map"],
                     max_memory=parse_max_memory(max_memory) if max_memory is not None else (),
-                    pack_weights=not compile, weights=options["weights"], context_size=options["context_size"])
+                    pack_weights=not compile, weights=options["weights"], context_size=options["context_size"],
+                    quantize=options["quantize"])
     check_weights(spec)  # flag errors before any slow import
     check_context_size(spec.context_size)
     resolve_dtype(options["dtype"], resolve_device(options["device"]))
@@ -200,7 +203,7 @@ def compiles(options: dict) -> bool:
 
     if torch.version.hip is not None:  # AMD's GPUs answer as cuda; compiled steps were measured on NVIDIA's
         return False
-    return compiles_by_default(kind, options["load_in_4bit"] or options["load_in_8bit"],
+    return compiles_by_default(kind, options["load_in_4bit"] or options["load_in_8bit"] or bool(options["quantize"]),
                                options["device_map"] is not None, options["weights"])
 
 

@@ -57,7 +57,7 @@ def test_decode_reads_the_blocks_as_gguf_dequantizes_them(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_librarys_tiles_are_the_layout_of_the_decoded_codes(kernel, kind, monkeypatch):
     """gguf_tiles makes from the blocks the bytes q4.tiles_of makes from the codes, in the model's
-    row order where one is given; _kernel_form's two paths (the library's, numpy's) agree."""
+    row order where one is given; kernel_form's two paths (the library's, numpy's) agree."""
     for rows, cols, seed in ((16, 256, 0), (48, 512, 1)):
         data = random_blocks(kind, rows, cols, seed)
         codes = torch.from_numpy(q4.decode_compact(kind, data, rows, cols)[0])
@@ -65,10 +65,10 @@ def test_the_librarys_tiles_are_the_layout_of_the_decoded_codes(kernel, kind, mo
         assert python.shape == (rows // 16, cols // 32, 320) and torch.equal(q4.codes_of(python), codes)
         assert torch.equal(q4.gguf_tiles(kind, data, rows, cols), python)
         order = np.random.default_rng(seed).permutation(rows)
-        tiled = quantized._kernel_form(kind, data, rows, cols, lambda o=order: o)
+        tiled = quantized.kernel_form(kind, data, rows, cols, lambda o=order: o)
         with monkeypatch.context() as patch:
             patch.setattr(q4, "loaded", lambda: False)
-            plain = quantized._kernel_form(kind, data, rows, cols, lambda o=order: o)
+            plain = quantized.kernel_form(kind, data, rows, cols, lambda o=order: o)
         assert tiled.keys() == plain.keys()
         assert all(tiled[k].dtype == plain[k].dtype and torch.equal(tiled[k], plain[k]) for k in tiled)
         assert torch.equal(q4.codes_of(tiled["tiles"]), codes[order])

@@ -186,7 +186,7 @@ def test_a_q4_k_m_like_layout_runs_every_tensor_at_its_own_bits_and_lookahead_an
 def test_the_librarys_tiles_are_the_layouts_from_the_blocks(kernel, kind, monkeypatch):
     """blocks.cpp's gguf_tiles (a model's first use) makes from a tensor's blocks the very bytes that
     q4.layout / q4.layout_k / q6.layout make from the decoded codes; the rows reordered (llama.cpp's
-    q and k) give the reordered layout; and _kernel_form's two paths give the same buffers, the
+    q and k) give the reordered layout; and kernel_form's two paths give the same buffers, the
     library's also when it writes into a part of a larger tensor."""
     from test_int4 import random_blocks as random_q4_blocks
 
@@ -199,14 +199,14 @@ def test_the_librarys_tiles_are_the_layouts_from_the_blocks(kernel, kind, monkey
             python = q4.tiles_of(torch.from_numpy(q4.decode_compact(kind, data, rows, cols)[0]))
         assert torch.equal(q4.gguf_tiles(kind, data, rows, cols), python)
         order = np.random.default_rng(seed).permutation(rows)
-        tiled = quantized._kernel_form(kind, data, rows, cols, lambda o=order: o)
+        tiled = quantized.kernel_form(kind, data, rows, cols, lambda o=order: o)
         with monkeypatch.context() as patch:
             patch.setattr(q4, "loaded", lambda: False)  # the numpy path, as where the library is not built
-            plain = quantized._kernel_form(kind, data, rows, cols, lambda o=order: o)
+            plain = quantized.kernel_form(kind, data, rows, cols, lambda o=order: o)
         assert tiled.keys() == plain.keys()
         assert all(tiled[k].dtype == plain[k].dtype and torch.equal(tiled[k], plain[k]) for k in tiled)
         # written into a part of a larger allocation (a model's first load), the rows reordered there
         whole = torch.full((python.numel() + 64,), 7, dtype=torch.uint8)
-        placed = quantized._kernel_form(kind, data, rows, cols, lambda o=order: o, whole[32 : 32 + python.numel()])
+        placed = quantized.kernel_form(kind, data, rows, cols, lambda o=order: o, whole[32 : 32 + python.numel()])
         assert torch.equal(placed["tiles"], plain["tiles"]) and placed["tiles"].data_ptr() == whole[32:].data_ptr()
         assert torch.equal(whole[:32], torch.full((32,), 7, dtype=torch.uint8)) and torch.equal(whole[-32:], whole[:32])

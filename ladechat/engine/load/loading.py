@@ -13,7 +13,7 @@ import torch
 
 from ladechat.engine.kernels import int4, native, norms, q4, q6, q8, step_ops
 from ladechat.engine.kernels.attention import use_grouped_sdpa
-from ladechat.engine.load import gguf, head, packing, quantized
+from ladechat.engine.load import gguf, head, packing, quantized, requantize
 from ladechat.engine.load.gguf import ModelNotFound
 from ladechat.engine.threads import CpuThreads
 from ladechat.errors import UserError
@@ -52,6 +52,7 @@ class LoadSpec:
     pack_weights: bool = True
     weights: str = "auto"  # one of WEIGHTS
     context_size: int | None = None  # --ctx: the most tokens a conversation holds; None: context_cap's default
+    quantize: str | None = None  # --quantize: a Hugging Face model's weights into blocks at load (requantize.KINDS)
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,14 @@ def check_weights(spec: LoadSpec) -> None:
                                     ("--device-map", bool(spec.device_map))) if on]
     if spec.weights in ("packed", "int4") and placed:
         raise LoadError(f"--weights {spec.weights} cannot be combined with {placed[0]}, which places the weights itself")
+    if spec.quantize is None:
+        return
+    if spec.quantize not in requantize.KINDS:
+        raise LoadError(f"unknown --quantize {spec.quantize!r} (choose {', '.join(requantize.KINDS)})")
+    if placed:
+        raise LoadError(f"--quantize cannot be combined with {placed[0]}: choose one way to place the weights")
+    if spec.weights != "auto":
+        raise LoadError(f"--quantize puts the Linear weights on ladechat's kernels: --weights {spec.weights} cannot go with it")
 
 
 def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | None = None,
@@ -197,10 +206,11 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
     load; None: the steps keep the full count. LoadError (or ModelNotFound) with one line for
     whatever the user can fix."""
     device, dtype = _checked(spec)
-    if (spec.load_in_4bit or spec.load_in_8bit) and (spec.model is None or spec.model.endswith(".gguf")):
+    if (spec.load_in_4bit or spec.load_in_8bit or spec.quantize) and (spec.model is None or spec.model.endswith(".gguf")):
         name = Path(spec.model).name if spec.model else gguf.EMBEDDED_NAME
-        raise LoadError(f"{name} is a GGUF file, already quantized: --load-in-4bit and --load-in-8bit take a "
-                        "Hugging Face model (its own blocks run at their bits here)")
+        flags = "--quantize takes" if spec.quantize else "--load-in-4bit and --load-in-8bit take"
+        raise LoadError(f"{name} is a GGUF file, already quantized: {flags} a Hugging Face model (its own blocks run "
+                        "at their bits here)")
     # its first look at the machine now: the load's seconds are the first interval it measures
     threads = CpuThreads() if device.type == "cpu" else None
     notices: list[str] = []
@@ -220,13 +230,16 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
     # quantization_config) or a device map: accelerate's hooks sit on the modules they replace.
     layouts = spec.pack_weights and "device_map" not in kwargs and "quantization_config" not in kwargs
     to_int4 = layouts and spec.weights in ("auto", "int4") and gguf_file is not None and int4.supported(device)
-    if to_int4 and spec.dtype == "auto" and shutil.which(native.COMPILER):
+    kernel_weights = to_int4 or spec.quantize is not None
+    if kernel_weights and spec.dtype == "auto" and shutil.which(native.COMPILER):
         # ladechat's 4-bit kernels quantize a step's rows to int8 whatever the dtype, so bf16 saves
         # nothing there (fp32 steps of the embedded model were as fast or faster, BENCHMARKS.md)
         # while fp32 keeps the rest of the step (norms, attention, residuals) exact: auto picks it
         dtype = kwargs["dtype"] = torch.float32
-    if to_int4:
+    if kernel_weights:
         native.prebuild([q4.SOURCE], kernels)  # q8's kernel too: one library
+    if spec.quantize:  # read in the checkpoint's own dtype (an 8B's fp32 copy would not fit), the rest cast after
+        kwargs["dtype"] = "auto"
     build = None
     if gguf_file is not None and not spec.device_map:  # else transformers' own GGUF load spreads it
         def build(config):
@@ -237,23 +250,15 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
         notices.append(f"{name}: transformers has no sdpa attention for {type(model).__name__}; using eager")
         attn = "eager"
     layouts = layouts and getattr(model, "hf_quantizer", None) is None
+    if spec.quantize:
+        applied = _quantized(model, spec.quantize, name, source, kernels, dtype, progress)
     if applied is not None:  # the GGUF's 4-bit blocks and Q8_0 output layer, put in as the model was built
         notices.extend(applied.notices)
         if spec.weights == "int4" and not applied.replaced:
             notices.append(f"{name} has no 4-bit (Q4_0, Q4_1, Q4_K) Linear weights the int4 kernel takes; "
                            "running them as --weights packed")
-    # a step's small ops by ladechat's kernels (step_ops.py)
-    unbuilt = step_ops.load(kernels, progress) if model.device.type == "cpu" else None
-    # where the weights are a GGUF's blocks, not the checkpoint's floats: the norms by the kernel too
-    # (norms.py), and attention row by row, so a lookahead step's rows are plain decoding's (attention.py)
-    four_bit = layouts and to_int4 and applied is not None and applied.replaced > 0 and model.device.type == "cpu"
-    if four_bit and unbuilt:
-        notices.append(f"the RMSNorm layers run as transformers' modules: {unbuilt}")
-    elif four_bit:
-        norms.apply(model)
-    if attn == "sdpa":
-        # lookahead's masked steps without a copy of the cache per query head
-        use_grouped_sdpa(model, rowwise=four_bit and not unbuilt)
+    blocks = layouts and kernel_weights and applied is not None and applied.replaced > 0 and model.device.type == "cpu"
+    _step_kernels(model, blocks, attn, kernels, progress, notices)
     _check_tree_mask(model, name, attn, source if Path(source).is_dir() else None, notices)
     # pack() itself leaves weights on devices and in dtypes it does not pack.
     if layouts and spec.weights != "dense":
@@ -266,6 +271,20 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, device=model.device, dtype=model.dtype,
                        eos_ids=eos_ids(model, tokenizer), context_length=cap,
                        notices=tuple(notices), weights=quantized.describe(model), threads=governed)
+
+
+def _step_kernels(model, blocks: bool, attn: str, kernels: Path, progress, notices: list[str]) -> None:
+    """A step's small ops by ladechat's kernels (step_ops.py). Where the weights are blocks on its
+    kernels (`blocks`), not the checkpoint's floats, the norms by the kernel too (norms.py) and
+    attention row by row, so a lookahead step's rows are plain decoding's (attention.py)."""
+    unbuilt = step_ops.load(kernels, progress) if model.device.type == "cpu" else None
+    if blocks and unbuilt:
+        notices.append(f"the RMSNorm layers run as transformers' modules: {unbuilt}")
+    elif blocks:
+        norms.apply(model)
+    if attn == "sdpa":
+        # lookahead's masked steps without a copy of the cache per query head
+        use_grouped_sdpa(model, rowwise=blocks and not unbuilt)
 
 
 def _governed(threads: CpuThreads | None, model, name: str, source: str, gguf_file: Path | None, progress,
@@ -299,6 +318,9 @@ def _checked(spec: LoadSpec) -> tuple[torch.device, torch.dtype]:
         raise LoadError("choose one of --load-in-4bit and --load-in-8bit")
     check_weights(spec)
     device = resolve_device(spec.device)
+    if spec.quantize and device.type != "cpu":
+        raise LoadError(f"--quantize runs on ladechat's CPU kernels, not on {device}; there --load-in-4bit or "
+                        "--load-in-8bit quantize with bitsandbytes")
     dtype = resolve_dtype(spec.dtype, device)
     if spec.weights == "int4" and not int4.supported(device):
         raise LoadError(f"--weights int4 runs on an x86-64 CPU with torch's int4 kernel "
@@ -626,6 +648,36 @@ def model_files(folder: Path) -> list[tuple[str, int, int]]:
     derived = (quantized.CACHE_PREFIX, head.CACHE_PREFIX)
     return sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.iterdir()
                   if f.is_file() and not (f.name.startswith(derived) and f.name.endswith((".safetensors", ".partial"))))
+
+
+def _quantized(model, quantize: str, name: str, source: str, kernels: Path, dtype: torch.dtype,
+               progress) -> quantized.Applied:
+    """--quantize: `model`'s (read dense) Linear weights put on ladechat's kernels as blocks
+    (requantize.py), the rest cast to `dtype`."""
+    if getattr(model, "hf_quantizer", None) is not None:
+        config = getattr(model.config, "quantization_config", None)
+        method = config.get("quant_method") if isinstance(config, dict) else getattr(config, "quant_method", None)
+        method = getattr(method, "value", method) or "its own"  # transformers' QuantizationMethod enum
+        raise LoadError(f"{name} is already quantized ({method} weights): --quantize takes a model of float weights")
+    try:
+        return requantize.apply(model, requantize.KINDS[quantize], _checkpoint(source), kernels, dtype, progress,
+                                Path(source).name)
+    except requantize.QuantizeError as exc:
+        raise LoadError(str(exc)) from None
+
+
+def _checkpoint(source: str) -> str | None:
+    """A checkpoint's folder and files as text (the key of its quantized layout, requantize.py):
+    a local folder's, or a hub id's folder in the hub's cache; None where neither is found."""
+    folder = Path(source)
+    if not folder.is_dir():
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(source, "config.json")
+        if not isinstance(found, str):
+            return None
+        folder = Path(found).parent
+    return f"{folder.resolve()}|{model_files(folder)}"
 
 
 def honours_tree_mask(model, folder: str | None, attn: str) -> bool:

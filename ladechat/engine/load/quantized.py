@@ -90,10 +90,10 @@ def read_gguf(gguf_path: Path, model, folder: Path) -> tuple[dict[str, torch.Ten
         if type(linear) is not torch.nn.Linear or (kind == "Q8_0" and linear is head):  # head.apply takes that
             continue
         jobs.append((name, tensor, kind, module_name, linear.out_features, linear.in_features))
-    places = _tiles_in_one_allocation(jobs)
+    places = tiles_in_one_allocation(jobs)
     for name, tensor, kind, module_name, rows, cols in jobs:
         try:
-            buffers = _kernel_form(kind, np.asarray(tensor.data), rows, cols,
+            buffers = kernel_form(kind, np.asarray(tensor.data), rows, cols,
                                    lambda: gguf_files.row_order(processor, tensor.name, rows),  # noqa: B023 (called at once)
                                    places.get(module_name))
         except (Int4Error, q4.Q4Error, q6.Q6Error, q8.Q8Error, half.HalfError) as exc:
@@ -104,7 +104,7 @@ def read_gguf(gguf_path: Path, model, folder: Path) -> tuple[dict[str, torch.Ten
     return arrays, notices, kinds
 
 
-def _tiles_in_one_allocation(jobs) -> dict[str, torch.Tensor]:
+def tiles_in_one_allocation(jobs) -> dict[str, torch.Tensor]:
     """{module: where its tiles go}, for the tensors gguf_tiles lays out: parts of one allocation
     (kept.weights_memory, as a later load reads them into), each sibling group's
     (q4.SIBLINGS) one after another, so joining them is a view rather than a copy of gigabytes."""
@@ -131,7 +131,7 @@ def _tiles_in_one_allocation(jobs) -> dict[str, torch.Tensor]:
     return places
 
 
-def _kernel_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of,
+def kernel_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of,
                  into: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """A tensor's blocks in its kernel's layout, its rows in the model's order (order_of(): the GGUF
     row of each, or None when loading does more than reorder them); gguf_tiles' tiles written
@@ -180,7 +180,7 @@ def _model_order(parts, rows: int, order_of) -> np.ndarray | None:
 
 def _tiled_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of,
                 into: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """_kernel_form's result, the tiles made by the library (q4.gguf_tiles) from the blocks, in
+    """kernel_form's result, the tiles made by the library (q4.gguf_tiles) from the blocks, in
     the model's row order."""
     if kind == "Q6_K":
         q6.check_shape(rows, cols)
@@ -234,7 +234,7 @@ def apply(model, gguf_path: Path, folder: Path, kernels: Path | None,
     from ladechat.engine.load import gguf as gguf_files
     from ladechat.engine.load import kept
 
-    kernel_notices, path_here = _kernel(gguf_path, kernels, progress, compiler)
+    kernel_notices, path_here = kernel_path(gguf_path, kernels, progress, compiler)
     path = cache_path(folder)
     if not (path.is_file() and kept.whole(path)):  # a file cut short (a full disk, a crash): read afresh
         status = progress(f"Reading the quantized blocks of {Path(gguf_path).name} (one time)") if progress \
@@ -251,14 +251,14 @@ def apply(model, gguf_path: Path, folder: Path, kernels: Path | None,
             # a read-only cache: read again next time
             gguf_files.keep_beside_meanwhile(path, arrays, meta, f"{CACHE_PREFIX}*.safetensors")
             # what was kept, from memory (read back, it would be in memory twice for a while)
-            return _replace(model, q4.KeptReader(arrays.__getitem__, arrays, model), kinds, notices, path_here,
+            return replace_linears(model, q4.KeptReader(arrays.__getitem__, arrays, model), kinds, notices, path_here,
                             kernel_notices)
     meta, keys, get = kept.read(path)
     kinds, notices = json.loads(meta.get("kinds", "{}")), json.loads(meta.get("notices", "[]"))
-    return _replace(model, q4.KeptReader(get, keys, model), kinds, notices, path_here, kernel_notices)
+    return replace_linears(model, q4.KeptReader(get, keys, model), kinds, notices, path_here, kernel_notices)
 
 
-def _kernel(gguf_path: Path, kernels: Path | None, progress, compiler: str) -> tuple[list[str], int | None]:
+def kernel_path(gguf_path: Path, kernels: Path | None, progress, compiler: str) -> tuple[list[str], int | None]:
     """(notices, the path of ladechat's kernel that runs here, or None for torch's kernel)."""
     if kernels is None:
         return [], None
@@ -270,7 +270,7 @@ def _kernel(gguf_path: Path, kernels: Path | None, progress, compiler: str) -> t
     return [], q4.best_path()
 
 
-def _replace(model, read: q4.KeptReader, kinds: dict[str, str], notices: list[str],
+def replace_linears(model, read: q4.KeptReader, kinds: dict[str, str], notices: list[str],
              path: int | None, kernel_notices: list[str]) -> Applied:
     """Put in the kept blocks (read(module, buffer)): Q4Linear on ladechat's kernel's `path`, or
     (None) Int4Linear (then `kernel_notices` say why, where any module was replaced)."""

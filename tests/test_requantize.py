@@ -1,0 +1,168 @@
+"""--quantize: a Hugging Face checkpoint's weights quantized as it loads into the GGUF blocks
+ladechat's CPU kernels run (engine/load/requantize.py): each weight is exactly its blocks, lookahead
+equals plain decoding on them, the layout is kept and read back, and what cannot go is a one-line error."""
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, dequantize, quants
+from tiny_models import tiny_tokenizer
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from ladechat.backends.opener import OptionError, load_model
+from ladechat.engine import lean
+from ladechat.engine.config import LookaheadConfig, SamplingConfig
+from ladechat.engine.decode import Session, generate
+from ladechat.engine.kernels import q4, q8
+from ladechat.engine.kernels.embedding import BlockEmbedding
+from ladechat.engine.load import loading, requantize
+from ladechat.engine.load.loading import LoadError, LoadSpec, load
+from ladechat.paths import cache_root
+
+# head dim 64: the row-wise attention kernel's (attention.HEAD_DIMS), so every row is computed alone
+SHAPE = dict(vocab_size=96, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.05)
+# a Llama with its own output layer; a Qwen2 with q/k/v biases and an output layer tied to the embedding
+FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM, {"tie_word_embeddings": False}),
+            "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True, "use_sliding_window": False})}
+
+
+def checkpoint(folder, family: str, dtype: torch.dtype = torch.float32) -> str:
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(3)
+    model = model_cls(config_cls(**SHAPE, **extra))
+    with torch.no_grad():  # biases are zero at initialisation: give them values the blocks must leave alone
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0, 0.1)
+    model.to(dtype).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, kernel, step_kernel):
+    return {family: checkpoint(tmp_path_factory.mktemp(family), family) for family in FAMILIES}
+
+
+def blocks(weight: torch.Tensor, kind: str) -> np.ndarray:
+    return quants.quantize(weight.detach().float().numpy(), GGMLQuantizationType[kind])
+
+
+def test_blocks_are_gguf_pys_whatever_the_slices(monkeypatch):
+    """Quantized a slice of rows at a time, a weight's blocks are those of the whole at once."""
+    weight = torch.randn(10, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    monkeypatch.setattr(requantize, "ROWS_AT_ONCE", 3)
+    for kind in ("Q4_0", "Q8_0"):
+        assert np.array_equal(requantize.blocks_of(weight, kind), blocks(weight, kind))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("quantize", ["q4", "q8"])
+def test_each_weight_is_exactly_its_blocks(folders, family, quantize):
+    """Every Linear runs on a kernel and its weight is its blocks' (gguf-py's dequantization, bit for
+    bit): the layers' at q4's or q8's type, the output layer and the token embedding Q8_0; biases
+    and norms as the checkpoint has them, in fp32; no dense weight left."""
+    dense = AutoModelForCausalLM.from_pretrained(folders[family], dtype=torch.float32)
+    lm = load(LoadSpec(model=folders[family], device="cpu", quantize=quantize))
+    kind = requantize.KINDS[quantize]
+    model, weights = lm.model, dict(dense.named_parameters())
+    assert lm.dtype == torch.float32 and model.config.dtype == torch.float32
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    assert not any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    head_weight = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+    for name, module in model.named_modules():
+        if name == "lm_head":
+            assert type(module) is q8.Q8Linear
+            expected = dequantize(blocks(head_weight, "Q8_0"), GGMLQuantizationType.Q8_0)
+        elif isinstance(module, (q4.Q4Linear, q8.Q8Linear)):
+            assert type(module) is (q4.Q4Linear if kind == "Q4_0" else q8.Q8Linear)
+            assert kind == "Q8_0" or module.kind == kind
+            expected = dequantize(blocks(weights[f"{name}.weight"], kind), GGMLQuantizationType[kind])
+            if f"{name}.bias" in weights:
+                assert torch.equal(module.bias, weights[f"{name}.bias"])
+        else:
+            continue
+        assert torch.equal(module.dense_weight(), torch.from_numpy(expected)), name
+    embedding = model.get_input_embeddings()
+    assert type(embedding) is BlockEmbedding
+    table = weights["model.embed_tokens.weight"]
+    assert torch.equal(embedding.weight, torch.from_numpy(dequantize(blocks(table, "Q8_0"), GGMLQuantizationType.Q8_0)))
+    assert torch.equal(model.model.norm.weight, weights["model.norm.weight"])
+    assert "Q8_0 blocks" in lm.weights and (kind == "Q8_0" or f"from {kind} blocks" in lm.weights)
+
+
+def answer(lm, prompt: str, la: LookaheadConfig) -> list[int]:
+    ids = lm.tokenizer(prompt)["input_ids"]
+    return list(list(generate(Session(lm.model, la), ids, SamplingConfig(max_new_tokens=48), lm.eos_ids))[-1].text_tokens)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_lookahead_is_plain_decoding_on_the_quantized_weights(folders, family):
+    """On the quantized weights each row is computed alone (block products, row-wise attention), so
+    the lean step prefills and decodes and a lookahead answer is plain decoding's, token for token."""
+    lm = load(LoadSpec(model=folders[family], device="cpu", quantize="q4"))
+    assert lean.LeanStep(lm.model).rows_alone
+    for prompt in ("the cat sat on the mat. the cat sat on", "abcabcabcabc"):
+        plain = answer(lm, prompt, LookaheadConfig(enabled=False))
+        assert len(plain) == 48
+        assert answer(lm, prompt, LookaheadConfig(window=4, ngram=4, candidates=4)) == plain
+
+
+def test_the_layout_is_kept_and_read_back(folders, monkeypatch):
+    """A first load quantizes and keeps the layout in the cache; a later one reads it (quantizing
+    nothing) and computes the same logits; a checkpoint whose files change is quantized afresh."""
+    folder = folders["llama"]
+    shutil.rmtree(cache_root() / "quantized", ignore_errors=True)
+    first = load(LoadSpec(model=folder, device="cpu", quantize="q4"))
+    assert len(list((cache_root() / "quantized").glob("*/quantized-Q4_0-*.safetensors"))) == 1
+    ids = torch.tensor([[5, 17, 33, 2, 64]])
+    with torch.no_grad():
+        logits = first.model(ids).logits
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("quantized again")
+
+    monkeypatch.setattr(requantize, "quantize", refuse)
+    again = load(LoadSpec(model=folder, device="cpu", quantize="q4"))
+    with torch.no_grad():
+        assert torch.equal(again.model(ids).logits, logits)
+    before = loading._checkpoint(folder)
+    (Path(folder) / "config.json").touch()
+    assert loading._checkpoint(folder) != before
+
+
+def test_a_bf16_checkpoint_is_read_in_bf16_and_runs_in_fp32(tmp_path):
+    """A bf16 checkpoint is read as it is (no float32 copy of the weights), its blocks made from
+    its bf16 values, and the rest runs in fp32 (--dtype auto, as for a GGUF)."""
+    folder = checkpoint(tmp_path, "llama", torch.bfloat16)
+    dense = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    lm = load(LoadSpec(model=folder, device="cpu", quantize="q8"))
+    assert lm.dtype == torch.float32 and lm.model.model.norm.weight.dtype == torch.float32
+    down = lm.model.model.layers[1].mlp.down_proj
+    expected = dequantize(blocks(dense.model.layers[1].mlp.down_proj.weight, "Q8_0"), GGMLQuantizationType.Q8_0)
+    assert torch.equal(down.dense_weight(), torch.from_numpy(expected))
+
+
+def test_what_cannot_be_quantized_is_a_one_line_error(folders, monkeypatch):
+    folder = folders["llama"]
+    with pytest.raises(LoadError, match=r"unknown --quantize 'q3' \(choose q4, q8\)"):
+        load(LoadSpec(model=folder, quantize="q3"))
+    with pytest.raises(LoadError, match="is a GGUF file, already quantized: --quantize takes a Hugging Face model"):
+        load(LoadSpec(quantize="q4"))
+    with pytest.raises(LoadError, match="--quantize cannot be combined with --load-in-4bit"):
+        load(LoadSpec(model=folder, quantize="q4", load_in_4bit=True))
+    with pytest.raises(LoadError, match="--weights packed cannot go with it"):
+        load(LoadSpec(model=folder, quantize="q8", weights="packed"))
+    with pytest.raises(OptionError, match="--compile .* cannot run --quantize"):
+        load_model({"model": folder, "quantize": "q4"}, None, compile=True)
+    monkeypatch.setattr(loading, "resolve_device", lambda name: torch.device("cuda"))
+    with pytest.raises(LoadError, match="--quantize runs on ladechat's CPU kernels, not on cuda"):
+        load(LoadSpec(model=folder, quantize="q4", device="cuda"))
+    monkeypatch.undo()
+    monkeypatch.setattr(q4, "load", lambda kernels, progress=None, compiler=None: "no C++ compiler (c++) found")
+    with pytest.raises(LoadError, match="--quantize runs on ladechat's CPU kernels, which cannot run here: no C"):
+        load(LoadSpec(model=folder, quantize="q4", device="cpu"))
