@@ -2,6 +2,7 @@
 ladechat's CPU kernels run (engine/load/requantize.py): each weight is exactly its blocks, lookahead
 equals plain decoding on them, the layout is kept and read back, and what cannot go is a one-line error."""
 
+import json
 import shutil
 from pathlib import Path
 
@@ -10,7 +11,15 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, dequantize, quants
 from tiny_models import tiny_tokenizer
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    GemmaConfig,
+    GemmaForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from ladechat.backends.opener import OptionError, load_model
 from ladechat.engine import lean
@@ -28,12 +37,14 @@ SHAPE = dict(vocab_size=96, hidden_size=256, intermediate_size=512, num_hidden_l
 # a Llama with its own output layer; a Qwen2 with q/k/v biases and an output layer tied to the embedding
 FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM, {"tie_word_embeddings": False}),
             "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True, "use_sliding_window": False})}
+# Gemma: an embedding that scales its rows (not kept as blocks), a scale that is a buffer
+GEMMA = (GemmaConfig, GemmaForCausalLM, {"tie_word_embeddings": True})
 
 
-def checkpoint(folder, family: str, dtype: torch.dtype = torch.float32) -> str:
-    config_cls, model_cls, extra = FAMILIES[family]
+def checkpoint(folder, family: str, dtype: torch.dtype = torch.float32, **shape) -> str:
+    config_cls, model_cls, extra = GEMMA if family == "gemma" else FAMILIES[family]
     torch.manual_seed(3)
-    model = model_cls(config_cls(**SHAPE, **extra))
+    model = model_cls(config_cls(**{**SHAPE, **shape}, **extra))
     with torch.no_grad():  # biases are zero at initialisation: give them values the blocks must leave alone
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
@@ -44,7 +55,13 @@ def checkpoint(folder, family: str, dtype: torch.dtype = torch.float32) -> str:
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory, kernel, step_kernel):
+def kernels(kernel, step_kernel):
+    if q4.best_path() < 1:
+        pytest.skip("--quantize runs on ladechat's AVX2 or AVX-512 kernels; this CPU has neither")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, kernels):
     return {family: checkpoint(tmp_path_factory.mktemp(family), family) for family in FAMILIES}
 
 
@@ -114,14 +131,17 @@ def test_lookahead_is_plain_decoding_on_the_quantized_weights(folders, family):
 
 def test_the_layout_is_kept_and_read_back(folders, monkeypatch):
     """A first load quantizes and keeps the layout in the cache; a later one reads it (quantizing
-    nothing) and computes the same logits; a checkpoint whose files change is quantized afresh."""
+    nothing) and computes the same logits; once a file of the checkpoint changes, a load quantizes
+    afresh and its layout replaces the one before."""
     folder = folders["llama"]
     shutil.rmtree(cache_root() / "quantized", ignore_errors=True)
     first = load(LoadSpec(model=folder, device="cpu", quantize="q4"))
-    assert len(list((cache_root() / "quantized").glob("*/quantized-Q4_0-*.safetensors"))) == 1
+    kept = list((cache_root() / "quantized").glob("*/quantized-Q4_0-*.safetensors"))
+    assert len(kept) == 1
     ids = torch.tensor([[5, 17, 33, 2, 64]])
     with torch.no_grad():
         logits = first.model(ids).logits
+    made = requantize.quantize
 
     def refuse(*args, **kwargs):
         raise AssertionError("quantized again")
@@ -130,24 +150,75 @@ def test_the_layout_is_kept_and_read_back(folders, monkeypatch):
     again = load(LoadSpec(model=folder, device="cpu", quantize="q4"))
     with torch.no_grad():
         assert torch.equal(again.model(ids).logits, logits)
-    before = loading._checkpoint(folder)
     (Path(folder) / "config.json").touch()
-    assert loading._checkpoint(folder) != before
+    with pytest.raises(AssertionError, match="quantized again"):
+        load(LoadSpec(model=folder, device="cpu", quantize="q4"))
+    monkeypatch.setattr(requantize, "quantize", made)
+    load(LoadSpec(model=folder, device="cpu", quantize="q4"))
+    now = list((cache_root() / "quantized").glob("*/quantized-Q4_0-*.safetensors"))
+    assert len(now) == 1 and now != kept and now[0].parent == kept[0].parent
 
 
-def test_a_bf16_checkpoint_is_read_in_bf16_and_runs_in_fp32(tmp_path):
+def test_the_products_are_the_dequantized_weights(folders):
+    """The quantized model's logits are those of the dense model holding the blocks' dequantized
+    weights, but for the int8 rounding of the activations (q/k/v and gate/up run joined): far
+    closer to them than to the checkpoint's own float logits."""
+    folder = folders["qwen2"]
+    lm = load(LoadSpec(model=folder, device="cpu", quantize="q4"))
+    dense = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    original = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        for name, module in lm.model.named_modules():
+            if isinstance(module, (q4.Q4Linear, q8.Q8Linear)):
+                dense.get_submodule(name).weight.copy_(module.dense_weight())
+        dense.get_input_embeddings().weight.copy_(lm.model.get_input_embeddings().weight)
+        ids = torch.tensor([[5, 17, 33, 2, 64, 9, 81]])
+        ours, theirs, floats = (m(ids).logits for m in (lm.model, dense, original))
+    assert (ours - theirs).abs().max() < 0.25 * (floats - theirs).abs().max()
+
+
+def test_a_bf16_checkpoint_is_read_in_bf16_and_runs_in_fp32(tmp_path, kernels, monkeypatch):
     """A bf16 checkpoint is read as it is (no float32 copy of the weights), its blocks made from
     its bf16 values, and the rest runs in fp32 (--dtype auto, as for a GGUF)."""
     folder = checkpoint(tmp_path, "llama", torch.bfloat16)
     dense = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    seen = set()
+    blocks_of = requantize.blocks_of
+
+    def recorded(weight, kind):
+        seen.add(weight.dtype)
+        return blocks_of(weight, kind)
+
+    monkeypatch.setattr(requantize, "blocks_of", recorded)
     lm = load(LoadSpec(model=folder, device="cpu", quantize="q8"))
+    assert seen == {torch.bfloat16}
     assert lm.dtype == torch.float32 and lm.model.model.norm.weight.dtype == torch.float32
     down = lm.model.model.layers[1].mlp.down_proj
     expected = dequantize(blocks(dense.model.layers[1].mlp.down_proj.weight, "Q8_0"), GGMLQuantizationType.Q8_0)
     assert torch.equal(down.dense_weight(), torch.from_numpy(expected))
 
 
-def test_what_cannot_be_quantized_is_a_one_line_error(folders, monkeypatch):
+def test_buffers_and_what_stays_dense(tmp_path, kernels):
+    """A bf16 Gemma: its embedding scales its rows, so it stays dense (the tied output layer still
+    gets Q8_0 blocks of it), and its scale, a buffer, is sqrt(hidden) in fp32 as an fp32 model makes
+    it, not the bf16 rounding the checkpoint was read with; a Linear whose inputs are not a
+    multiple of 32 stays dense, with a notice, and the model still runs."""
+    folder = checkpoint(tmp_path / "gemma", "gemma", torch.bfloat16, head_dim=64)
+    lm = load(LoadSpec(model=folder, device="cpu", quantize="q8"))
+    embedding = lm.model.get_input_embeddings()
+    assert type(embedding) is not BlockEmbedding and embedding.weight.dtype == torch.float32
+    assert embedding.embed_scale.dtype == torch.float32 and embedding.embed_scale.item() == SHAPE["hidden_size"] ** 0.5
+    assert type(lm.model.lm_head) is q8.Q8Linear
+    odd = checkpoint(tmp_path / "odd", "llama", intermediate_size=48)
+    lm = load(LoadSpec(model=odd, device="cpu", quantize="q4"))
+    assert not isinstance(lm.model.model.layers[0].mlp.down_proj, (q4.Q4Linear, q8.Q8Linear))  # dense (packed)
+    assert type(lm.model.model.layers[0].mlp.up_proj) is q4.Q4Linear
+    assert any("mlp.down_proj (256x48) stays dense" in notice for notice in lm.notices)
+    with torch.no_grad():
+        assert torch.isfinite(lm.model(torch.tensor([[3, 4, 5]])).logits).all()
+
+
+def test_what_cannot_be_quantized_is_a_one_line_error(folders, monkeypatch, tmp_path):
     folder = folders["llama"]
     with pytest.raises(LoadError, match=r"unknown --quantize 'q3' \(choose q4, q8\)"):
         load(LoadSpec(model=folder, quantize="q3"))
@@ -163,6 +234,17 @@ def test_what_cannot_be_quantized_is_a_one_line_error(folders, monkeypatch):
     with pytest.raises(LoadError, match="--quantize runs on ladechat's CPU kernels, not on cuda"):
         load(LoadSpec(model=folder, quantize="q4", device="cuda"))
     monkeypatch.undo()
-    monkeypatch.setattr(q4, "load", lambda kernels, progress=None, compiler=None: "no C++ compiler (c++) found")
-    with pytest.raises(LoadError, match="--quantize runs on ladechat's CPU kernels, which cannot run here: no C"):
+    monkeypatch.setattr(q4, "load", lambda kernels, progress=None, compiler=None: "the compiler failed: x.cpp:1")
+    with pytest.raises(LoadError, match="--quantize runs on ladechat's CPU kernels, which cannot run here: the comp"):
         load(LoadSpec(model=folder, quantize="q4", device="cpu"))
+    monkeypatch.setattr(loading.shutil, "which", lambda name: None)
+    with pytest.raises(LoadError, match=r"--quantize runs on ladechat's CPU kernels, which need a C\+\+ compiler"):
+        load(LoadSpec(model=folder, quantize="q4", device="cpu"))
+    monkeypatch.undo()
+    config = json.loads((Path(folder) / "config.json").read_text())
+    quantized = tmp_path / "gptq"
+    shutil.copytree(folder, quantized)
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (quantized / "config.json").write_text(json.dumps(config))
+    with pytest.raises(LoadError, match=r"gptq is already quantized \(gptq weights\): --quantize takes a model of float"):
+        load(LoadSpec(model=str(quantized), quantize="q4"))

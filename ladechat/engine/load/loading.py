@@ -240,12 +240,15 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
         native.prebuild([q4.SOURCE], kernels)  # q8's kernel too: one library
     if spec.quantize:  # read in the checkpoint's own dtype (an 8B's fp32 copy would not fit), the rest cast after
         kwargs["dtype"] = "auto"
+        if not shutil.which(native.COMPILER):  # before reading gigabytes
+            raise LoadError(f"--quantize runs on ladechat's CPU kernels, which need a C++ compiler ({native.COMPILER})")
     build = None
     if gguf_file is not None and not spec.device_map:  # else transformers' own GGUF load spreads it
         def build(config):
             return _from_gguf(Path(source), gguf_file, config, kwargs, device, kernels if to_int4 else None, progress,
                               blocks_embedding=spec.pack_weights)
-    tokenizer, model, applied = _read(spec.model or source, source, name, device, kwargs, build, gguf_file)
+    tokenizer, model, applied = _read(spec.model or source, source, name, device, kwargs, build, gguf_file,
+                                      _float_weights if spec.quantize else None)
     if attn == "sdpa" and model.config._attn_implementation == "eager":
         notices.append(f"{name}: transformers has no sdpa attention for {type(model).__name__}; using eager")
         attn = "eager"
@@ -317,7 +320,8 @@ def _checked(spec: LoadSpec) -> tuple[torch.device, torch.dtype]:
     if spec.load_in_4bit and spec.load_in_8bit:
         raise LoadError("choose one of --load-in-4bit and --load-in-8bit")
     check_weights(spec)
-    device = resolve_device(spec.device)
+    # --quantize's blocks run on the CPU: there by default, whatever GPU there is
+    device = resolve_device("cpu" if spec.quantize and spec.device == "auto" else spec.device)
     if spec.quantize and device.type != "cpu":
         raise LoadError(f"--quantize runs on ladechat's CPU kernels, not on {device}; there --load-in-4bit or "
                         "--load-in-8bit quantize with bitsandbytes")
@@ -381,7 +385,7 @@ def parting_notices(device_type: str, dtype: torch.dtype, four_bit: bool, eight_
 
 
 def _read(asked: str, source: str, name: str, device: torch.device, kwargs: dict, build=None,
-          gguf_file: Path | None = None):
+          gguf_file: Path | None = None, check: Callable | None = None):
     """(tokenizer, model in eval mode on its device, what `build` applied) from `source` (a folder or
     hub id; `asked`: what the user gave, for messages): built by `build(config)` (_from_gguf: (model,
     quantized.Applied or None)) where given, else loaded with from_pretrained's `kwargs` (from `gguf_file`
@@ -399,6 +403,8 @@ def _read(asked: str, source: str, name: str, device: torch.device, kwargs: dict
         raise ModelNotFound(_not_found(asked, exc)) from None
     if getattr(config, "is_encoder_decoder", False):
         raise LoadError(f"{name} is an encoder-decoder model; ladechat needs a decoder-only causal LM")
+    if check is not None:
+        check(config, name)
     if local and not any((Path(source) / f).is_file() for f in TOKENIZER_FILES):
         raise LoadError(f"{name} has no tokenizer in it (none of {', '.join(TOKENIZER_FILES)})")
     try:
@@ -650,24 +656,29 @@ def model_files(folder: Path) -> list[tuple[str, int, int]]:
                   if f.is_file() and not (f.name.startswith(derived) and f.name.endswith((".safetensors", ".partial"))))
 
 
+def _float_weights(config, name: str) -> None:
+    """LoadError for a checkpoint that is quantized already (its own quantization_config: GPTQ,
+    AWQ, bitsandbytes...), which --quantize cannot take: checked before it is read."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is None:
+        return
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization, "quant_method", None)
+    method = getattr(method, "value", method) or "its own"  # transformers' QuantizationMethod enum
+    raise LoadError(f"{name} is already quantized ({method} weights): --quantize takes a model of float weights")
+
+
 def _quantized(model, quantize: str, name: str, source: str, kernels: Path, dtype: torch.dtype,
                progress) -> quantized.Applied:
     """--quantize: `model`'s (read dense) Linear weights put on ladechat's kernels as blocks
-    (requantize.py), the rest cast to `dtype`."""
-    if getattr(model, "hf_quantizer", None) is not None:
-        config = getattr(model.config, "quantization_config", None)
-        method = config.get("quant_method") if isinstance(config, dict) else getattr(config, "quant_method", None)
-        method = getattr(method, "value", method) or "its own"  # transformers' QuantizationMethod enum
-        raise LoadError(f"{name} is already quantized ({method} weights): --quantize takes a model of float weights")
+    (requantize.py), the rest in `dtype`."""
     try:
-        return requantize.apply(model, requantize.KINDS[quantize], _checkpoint(source), kernels, dtype, progress,
-                                Path(source).name)
+        return requantize.apply(model, requantize.KINDS[quantize], _checkpoint(source), kernels, dtype, progress, name)
     except requantize.QuantizeError as exc:
         raise LoadError(str(exc)) from None
 
 
-def _checkpoint(source: str) -> str | None:
-    """A checkpoint's folder and files as text (the key of its quantized layout, requantize.py):
+def _checkpoint(source: str) -> tuple[str, str] | None:
+    """A checkpoint's folder and its files as text (the key of its quantized layout, requantize.py):
     a local folder's, or a hub id's folder in the hub's cache; None where neither is found."""
     folder = Path(source)
     if not folder.is_dir():
@@ -677,7 +688,7 @@ def _checkpoint(source: str) -> str | None:
         if not isinstance(found, str):
             return None
         folder = Path(found).parent
-    return f"{folder.resolve()}|{model_files(folder)}"
+    return str(folder.resolve()), str(model_files(folder))
 
 
 def honours_tree_mask(model, folder: str | None, attn: str) -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -55,15 +56,19 @@ def blocks_of(weight: torch.Tensor, kind: str) -> np.ndarray:
     return out
 
 
-def cache_file(checkpoint: str, name: str, kind: str) -> Path:
-    """Where the kernels' layout of a checkpoint (`checkpoint`: its folder and files, as text;
-    `name`: its folder's) at `kind` is kept, named for the code that makes it (a change to any is
-    quantized afresh)."""
+def cache_file(checkpoint: tuple[str, str], kind: str) -> Path:
+    """Where the kernels' layout of a checkpoint (its folder, and its files as text) at `kind` is
+    kept: a folder per checkpoint folder, a file named for its files, this code and the libraries
+    that read and quantize it (a change to any is quantized afresh, replacing the file before)."""
+    from importlib.metadata import version
+
     from ladechat.engine.load.gguf import source_digest
 
-    key = hashlib.sha256(checkpoint.encode()).hexdigest()[:12]
+    folder, files = checkpoint
+    where = hashlib.sha256(folder.encode()).hexdigest()[:12]
     code = source_digest(__file__, quantized.__file__, q4.__file__, q8.__file__, q4.SOURCE)
-    return cache_root() / "quantized" / f"{name}-{key}" / f"{PREFIX}{kind}-{code}.safetensors"
+    what = hashlib.sha256(f"{files}|{code}|{version('transformers')}|{version('gguf')}".encode()).hexdigest()[:16]
+    return cache_root() / "quantized" / f"{Path(folder).name}-{where}" / f"{PREFIX}{kind}-{what}.safetensors"
 
 
 def _fits(linear: torch.nn.Module) -> bool:
@@ -75,7 +80,8 @@ def quantize(model, kind: str, progress: Callable[[str], AbstractContextManager]
     """(the kernels' buffers {module.buffer: tensor}, {module: block type}, notices) of every plain
     Linear of `model` (its output layer: OUTER blocks) and, as `{embedding}.blocks`, its plain
     token embedding's OUTER blocks. Each dense weight is dropped as soon as its blocks are made,
-    so the model is in memory about once, not twice."""
+    so the model is in memory about once, not twice; a weight whose blocks cannot run (a shape the
+    kernels do not take, scales that are not finite) stays dense, with a notice."""
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     names = {module: key for key, module in model.named_modules()}
     jobs = [(None, None, OUTER if module is head else kind, key, module.out_features, module.in_features)
@@ -96,7 +102,12 @@ def quantize(model, kind: str, progress: Callable[[str], AbstractContextManager]
             linear = model.get_submodule(key)
             tied = table is not None and linear is head and linear.weight is embedding.weight
             data = table if tied else blocks_of(linear.weight, each)
-            buffers = quantized.kernel_form(each, data, rows, cols, lambda rows=rows: np.arange(rows), places.get(key))
+            try:
+                buffers = quantized.kernel_form(each, data, rows, cols, lambda rows=rows: np.arange(rows),
+                                                places.get(key))
+            except ValueError as exc:  # Q4Error, Q8Error, Int4Error (scales that are not finite)
+                notices.append(f"{key} stays dense: {' '.join(str(exc).split())}")
+                continue
             arrays.update({f"{key}.{buffer}": value for buffer, value in buffers.items()})
             kinds[key] = each
             if not tied:  # the dense weight goes now (a tied one is the embedding's, which goes below)
@@ -104,52 +115,76 @@ def quantize(model, kind: str, progress: Callable[[str], AbstractContextManager]
     return q4.join_in_place(arrays), kinds, notices
 
 
-def apply(model, kind: str, checkpoint: str | None, kernels: Path, dtype: torch.dtype,
+def apply(model, kind: str, checkpoint: tuple[str, str] | None, kernels: Path, dtype: torch.dtype,
           progress: Callable[[str], AbstractContextManager] | None = None, name: str = "the model") -> quantized.Applied:
-    """Put `model`'s (loaded dense, on the CPU) Linear weights and token embedding on ladechat's
-    kernels as `kind` blocks (KINDS' values), the rest cast to `dtype`. `checkpoint`: its folder
-    and files as text, which key the kept layout (None: not kept; quantized on each load).
-    QuantizeError where ladechat's kernels do not run here."""
+    """Put `model`'s (read in the checkpoint's dtype, on the CPU) Linear weights and token embedding
+    on ladechat's kernels as `kind` blocks (KINDS' values), the rest in `dtype`. `checkpoint`: its
+    folder and its files as text, which key the kept layout (None: not kept, quantized at each
+    load). QuantizeError where ladechat's kernels do not run here."""
     from gguf import GGMLQuantizationType
 
     from ladechat.engine.kernels.embedding import BlockEmbedding
-    from ladechat.engine.load import gguf as gguf_files
     from ladechat.engine.load import kept
 
     unbuilt = q4.load(kernels, progress)
     if unbuilt or q4.best_path() < 1:
         why = unbuilt or "this CPU has no AVX2 (the kernels' portable loops are slower than dense weights)"
         raise QuantizeError(f"--quantize runs on ladechat's CPU kernels, which cannot run here: {why}")
-    path = cache_file(checkpoint, name, kind) if checkpoint is not None else None
+    path = cache_file(checkpoint, kind) if checkpoint is not None else None
     if path is not None and path.is_file() and kept.whole(path):
         meta, keys, get = kept.read(path)
         kinds, notices = json.loads(meta["kinds"]), json.loads(meta["notices"])
     else:
         arrays, kinds, notices = quantize(model, kind, progress, name)
         keys, get = set(arrays), arrays.__getitem__
-        if path is None:
-            notices.append(f"the quantized weights of {name} are not kept (no local folder names its files): "
-                           "each load quantizes them again")
-        else:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            gguf_files.keep_beside_meanwhile(path, arrays, {"kinds": json.dumps(kinds), "notices": json.dumps(notices)},
-                                             f"{PREFIX}{kind}-*.safetensors")
+        why = "no local folder names its files" if path is None else _keep(path, arrays, kinds, notices, kind)
+        if why:
+            notices.append(f"the quantized weights of {name} are not kept ({why}): each load quantizes them again")
     embedding = model.get_input_embeddings()
     table = next((key for key in keys if key.endswith(".blocks")), None)
     applied = quantized.replace_linears(model, q4.KeptReader(get, keys, model), kinds, list(notices), q4.best_path(), [])
-    if table is not None:
+    if applied.replaced < len(kinds):  # a kept file that does not fit the model (it stays whole and correct)
+        applied = replace(applied, notices=(*applied.notices, f"{len(kinds) - applied.replaced} Linear weights of "
+                                            f"{name} run dense: the layout kept in {path} does not fit them"))
+    if table is not None and tuple(get(table).shape) == (embedding.num_embeddings,
+                                                         embedding.embedding_dim // q4.GROUP * q8.BLOCK_BYTES):
         model.set_input_embeddings(BlockEmbedding(get(table).numpy(), GGMLQuantizationType.Q8_0,
                                                   embedding.embedding_dim, dtype))
     _cast_rest(model, dtype)
     return applied
 
 
+def _keep(path: Path, arrays: dict, kinds: dict, notices: list[str], kind: str) -> str | None:
+    """Keep the layout at `path` (written meanwhile, gguf.keep_beside_meanwhile); why not, where the
+    cache folder cannot be made."""
+    from ladechat.engine.load import gguf as gguf_files
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    gguf_files.keep_beside_meanwhile(path, arrays, {"kinds": json.dumps(kinds), "notices": json.dumps(notices)},
+                                     f"{PREFIX}{kind}-*.safetensors")
+    return None
+
+
 def _cast_rest(model, dtype: torch.dtype) -> None:
     """The parameters the kernels do not hold (norms, biases, a dense embedding) in `dtype`, one by
-    one: the kernels' modules refuse a cast of the whole model, and buffers (RoPE's inverse
-    frequencies) keep the dtype transformers gave them."""
+    one (the kernels' modules refuse a cast of the whole model), and the float buffers (RoPE's
+    frequencies, Gemma's embedding scale) as a model built in `dtype` makes them: read in the
+    checkpoint's bf16 they were computed in bf16 (Gemma's sqrt(hidden) 12.625 for 12.649)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
     for module in model.modules():
         for key, param in list(module._parameters.items()):
             if param is not None and param.is_floating_point() and param.dtype != dtype and not param.is_meta:
                 module._parameters[key] = torch.nn.Parameter(param.detach().to(dtype), requires_grad=False)
+    with init_empty_weights(include_buffers=False):  # parameters on the meta device, buffers made
+        fresh = dict(AutoModelForCausalLM.from_config(model.config, dtype=dtype).named_buffers())
+    for key, buffer in list(model.named_buffers()):
+        made = fresh.get(key)
+        if made is not None and buffer.is_floating_point() and made.shape == buffer.shape:
+            parent, _, leaf = key.rpartition(".")
+            model.get_submodule(parent)._buffers[leaf] = made
     model.config.dtype = dtype
