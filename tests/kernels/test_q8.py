@@ -119,7 +119,10 @@ def test_decode_reads_q8_0_blocks_as_gguf_dequantizes_them():
         q8.decode(blocks, 32, 96)
     with pytest.raises(q8.Q8Error, match="does not fit the Q8_0 kernel"):
         q8.kernel_layout(torch.from_numpy(codes[:24]), torch.from_numpy(scales[:24]))
-    tiles = q8.kernel_layout(torch.from_numpy(codes), torch.from_numpy(scales))[0]
+    with pytest.raises(q8.Q8Error, match="its scales are not fp16 values"):  # the kept form is the file's fp16 d
+        q8.kernel_layout(torch.from_numpy(codes), torch.from_numpy(scales) * (1 + 2**-20))
+    tiles, kept = q8.kernel_layout(torch.from_numpy(codes), torch.from_numpy(scales))
+    assert kept.dtype == torch.float16 and torch.equal(q4.per_row(kept).float(), torch.from_numpy(scales))
     assert torch.equal(q8.codes_of(tiles), torch.from_numpy(codes))
     # the tile as blocks.cpp draws it: byte 64 c + 4 j + i holds q[j][4 c + i]
     assert tiles[1, 1, 64 * 5 + 4 * 7 + 2] == codes[16 + 7, 32 + 4 * 5 + 2]
@@ -273,7 +276,7 @@ def test_q8_0_linear_weights_run_on_the_kernel_with_their_bias(kernel, tmp_path)
         assert relative_error(module, reference, torch.randn(5, module.in_features)) < INT8_ERROR, name
     tiles = next(iter(linears.values()))
     bias = torch.randn(tiles.out_features)
-    with_bias = q8.Q8Linear(tiles.tiles, tiles.scales, tiles.sums, bias=bias)
+    with_bias = q8.Q8Linear(tiles.tiles, tiles.scales, bias=bias)
     x = torch.randn(7, tiles.in_features)
     assert torch.equal(with_bias(x), tiles(x) + bias) and torch.equal(with_bias.product()(x), with_bias(x))
-    assert_each_row_its_own(lambda p: q8.Q8Linear(tiles.tiles, tiles.scales, tiles.sums, p, bias), x)
+    assert_each_row_its_own(lambda p: q8.Q8Linear(tiles.tiles, tiles.scales, p, bias), x)

@@ -14,7 +14,7 @@
 //          (Q4_1) bytes a weight against the fp32 form's 0.75.
 //          Q5_0 / Q5_1 / Q5_K run here too: a code q in 0..31, its top bit in a plane of its own
 //          (Q5_0: scale d, low -16 d; Q5_1: d, m; Q5_K: Q4_K's form), 0.69-0.75 bytes a weight.
-//   q8_mm  Q8_0: w = scale * q, a code q in -128..127 per weight, an fp32 scale per 32 weights
+//   q8_mm  Q8_0: w = scale * q, a code q in -128..127 per weight, an fp16 scale per 32 weights (the file's d)
 //   half_mm  F16 / BF16: the weights as they are, widened to fp32 as read; fp32 activations (below)
 //   q6_mm  Q6_K: w = d * sc * (q - 32), a code q in 0..63 per weight, an int8 sc per 16 weights and
 //          an fp32 d per 256 weights along a row (the file's own bits: ~0.83 bytes a weight)
@@ -54,10 +54,9 @@
 //     tile bytes 0..255 as Q4's, holding the low 4 bits of each code
 //     tile byte 256 + 8 c + b, bit t: the top bit of q[j][4 c + i], 4 j + i = 8 b + t (c 0..7)
 //     and scales and lows as Q4's (fp16, fp32, the d form or the Q4_K form)
-//   Q8 scales fp32 (N / 16, K / 32, 16)
 //   Q8 codes (N / 16, K / 32, 512) int8
 //     tile byte 64 c + 4 j + i    (c 0..7) = q[j][4 c + i]
-//     and sums (N / 16, K / 32, 16) int32: each output's 32 codes added (the VNNI path's offset)
+//     and scales fp16 (N / 16, K / 32, 16): the file's d, 34 bytes per 32 weights as in the file
 //   Q6 codes (N / 16, K / 32, 416) uint8
 //     tile bytes 0..255 as Q4's, holding the low 4 bits of each code
 //     tile byte 256 + 64 v + 4 j + i (v 0..1): bits 2 p..2 p + 1 = the top 2 bits of q[j][4 (4 v + p) + i]
@@ -69,10 +68,10 @@
 //
 //        lane j:  [ q[j][k] q[j][k+1] q[j][k+2] q[j][k+3] ]   x   [ qa[k] .. qa[k+3] ] (broadcast)
 //
-//   VPDPBUSD multiplies unsigned by signed bytes: Q4's codes are the unsigned side; for Q8 the
-//   activations are, offset by 128 (qa + 128 in 1..255), and 128 times the codes' sum comes off.
-//   AVX2's VPMADDUBSW adds pairs in 16 bits: Q8 multiplies |q| by qa with q's sign, at most
-//   2 * 128 * 127 a pair, within 16 bits.
+//   VPDPBUSD multiplies unsigned by signed bytes: Q4's codes are the unsigned side; Q8 multiplies
+//   |q| (-128 reads as 128 unsigned) by qa with q's sign, the same products, so the same exact sums.
+//   AVX2's VPMADDUBSW does the same and adds pairs in 16 bits: at most 2 * 128 * 127 a pair,
+//   within 16 bits.
 //
 // Inputs must be finite (an inf or NaN activation gives unspecified codes for its group).
 
@@ -232,10 +231,10 @@ void quantize_avx2(const float* x, int64_t K, Quantized out) {
 // One tile of 16 outputs over all K inputs for M rows: acc (M, 16) fp32.
 struct Tile {
   const uint8_t* codes;  // (K / 32, 256 Q4 / 512 Q8 / 416 Q6)
-  const void* scales;    // Q4: its form's (above); Q8: (K / 32, 16) fp32; Q6: d (K / 256, 16) fp32
+  const void* scales;    // Q4: its form's (above); Q8: (K / 32, 16) fp16; Q6: d (K / 256, 16) fp32
   const void* lows;      // Q4: its form's
-  const int32_t* sums;   // Q8: (K / 32, 16)
   const float* f32() const { return static_cast<const float*>(scales); }
+  const uint16_t* f16() const { return static_cast<const uint16_t*>(scales); }
 };
 
 // 4 consecutive int8 codes as one 32-bit lane's bytes (memcpy: the codes are int8, read as int32)
@@ -256,7 +255,7 @@ struct Rows {
   const int32_t* halves = nullptr;  // Q6: (M, K / 32, 2) the codes' sums over inputs 0..15 and 16..31
 };
 
-// Asks the caches for the codes, scales and lows (Q4) or sums (Q8) of the group PREFETCH_BYTES of
+// Asks the caches for the codes, scales and lows (Q4) of the group PREFETCH_BYTES of
 // codes ahead: past a tile's end that is the thread's next tile (a chunk of for_tiles is consecutive in
 // memory). Why: the hardware's prefetcher alone left each product waiting on memory, more so with
 // other ops between the products, as in a step (measured: BENCHMARKS.md). A prefetch never
@@ -614,24 +613,29 @@ struct Q8Vnni {
     const int64_t K = x.K, G = K / GROUP;
     const int8_t* codes = x.codes + m0 * K;
     const float* da = x.scale + m0 * G;
-    const __m512i flip = _mm512_set1_epi32(static_cast<int32_t>(0x80808080u));  // qa + 128 as unsigned bytes
+    const __m512i zero = _mm512_setzero_si512();
     __m512 y[R];
     for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
-      prefetch_group<Q8_TILE>(w, w.sums, g);
+      prefetch_group<Q8_TILE, OUT * 2, OUT * 2>(w, w.scales, g);
       const uint8_t* c = w.codes + g * Q8_TILE;
-      __m512i q[8];
-      for (int k = 0; k < 8; ++k) q[k] = _mm512_loadu_si512(c + 64 * k);
-      const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(w.sums + g * OUT), 7);  // 128 * sum q
-      const __m512 scale = _mm512_loadu_ps(w.f32() + g * OUT);
+      __m512i size[8];
+      __mmask64 negative[8];
+      for (int k = 0; k < 8; ++k) {
+        const __m512i q = _mm512_loadu_si512(c + 64 * k);
+        negative[k] = _mm512_movepi8_mask(q);
+        size[k] = _mm512_abs_epi8(q);  // |q|, -128 as 128 unsigned
+      }
+      const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.f16() + g * OUT)));
       for (int r = 0; r < R; ++r) {
         const Quad a{codes + r * K + g * GROUP};
         __m512i s0 = _mm512_setzero_si512(), s1 = s0;
-        for (int k = 0; k < 8; k += 2) {
-          s0 = _mm512_dpbusd_epi32(s0, _mm512_xor_si512(_mm512_set1_epi32(a[k]), flip), q[k]);
-          s1 = _mm512_dpbusd_epi32(s1, _mm512_xor_si512(_mm512_set1_epi32(a[k + 1]), flip), q[k + 1]);
+        for (int k = 0; k < 8; k += 2) {  // |q| times qa with q's sign: q qa, exactly
+          const __m512i a0 = _mm512_set1_epi32(a[k]), a1 = _mm512_set1_epi32(a[k + 1]);
+          s0 = _mm512_dpbusd_epi32(s0, size[k], _mm512_mask_sub_epi8(a0, negative[k], zero, a0));
+          s1 = _mm512_dpbusd_epi32(s1, size[k + 1], _mm512_mask_sub_epi8(a1, negative[k + 1], zero, a1));
         }
-        const __m512 isum = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(s0, s1), offset));
+        const __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
         y[r] = _mm512_fmadd_ps(_mm512_mul_ps(scale, isum), _mm512_set1_ps(da[r * G + g]), y[r]);
       }
     }
@@ -641,7 +645,7 @@ struct Q8Vnni {
 
 struct Q8Avx2 {
   template <int R>
-  __attribute__((target("avx2,fma")))
+  __attribute__((target("avx2,fma,f16c")))
   static void rows(const Rows& x, const Tile& w, int64_t m0, float* acc) {
     const int64_t K = x.K, G = K / GROUP;
     const int8_t* codes = x.codes + m0 * K;
@@ -650,7 +654,7 @@ struct Q8Avx2 {
     __m256 y[R][2];
     for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
-      prefetch_group<Q8_TILE>(w, w.sums, g);
+      prefetch_group<Q8_TILE, OUT * 2, OUT * 2>(w, w.scales, g);
       const uint8_t* c = w.codes + g * Q8_TILE;
       for (int h = 0; h < 2; ++h) {
         __m256i q[8], size[8];
@@ -658,7 +662,7 @@ struct Q8Avx2 {
           q[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * k + 32 * h));
           size[k] = _mm256_sign_epi8(q[k], q[k]);  // |q| (-128 reads as 128 unsigned)
         }
-        const __m256 scale = _mm256_loadu_ps(w.f32() + g * OUT + 8 * h);
+        const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.f16() + g * OUT + 8 * h)));
         for (int r = 0; r < R; ++r) {
           const Quad a{codes + r * K + g * GROUP};
           __m256i s = _mm256_setzero_si256();
@@ -685,7 +689,8 @@ void q8_tile_portable(const Rows& x, const Tile& w, float* acc) {
       for (int j = 0; j < OUT; ++j) {
         int32_t isum = 0;
         for (int k = 0; k < GROUP; ++k) isum += c[64 * (k / 4) + 4 * j + k % 4] * a[k];
-        const float t = w.f32()[g * OUT + j] * static_cast<float>(isum);
+        const float t = static_cast<float>(c10::Half(w.f16()[g * OUT + j], c10::Half::from_bits())) *
+                        static_cast<float>(isum);
         acc[m * OUT + j] = std::fma(t, x.scale[m * G + g], acc[m * OUT + j]);
       }
     }
@@ -886,9 +891,9 @@ void for_tiles(int64_t NB, int64_t tile_bytes, const Work& work) {
 
 // The common part of q4_mm and q8_mm: the rows quantized, then tiles of outputs shared out between
 // threads (for_tiles: each output computed by one thread, in one order), each tile by `kernel`.
-// scales, lows (Q4), sums (Q8): per tile along dim 0, contiguous (lows, sums: undefined where unused).
+// scales, lows (Q4): per tile along dim 0, contiguous (lows: undefined where unused).
 at::Tensor run(const at::Tensor& x, const at::Tensor& codes, int64_t tile_bytes, const at::Tensor& scales,
-               const at::Tensor& lows, const at::Tensor& sums, int64_t path, const TileKernel kernels[3]) {
+               const at::Tensor& lows, int64_t path, const TileKernel kernels[3]) {
   TORCH_CHECK(path == PORTABLE || (path == AVX2 && has_avx2()) || (path == VNNI && has_vnni()),
               "blocks: this CPU lacks the instructions of the path asked for");
   const int64_t M = x.size(0), K = x.size(1), G = K / GROUP, NB = codes.size(0), N = NB * OUT;
@@ -909,18 +914,17 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& codes, int64_t tile_bytes,
   }
   const Rows rows{qa.data(), da.data(), sa.data(), M, K, halves.data()};
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
-  // each tile's part of scales, lows and sums: where they start, and how many bytes a tile has
+  // each tile's part of scales and lows: where they start, and how many bytes a tile has
   const auto start = [](const at::Tensor& t) { return t.defined() ? static_cast<const char*>(t.data_ptr()) : nullptr; };
   const auto bytes = [NB](const at::Tensor& t) { return t.defined() && NB ? static_cast<int64_t>(t.nbytes()) / NB : 0; };
-  const char *sp = start(scales), *lp = start(lows), *up = start(sums);
-  const int64_t s_bytes = bytes(scales), l_bytes = bytes(lows), u_bytes = bytes(sums);
+  const char *sp = start(scales), *lp = start(lows);
+  const int64_t s_bytes = bytes(scales), l_bytes = bytes(lows);
   const TileKernel kernel = kernels[path];
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   for_tiles(NB, G * tile_bytes, [&](int64_t b0, int64_t b1) {
     std::vector<float> acc(M * OUT);
     for (int64_t b = b0; b < b1; ++b) {
-      const Tile tile{cp + b * G * tile_bytes, sp + b * s_bytes, lp ? lp + b * l_bytes : nullptr,
-                      up ? reinterpret_cast<const int32_t*>(up + b * u_bytes) : nullptr};
+      const Tile tile{cp + b * G * tile_bytes, sp + b * s_bytes, lp ? lp + b * l_bytes : nullptr};
       kernel(rows, tile, acc.data());
       if (bf16) {
         c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
@@ -956,7 +960,7 @@ at::Tensor q4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
     static const TileKernel kernels[3] = {q4_tile_portable<KForm>, X86_ONLY(by_rows<Q4Avx2<KForm>>), X86_ONLY(by_rows<Q4Vnni<KForm>>)};
     static const TileKernel kernels5[3] = {q4_tile_portable<KForm, true>, X86_ONLY((by_rows<Q4Avx2<KForm, true>>)),
                                            X86_ONLY((by_rows<Q4Vnni<KForm, true>>))};
-    return run(x, codes, codes.size(2), scales, lows, at::Tensor(), path, top ? kernels5 : kernels);
+    return run(x, codes, codes.size(2), scales, lows, path, top ? kernels5 : kernels);
   }
   if (lows.scalar_type() == at::kChar) {  // the Q4_0 / Q5_0 form: d, and a factor per tile
     check_per_tile(scales, NB, G, at::kHalf, "q4_mm: d must be (out / 16, in / 32, 16) fp16, contiguous, on the CPU");
@@ -965,7 +969,7 @@ at::Tensor q4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
     static const TileKernel kernels[3] = {q4_tile_portable<DForm>, X86_ONLY(by_rows<Q4Avx2<DForm>>), X86_ONLY(by_rows<Q4Vnni<DForm>>)};
     static const TileKernel kernels5[3] = {q4_tile_portable<DForm, true>, X86_ONLY((by_rows<Q4Avx2<DForm, true>>)),
                                            X86_ONLY((by_rows<Q4Vnni<DForm, true>>))};
-    return run(x, codes, codes.size(2), scales, lows, at::Tensor(), path, top ? kernels5 : kernels);
+    return run(x, codes, codes.size(2), scales, lows, path, top ? kernels5 : kernels);
   }
   const bool half = scales.scalar_type() == at::kHalf;
   const char* what = "q4_mm: scales and lows must be (out / 16, in / 32, 16), both fp32 or both fp16, contiguous, "
@@ -977,27 +981,24 @@ at::Tensor q4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
                                           X86_ONLY(by_rows<Q4Vnni<F16Form>>)};
     static const TileKernel kernels5[3] = {q4_tile_portable<F16Form, true>, X86_ONLY((by_rows<Q4Avx2<F16Form, true>>)),
                                            X86_ONLY((by_rows<Q4Vnni<F16Form, true>>))};
-    return run(x, codes, codes.size(2), scales, lows, at::Tensor(), path, top ? kernels5 : kernels);
+    return run(x, codes, codes.size(2), scales, lows, path, top ? kernels5 : kernels);
   }
   static const TileKernel kernels[3] = {q4_tile_portable<F32Form>, X86_ONLY(by_rows<Q4Avx2<F32Form>>), X86_ONLY(by_rows<Q4Vnni<F32Form>>)};
   static const TileKernel kernels5[3] = {q4_tile_portable<F32Form, true>, X86_ONLY((by_rows<Q4Avx2<F32Form, true>>)),
                                          X86_ONLY((by_rows<Q4Vnni<F32Form, true>>))};
-  return run(x, codes, codes.size(2), scales, lows, at::Tensor(), path, top ? kernels5 : kernels);
+  return run(x, codes, codes.size(2), scales, lows, path, top ? kernels5 : kernels);
 }
 
-at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& sums,
-                 int64_t path) {
+at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t path) {
   check_rows(x, "q8_mm");
   const int64_t G = x.size(1) / GROUP;
   TORCH_CHECK(codes.dim() == 3 && codes.size(1) == G && codes.size(2) == Q8_TILE
               && codes.scalar_type() == at::kChar && codes.is_contiguous() && codes.device().is_cpu(),
               "q8_mm: codes must be (out / 16, in / 32, 512) int8, contiguous, on the CPU");
-  check_per_tile(scales, codes.size(0), G, at::kFloat,
-                 "q8_mm: scales must be (out / 16, in / 32, 16) fp32, contiguous, on the CPU");
-  check_per_tile(sums, codes.size(0), G, at::kInt,
-                 "q8_mm: sums must be (out / 16, in / 32, 16) int32, contiguous, on the CPU");
+  check_per_tile(scales, codes.size(0), G, at::kHalf,
+                 "q8_mm: scales must be (out / 16, in / 32, 16) fp16, contiguous, on the CPU");
   static const TileKernel kernels[3] = {q8_tile_portable, X86_ONLY(by_rows<Q8Avx2>), X86_ONLY(by_rows<Q8Vnni>)};
-  return run(x, codes, Q8_TILE, scales, at::Tensor(), sums, path, kernels);
+  return run(x, codes, Q8_TILE, scales, at::Tensor(), path, kernels);
 }
 
 // d: (out / 16, in / 256, 16) fp32; the inputs a multiple of 256.
@@ -1011,7 +1012,7 @@ at::Tensor q6_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
   check_per_tile(d, codes.size(0), G / Q6_SUPER, at::kFloat,
                  "q6_mm: d must be (out / 16, in / 256, 16) fp32, contiguous, on the CPU");
   static const TileKernel kernels[3] = {q6_tile_portable, X86_ONLY(by_rows<Q6Avx2>), X86_ONLY(by_rows<Q6Vnni>)};
-  return run(x, codes, Q6_TILE, d, at::Tensor(), at::Tensor(), path, kernels);
+  return run(x, codes, Q6_TILE, d, at::Tensor(), path, kernels);
 }
 
 }  // namespace
@@ -1316,7 +1317,7 @@ at::Tensor gguf_tiles(const at::Tensor& data, int64_t kind, int64_t rows, int64_
 TORCH_LIBRARY(ladechat_blocks, m) {
   m.def("gguf_tiles(Tensor data, int kind, int rows, int cols, Tensor? order, Tensor(a!)? into) -> Tensor", &gguf_tiles);
   m.def("q4_mm(Tensor x, Tensor codes, Tensor scales, Tensor lows, int path) -> Tensor", &q4_mm);
-  m.def("q8_mm(Tensor x, Tensor codes, Tensor scales, Tensor sums, int path) -> Tensor", &q8_mm);
+  m.def("q8_mm(Tensor x, Tensor codes, Tensor scales, int path) -> Tensor", &q8_mm);
   m.def("q6_mm(Tensor x, Tensor codes, Tensor d, int path) -> Tensor", &q6_mm);
   m.def("half_mm(Tensor x, Tensor w, int path) -> Tensor", &half_mm);
   m.def("best_path() -> int", &best_path);

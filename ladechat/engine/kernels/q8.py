@@ -50,18 +50,20 @@ def decode(data: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarr
     return codes, scales
 
 
-def kernel_layout(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """codes (N, K) int8 and scales (N, K / 32) -> the kernel's tiles (N / 16, K / 32, 512) int8,
-    scales (N / 16, K / 32, 16) fp32 and the codes' sums (N / 16, K / 32, 16) int32 (blocks.cpp
-    draws the tile)."""
+def kernel_layout(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes (N, K) int8 and scales (N, K / 32), fp16 values as a Q8_0 block's d is -> the kernel's
+    tiles (N / 16, K / 32, 512) int8 and scales (N / 16, K / 32, 16) fp16: the file's 34 bytes per
+    32 weights (blocks.cpp draws the tile). Q8Error for scales that fp16 does not hold."""
     rows, cols = codes.shape
     check_shape(rows, cols)
+    half = scales.half()
+    if not torch.equal(half.to(scales.dtype), scales):
+        raise Q8Error("its scales are not fp16 values (a Q8_0 block's d is)")
     tiles, groups = rows // OUT, cols // GROUP
     # [tile, output j, group, 4 inputs c, i] -> [tile, group, c, j, i]
     grouped = codes.to(torch.int8).reshape(tiles, OUT, groups, 8, 4)
     packed = grouped.permute(0, 2, 3, 1, 4).reshape(tiles, groups, OUT * GROUP).contiguous()
-    sums = grouped.int().sum((3, 4), dtype=torch.int32).transpose(1, 2).contiguous()
-    return packed, q4.per_tile(scales), sums
+    return packed, q4.per_tile(half, torch.float16)
 
 
 def codes_of(tiles: torch.Tensor) -> torch.Tensor:
@@ -82,24 +84,24 @@ class Q8Linear(BlockLinear):
     Inference only, fixed to the CPU (linear.FixedLinear). path: the kernel's (q4.PATHS), default the
     best here."""
 
-    OP, BUFFERS, WEIGHTS = "q8_mm", ("tiles", "scales", "sums"), "Q8_0"
+    OP, BUFFERS, WEIGHTS = "q8_mm", ("tiles", "scales"), "Q8_0"
 
-    def __init__(self, tiles: torch.Tensor, scales: torch.Tensor, sums: torch.Tensor, path: int | None = None,
+    def __init__(self, tiles: torch.Tensor, scales: torch.Tensor, path: int | None = None,
                  bias: torch.Tensor | None = None):
-        """tiles, scales, sums: the kernel's layout, as kernel_layout makes it."""
+        """tiles, scales: the kernel's layout, as kernel_layout makes it."""
         super().__init__()
         count, groups, size = tiles.shape
         self.out_features, self.in_features = count * OUT, groups * GROUP
-        if tiles.dtype != torch.int8 or size != OUT * GROUP or scales.dtype != torch.float32 \
-                or sums.dtype != torch.int32 or scales.shape != (count, groups, OUT) or sums.shape != scales.shape:
-            raise Q8Error(f"Q8_0 buffers {tiles.dtype} {tuple(tiles.shape)}, {scales.dtype} {tuple(scales.shape)} "
-                          f"and {sums.dtype} {tuple(sums.shape)} do not make one weight")
+        if tiles.dtype != torch.int8 or size != OUT * GROUP or scales.dtype != torch.float16 \
+                or scales.shape != (count, groups, OUT):
+            raise Q8Error(f"Q8_0 buffers {tiles.dtype} {tuple(tiles.shape)} and {scales.dtype} "
+                          f"{tuple(scales.shape)} do not make one weight")
         self.kind = "Q8_0"
-        self.keep((tiles, scales, sums), bias, q4.best_path() if path is None else path)
+        self.keep((tiles, scales), bias, q4.best_path() if path is None else path)
 
     def dense_weight(self) -> torch.Tensor:
         """W (out, in) in fp32, exactly scale * code."""
-        return codes_of(self.tiles).float() * q4.per_row(self.scales).repeat_interleave(GROUP, dim=1)
+        return codes_of(self.tiles).float() * q4.per_row(self.scales).float().repeat_interleave(GROUP, dim=1)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
