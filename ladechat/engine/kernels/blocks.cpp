@@ -61,7 +61,7 @@
 //     tile bytes 0..255 as Q4's, holding the low 4 bits of each code
 //     tile byte 256 + 64 v + 4 j + i (v 0..1): bits 2 p..2 p + 1 = the top 2 bits of q[j][4 (4 v + p) + i]
 //     tile byte 384 + 16 h + j: sc of output j for inputs 16 h .. 16 h + 15 (int8)
-//     and d (N / 16, K / 256, 16) fp32
+//     and d (N / 16, K / 256, 16) fp16, the file's
 //
 //   so one 64-byte load (for Q4 masked or shifted) holds for 4 consecutive inputs the 4 codes of
 //   each of the 16 outputs in that output's 32-bit lane:
@@ -231,7 +231,7 @@ void quantize_avx2(const float* x, int64_t K, Quantized out) {
 // One tile of 16 outputs over all K inputs for M rows: acc (M, 16) fp32.
 struct Tile {
   const uint8_t* codes;  // (K / 32, 256 Q4 / 512 Q8 / 416 Q6)
-  const void* scales;    // Q4: its form's (above); Q8: (K / 32, 16) fp16; Q6: d (K / 256, 16) fp32
+  const void* scales;    // Q4: its form's (above); Q8: (K / 32, 16) fp16; Q6: d (K / 256, 16) fp16
   const void* lows;      // Q4: its form's
   const float* f32() const { return static_cast<const float*>(scales); }
   const uint16_t* f16() const { return static_cast<const uint16_t*>(scales); }
@@ -725,7 +725,8 @@ struct Q6Vnni {
       }
       const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + Q6_TILE - 32)));
       const __m512i sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + Q6_TILE - 16)));
-      if (g % Q6_SUPER == 0) d = _mm512_loadu_ps(w.f32() + g / Q6_SUPER * OUT);
+      if (g % Q6_SUPER == 0)
+        d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.f16() + g / Q6_SUPER * OUT)));
       for (int r = 0; r < R; ++r) {
         const Quad a{codes + r * K + g * GROUP};
         __m512i s0 = _mm512_setzero_si512(), s1 = s0;
@@ -745,7 +746,7 @@ struct Q6Vnni {
 
 struct Q6Avx2 {
   template <int R>
-  __attribute__((target("avx2,fma")))
+  __attribute__((target("avx2,fma,f16c")))
   static void rows(const Rows& x, const Tile& w, int64_t m0, float* acc) {
     const int64_t K = x.K, G = K / GROUP;
     const int8_t* codes = x.codes + m0 * K;
@@ -769,7 +770,7 @@ struct Q6Avx2 {
         }
         const __m256i sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + Q6_TILE - 32 + 8 * h)));
         const __m256i sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + Q6_TILE - 16 + 8 * h)));
-        const __m256 d = _mm256_loadu_ps(w.f32() + g / Q6_SUPER * OUT + 8 * h);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.f16() + g / Q6_SUPER * OUT + 8 * h)));
         for (int r = 0; r < R; ++r) {
           const Quad a{codes + r * K + g * GROUP};
           // a 16-bit pair sum is 2 products of at most 63 * 127, and two such added: within 16 bits
@@ -811,7 +812,8 @@ void q6_tile_portable(const Rows& x, const Tile& w, float* acc) {
         }
         for (int h = 0; h < 2; ++h) half[h] -= 32 * x.halves[(m * G + g) * 2 + h];
         const int32_t isum = sc[j] * half[0] + sc[OUT + j] * half[1];
-        const float t = w.f32()[g / Q6_SUPER * OUT + j] * static_cast<float>(isum);
+        const float t = static_cast<float>(c10::Half(w.f16()[g / Q6_SUPER * OUT + j], c10::Half::from_bits())) *
+                        static_cast<float>(isum);
         acc[m * OUT + j] = std::fma(t, x.scale[m * G + g], acc[m * OUT + j]);
       }
     }
@@ -1001,7 +1003,7 @@ at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
   return run(x, codes, Q8_TILE, scales, at::Tensor(), path, kernels);
 }
 
-// d: (out / 16, in / 256, 16) fp32; the inputs a multiple of 256.
+// d: (out / 16, in / 256, 16) fp16 (the file's); the inputs a multiple of 256.
 at::Tensor q6_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, int64_t path) {
   check_rows(x, "q6_mm");
   TORCH_CHECK(x.size(1) % (GROUP * Q6_SUPER) == 0, "q6_mm: the inputs must be a multiple of 256");
@@ -1009,8 +1011,8 @@ at::Tensor q6_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
   TORCH_CHECK(codes.dim() == 3 && codes.size(1) == G && codes.size(2) == Q6_TILE
               && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.device().is_cpu(),
               "q6_mm: codes must be (out / 16, in / 32, 416) uint8, contiguous, on the CPU");
-  check_per_tile(d, codes.size(0), G / Q6_SUPER, at::kFloat,
-                 "q6_mm: d must be (out / 16, in / 256, 16) fp32, contiguous, on the CPU");
+  check_per_tile(d, codes.size(0), G / Q6_SUPER, at::kHalf,
+                 "q6_mm: d must be (out / 16, in / 256, 16) fp16, contiguous, on the CPU");
   static const TileKernel kernels[3] = {q6_tile_portable, X86_ONLY(by_rows<Q6Avx2>), X86_ONLY(by_rows<Q6Vnni>)};
   return run(x, codes, Q6_TILE, d, at::Tensor(), path, kernels);
 }

@@ -69,10 +69,13 @@ def check_shape(rows: int, cols: int) -> None:
 
 
 def layout(codes: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """codes (N, K) in 0..63, scales (N, K / 16) int8, d (N, K / 256) -> the kernel's tiles
-    (N / 16, K / 32, 416) uint8 and d (N / 16, K / 256, 16) fp32 (blocks.cpp draws the tile)."""
+    """codes (N, K) in 0..63, scales (N, K / 16) int8, d (N, K / 256), fp16 values as a Q6_K
+    block's d is -> the kernel's tiles (N / 16, K / 32, 416) uint8 and d (N / 16, K / 256, 16) fp16
+    (blocks.cpp draws the tile). Q6Error for a d that fp16 does not hold."""
     rows, cols = codes.shape
     check_shape(rows, cols)
+    if not torch.equal(d.half().to(d.dtype), d):
+        raise Q6Error("its d are not fp16 values (a Q6_K block's d is)")
     tiles, groups = rows // OUT, cols // GROUP
     codes = codes.to(torch.uint8)
     nibbles = q4.tiles_of(codes & 0x0F)
@@ -82,7 +85,7 @@ def layout(codes: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> tuple[
     packed = (top << shifts).sum(4, dtype=torch.uint8).permute(0, 2, 3, 1, 4).reshape(tiles, groups, 128)
     sc = scales.to(torch.int8).view(torch.uint8).reshape(tiles, OUT, groups, 2).permute(0, 2, 3, 1)
     whole = torch.cat([nibbles, packed, sc.reshape(tiles, groups, 2 * OUT)], dim=2).contiguous()
-    return whole, q4.per_tile(d)
+    return whole, q4.per_tile(d, torch.float16)
 
 
 def parts_of(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,7 +113,7 @@ class Q6Linear(BlockLinear):
         super().__init__()
         count, groups, size = tiles.shape
         self.out_features, self.in_features = count * OUT, groups * GROUP
-        if tiles.dtype != torch.uint8 or size != TILE_BYTES or d.dtype != torch.float32 \
+        if tiles.dtype != torch.uint8 or size != TILE_BYTES or d.dtype != torch.float16 \
                 or d.shape != (count, self.in_features // SUPER, OUT) or self.in_features % SUPER:
             raise Q6Error(f"Q6_K buffers {tiles.dtype} {tuple(tiles.shape)} and {d.dtype} {tuple(d.shape)} "
                           "do not make one weight")
@@ -119,7 +122,7 @@ class Q6Linear(BlockLinear):
 
     def dense_weight(self) -> torch.Tensor:
         codes, sc = parts_of(self.tiles)
-        d = q4.per_row(self.d).repeat_interleave(SUPER, 1)
+        d = q4.per_row(self.d).float().repeat_interleave(SUPER, 1)
         return d * sc.float().repeat_interleave(16, 1) * (codes.float() - 32)
 
     def extra_repr(self) -> str:

@@ -196,7 +196,7 @@ def _tiled_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of,
     # on a busy machine, and these are ~200 tensors of a few MB
     tiled = [_per_tile(part) for part in parts]
     if kind == "Q6_K":
-        scales = (tiled[0].astype(np.float32),)
+        scales = (q4._as_fp16(tiled[0], "Q6_K d"),)  # the file's fp16 d
     elif kind in q4.K_FORMS:
         scales = q4.pack_k(*tiled)
     elif kind in q4.D_FACTORS:  # the low is d times -8 or -16: the kernel makes it, exactly
