@@ -54,7 +54,11 @@ def test_decode_reads_q6_k_blocks_as_gguf_dequantizes_them():
 def test_the_layout_keeps_every_code_and_scale_where_blocks_cpp_reads_them(kernel):
     codes, sc, d = random_layer(32, 512, seed=1)
     tiles, per_tile = q6.layout(codes, sc, d)
-    assert tiles.shape == (2, 16, 416) and per_tile.shape == (2, 2, 16)
+    assert tiles.shape == (2, 16, 416) and per_tile.shape == (2, 2, 16) and per_tile.dtype == torch.float16
+    with pytest.raises(q6.Q6Error, match="its d are not fp16 values"):  # the kept form is the file's fp16 d
+        q6.layout(codes, sc, d * (1 + 2**-20))
+    with pytest.raises(RuntimeError, match="q6_mm: d must be .* fp16"):  # the kernel takes no other
+        torch.ops.ladechat_blocks.q6_mm(torch.randn(1, 512), tiles, per_tile.float(), 0)
     back_codes, back_sc = q6.parts_of(tiles)
     assert torch.equal(back_codes, codes) and torch.equal(back_sc, sc)
     # output j = 7 of tile 1, group 3, input 4 c + i with c = 6, i = 2: nibble byte 64 (c - 4) + 4 j + i

@@ -108,7 +108,7 @@ def test_a_row_is_the_same_alone_among_many_and_on_any_thread_count(kernel):
     assert torch.equal(alone, together)
 
 
-def test_decode_reads_q8_0_blocks_as_gguf_dequantizes_them():
+def test_decode_reads_q8_0_blocks_as_gguf_dequantizes_them(kernel):
     rng = np.random.default_rng(0)
     weights = (rng.standard_normal((32, 64)) * 0.05).astype(np.float32)
     blocks = gguf.quants.quantize(weights, gguf.GGMLQuantizationType.Q8_0)
@@ -123,6 +123,8 @@ def test_decode_reads_q8_0_blocks_as_gguf_dequantizes_them():
         q8.kernel_layout(torch.from_numpy(codes), torch.from_numpy(scales) * (1 + 2**-20))
     tiles, kept = q8.kernel_layout(torch.from_numpy(codes), torch.from_numpy(scales))
     assert kept.dtype == torch.float16 and torch.equal(q4.per_row(kept).float(), torch.from_numpy(scales))
+    with pytest.raises(RuntimeError, match="q8_mm: scales must be .* fp16"):  # the kernel takes no other
+        torch.ops.ladechat_blocks.q8_mm(torch.randn(1, 64), tiles, kept.float(), 0)
     assert torch.equal(q8.codes_of(tiles), torch.from_numpy(codes))
     # the tile as blocks.cpp draws it: byte 64 c + 4 j + i holds q[j][4 c + i]
     assert tiles[1, 1, 64 * 5 + 4 * 7 + 2] == codes[16 + 7, 32 + 4 * 5 + 2]

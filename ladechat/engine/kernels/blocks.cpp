@@ -17,7 +17,7 @@
 //   q8_mm  Q8_0: w = scale * q, a code q in -128..127 per weight, an fp16 scale per 32 weights (the file's d)
 //   half_mm  F16 / BF16: the weights as they are, widened to fp32 as read; fp32 activations (below)
 //   q6_mm  Q6_K: w = d * sc * (q - 32), a code q in 0..63 per weight, an int8 sc per 16 weights and
-//          an fp32 d per 256 weights along a row (the file's own bits: ~0.83 bytes a weight)
+//          an fp16 d per 256 weights along a row (the file's own bits: ~0.82 bytes a weight)
 //   gguf_tiles  a GGUF tensor's Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_1 / Q5_K / Q6_K blocks -> the codes'
 //               tiles below (at load)
 //
@@ -271,7 +271,7 @@ inline void prefetch_group(const Tile& w, const void* per_output, int64_t g) {
   };
   for (int line = 0; line < TILE_BYTES; line += 64) __builtin_prefetch(at(w.codes, (g + ahead) * TILE_BYTES + line), 0, 3);
   __builtin_prefetch(at(w.scales, (g + ahead) * SCALE_BYTES), 0, 3);
-  __builtin_prefetch(at(per_output, (g + ahead) * OTHER_BYTES), 0, 3);
+  if constexpr (OTHER_BYTES > 0) __builtin_prefetch(at(per_output, (g + ahead) * OTHER_BYTES), 0, 3);
 }
 
 // The codes alone PREFETCH_BYTES ahead (Q6: its d, one per 8 groups, is left to the hardware).
@@ -617,7 +617,7 @@ struct Q8Vnni {
     __m512 y[R];
     for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
-      prefetch_group<Q8_TILE, OUT * 2, OUT * 2>(w, w.scales, g);
+      prefetch_group<Q8_TILE, OUT * 2, 0>(w, w.scales, g);  // the scales once (no other per-output part)
       const uint8_t* c = w.codes + g * Q8_TILE;
       __m512i size[8];
       __mmask64 negative[8];
@@ -654,7 +654,7 @@ struct Q8Avx2 {
     __m256 y[R][2];
     for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
-      prefetch_group<Q8_TILE, OUT * 2, OUT * 2>(w, w.scales, g);
+      prefetch_group<Q8_TILE, OUT * 2, 0>(w, w.scales, g);
       const uint8_t* c = w.codes + g * Q8_TILE;
       for (int h = 0; h < 2; ++h) {
         __m256i q[8], size[8];

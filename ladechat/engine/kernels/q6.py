@@ -74,8 +74,7 @@ def layout(codes: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> tuple[
     (blocks.cpp draws the tile). Q6Error for a d that fp16 does not hold."""
     rows, cols = codes.shape
     check_shape(rows, cols)
-    if not torch.equal(d.half().to(d.dtype), d):
-        raise Q6Error("its d are not fp16 values (a Q6_K block's d is)")
+    fp16_d(d.numpy())
     tiles, groups = rows // OUT, cols // GROUP
     codes = codes.to(torch.uint8)
     nibbles = q4.tiles_of(codes & 0x0F)
@@ -86,6 +85,15 @@ def layout(codes: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> tuple[
     sc = scales.to(torch.int8).view(torch.uint8).reshape(tiles, OUT, groups, 2).permute(0, 2, 3, 1)
     whole = torch.cat([nibbles, packed, sc.reshape(tiles, groups, 2 * OUT)], dim=2).contiguous()
     return whole, q4.per_tile(d, torch.float16)
+
+
+def fp16_d(d: np.ndarray) -> np.ndarray:
+    """d as fp16, the kept form's, which holds a Q6_K block's d exactly: Q6Error for values it
+    does not hold (they would change the weights)."""
+    half = d.astype(np.float16)
+    if not np.array_equal(half.astype(d.dtype), d):
+        raise Q6Error("its d are not fp16 values (a Q6_K block's d is)")
+    return half
 
 
 def parts_of(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

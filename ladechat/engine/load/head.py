@@ -31,7 +31,7 @@ from ladechat.engine.kernels.q8 import (
 CACHE_PREFIX = "q8-"
 
 
-def read_gguf(gguf_path: Path, model) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def read_gguf(gguf_path: Path, model) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The kernel's codes and scales of the output layer of `gguf_path` (`model`: built from the
     file's config), None when it is not Q8_0 blocks. Q8Error when they cannot run."""
     from ladechat.engine.load import gguf as gguf_files

@@ -56,7 +56,7 @@ def read_gguf(gguf_path: Path, model, folder: Path) -> tuple[dict[str, torch.Ten
     """The kernels' form of every BLOCK_KINDS tensor of `gguf_path` that is a plain Linear weight of
     `model` (built from the file's config, its weights empty or not), a Q8_0 output layer aside:
     ({module.buffer: q4.layout's tiles/scales/lows, q6.layout's tiles/d, q8.kernel_layout's
-    tiles/scales/sums or half.py's halves}, notices, {module: block type}). A tensor
+    tiles/scales or half.py's halves}, notices, {module: block type}). A tensor
     that cannot run so keeps its dense weight, with a notice when that is a surprise (a corrupt
     block, rows transformed on loading), none for the types that have no kernel."""
     from ladechat.engine.load import gguf as gguf_files
@@ -196,7 +196,7 @@ def _tiled_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of,
     # on a busy machine, and these are ~200 tensors of a few MB
     tiled = [_per_tile(part) for part in parts]
     if kind == "Q6_K":
-        scales = (q4._as_fp16(tiled[0], "Q6_K d"),)  # the file's fp16 d
+        scales = (q6.fp16_d(tiled[0]),)  # the file's fp16 d
     elif kind in q4.K_FORMS:
         scales = q4.pack_k(*tiled)
     elif kind in q4.D_FACTORS:  # the low is d times -8 or -16: the kernel makes it, exactly
