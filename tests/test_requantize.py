@@ -3,6 +3,7 @@ ladechat's CPU kernels run (engine/load/requantize.py): each weight is exactly i
 equals plain decoding on them, the layout is kept and read back, and what cannot go is a one-line error."""
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -248,3 +249,29 @@ def test_what_cannot_be_quantized_is_a_one_line_error(folders, monkeypatch, tmp_
     (quantized / "config.json").write_text(json.dumps(config))
     with pytest.raises(LoadError, match=r"gptq is already quantized \(gptq weights\): --quantize takes a model of float"):
         load(LoadSpec(model=str(quantized), quantize="q4"))
+
+
+def test_the_command_quantizes_once_and_answers_as_plain_decoding(folders):
+    """`ladechat ask --quantize q4` in a process of its own: the first run quantizes and keeps the
+    layout (a notice-free answer on stdout), the second reads it; both runs' greedy tokens, with
+    lookahead and without, are the in-process plain decoding's on the same blocks."""
+    import subprocess
+
+    from conftest import PATIENCE_S, ladechat_bin
+
+    folder = folders["qwen2"]
+    shutil.rmtree(cache_root() / "quantized", ignore_errors=True)
+    lm = load(LoadSpec(model=folder, device="cpu", quantize="q4"))
+    shutil.rmtree(cache_root() / "quantized", ignore_errors=True)
+    prompt = "the cat sat on the mat. the cat sat on"
+    expected = answer(lm, lm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                           add_generation_prompt=True), LookaheadConfig(enabled=False))
+    runs = []
+    for flag in ("--lookahead", "--no-lookahead"):
+        r = subprocess.run([ladechat_bin(), "ask", "--json", "--keep-alive", "0", "--no-store", flag, "--quantize", "q4",
+                            "--model", folder, "--max-new-tokens", "48", prompt],
+                           capture_output=True, timeout=PATIENCE_S, env={**os.environ, "NO_COLOR": ""})
+        assert r.returncode == 0, r.stderr.decode()
+        runs.append(json.loads(r.stdout)["token_ids"])
+        assert len(list((cache_root() / "quantized").glob("*/quantized-Q4_0-*.safetensors"))) == 1
+    assert runs[0] == runs[1] == expected[: len(runs[0])] and len(runs[0]) == 48
