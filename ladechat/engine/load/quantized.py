@@ -94,8 +94,8 @@ def read_gguf(gguf_path: Path, model, folder: Path) -> tuple[dict[str, torch.Ten
     for name, tensor, kind, module_name, rows, cols in jobs:
         try:
             buffers = kernel_form(kind, np.asarray(tensor.data), rows, cols,
-                                   lambda: gguf_files.row_order(processor, tensor.name, rows),  # noqa: B023 (called at once)
-                                   places.get(module_name))
+                                  lambda: gguf_files.row_order(processor, tensor.name, rows),  # noqa: B023 (called at once)
+                                  places.get(module_name))
         except (Int4Error, q4.Q4Error, q6.Q6Error, q8.Q8Error, half.HalfError) as exc:
             notices.append(f"{name} ({kind}) runs dense: {exc}")
             continue
@@ -132,7 +132,7 @@ def tiles_in_one_allocation(jobs) -> dict[str, torch.Tensor]:
 
 
 def kernel_form(kind: str, data: np.ndarray, rows: int, cols: int, order_of,
-                 into: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                into: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """A tensor's blocks in its kernel's layout, its rows in the model's order (order_of(): the GGUF
     row of each, or None when loading does more than reorder them); gguf_tiles' tiles written
     `into` where given."""
@@ -251,8 +251,8 @@ def apply(model, gguf_path: Path, folder: Path, kernels: Path | None,
             # a read-only cache: read again next time
             gguf_files.keep_beside_meanwhile(path, arrays, meta, f"{CACHE_PREFIX}*.safetensors")
             # what was kept, from memory (read back, it would be in memory twice for a while)
-            return replace_linears(model, q4.KeptReader(arrays.__getitem__, arrays, model), kinds, notices, path_here,
-                            kernel_notices)
+            return replace_linears(model, q4.KeptReader(arrays.__getitem__, arrays, model), kinds, notices,
+                                   path_here, kernel_notices)
     meta, keys, get = kept.read(path)
     kinds, notices = json.loads(meta.get("kinds", "{}")), json.loads(meta.get("notices", "[]"))
     return replace_linears(model, q4.KeptReader(get, keys, model), kinds, notices, path_here, kernel_notices)

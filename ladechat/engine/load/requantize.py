@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ladechat.engine.kernels import q4, q8
+from ladechat.engine.kernels.linear import BlockLinear
 from ladechat.engine.load import quantized
 from ladechat.errors import UserError
 from ladechat.paths import cache_root
@@ -180,6 +181,10 @@ def _cast_rest(model, dtype: torch.dtype) -> None:
         for key, param in list(module._parameters.items()):
             if param is not None and param.is_floating_point() and param.dtype != dtype and not param.is_meta:
                 module._parameters[key] = torch.nn.Parameter(param.detach().to(dtype), requires_grad=False)
+    model.config.dtype = dtype
+    if not any(buffer.is_floating_point() and buffer.dtype != dtype for module in model.modules()
+               if not isinstance(module, BlockLinear) for buffer in module.buffers(recurse=False)):
+        return  # none was made in another dtype (a Llama's RoPE frequencies are fp32 already)
     with init_empty_weights(include_buffers=False):  # parameters on the meta device, buffers made
         fresh = dict(AutoModelForCausalLM.from_config(model.config, dtype=dtype).named_buffers())
     for key, buffer in list(model.named_buffers()):
@@ -187,4 +192,3 @@ def _cast_rest(model, dtype: torch.dtype) -> None:
         if made is not None and buffer.is_floating_point() and made.shape == buffer.shape:
             parent, _, leaf = key.rpartition(".")
             model.get_submodule(parent)._buffers[leaf] = made
-    model.config.dtype = dtype
