@@ -622,7 +622,7 @@ def bench_step_cost(model: Model = None,
                     as_json: BenchJson = False,
                     weights: Annotated[Optional[str], typer.Option("--weights", help="Linear weights, as for the chat (auto, dense, packed, int4); default: the chat's own (auto), dense with --compile.")] = None) -> None:
     """What one decoding step costs as it feeds more tokens (exact-size steps through the model's
-    forward and, for the Llama family, engine/lean.py, on a GPU too; fixed-shape and --compile'd
+    forward and, for the Llama family, engine/models/llama.py, on a GPU too; fixed-shape and --compile'd
     ones), next to HF generate's time per token."""
     from ladechat.bench import steps
     from ladechat.engine.load.loading import bench_weights, resolve_device, resolve_dtype
@@ -647,8 +647,9 @@ def bench_step_cost(model: Model = None,
         net, name = loaded.model, loaded.name
     with _spinner(err)("timing steps" + (" (compiling first)" if compile else "")):
         result = steps.run(net, name, size_list, context, reps, compile)
-    if "lean_error" in result:
-        err.print(f"notice: the lean step could not run here: {escape(result['lean_error'])}", highlight=False)
+    if "llama_error" in result:
+        err.print(f"notice: ladechat's Llama steps could not run here: {escape(result['llama_error'])}",
+                  highlight=False)
     if as_json:
         print(json.dumps(result, indent=2))
     else:

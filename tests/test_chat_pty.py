@@ -374,7 +374,7 @@ def test_model_switches_the_model_and_keeps_the_conversation(tmp_path):
     say(child, "/model /no/such/folder", r"error: /model /no/such/folder: model folder not found: /no/such/folder; "
                                          r"the chat goes on with SmolLM2")
     say(child, "/model", "model SmolLM2")
-    say(child, f"/model {folder}", r"now answering with .*tiny.*; the conversation \(2 messages\) goes on")
+    say(child, f"/model {folder}", r"now answering with .*tiny.*; the conversation \(2 messages\)\s+goes\s+on")
     say(child, "And of Germany?", "tokens/step")
     data = saved_messages(child, tmp_path / "c.json", 4)
     assert data["model"].endswith("tiny") and [m["role"] for m in data["messages"]] == ["user", "assistant"] * 2

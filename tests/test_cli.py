@@ -288,7 +288,7 @@ def test_step_cost_bench_on_a_random_model():
     result = json.loads(r.stdout)
     assert result["model"] == "random tiny" and result["context"] == 64 and result["hf_generate_per_token_s"] > 0
     assert result["packed_weights"] is PACKED  # as the chat would load it here
-    assert set(result["curves"]) == {"dynamic", "lean", "static"}  # a Llama shape on a CPU: the lean step's too
+    assert set(result["curves"]) == {"dynamic", "llama", "static"}  # a Llama shape on a CPU: its Llama steps too
     for curve in result["curves"].values():
         assert set(curve) == {"1", "8", "16"} and all(t > 0 for t in curve.values())
 

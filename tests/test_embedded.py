@@ -7,6 +7,7 @@ import torch
 from ladechat import templates
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
+from ladechat.engine.models import transformers_model
 
 
 def real_prompts(shared_data, per_set=4):
@@ -25,7 +26,7 @@ def test_embedded_greedy_identical_on_real_prompts(embedded_fp32, shared_data):
     compressions, multi = [], 0
     for text in prompts:
         ids = templates.encode(lm.tokenizer, [{"role": "user", "content": text}])
-        ref = lm.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        ref = transformers_model(lm.model).generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                 max_new_tokens=48, do_sample=False, eos_token_id=sorted(lm.eos_ids),
                                 pad_token_id=sorted(lm.eos_ids)[0])[0, len(ids):].tolist()
         events = list(generate(Session(lm.model, LookaheadConfig(window=5, ngram=4, candidates=5)), ids,

@@ -7,13 +7,13 @@ import pytest
 import torch
 from tiny_models import FAMILIES, tiny_model
 
-from ladechat.engine import lean
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.draft.store import AnswerStore
 from ladechat.engine.events import Done, Step
 from ladechat.engine.kernels.attention import use_grouped_sdpa
-from ladechat.engine.runner import LeanRunner, default_runner
+from ladechat.engine.models import llama, transformers_model
+from ladechat.engine.runner import ModelRunner, default_runner
 from ladechat.engine.step_cost import CostModel
 
 MODELS = {}
@@ -21,11 +21,14 @@ MODELS = {}
 
 def model_for(family, grouped: bool = False):
     """The family's tiny model with transformers' SDPA, or (grouped) with ladechat's grouped
-    attention as load() sets it, under which Llama-family steps run engine/lean.py."""
+    attention as load() sets it, and for the Llama family run by engine/models/llama.py, as load()
+    runs it."""
     if (family, grouped) not in MODELS:
         model = tiny_model(family)
         if grouped:
             assert use_grouped_sdpa(model)
+            if llama.accepts(model) is None:
+                model = llama.Llama.adopt(model)
         MODELS[family, grouped] = model
     return MODELS[family, grouped]
 
@@ -44,7 +47,7 @@ def run(model, prompt, la, max_new, eos=frozenset()):
 def hf_greedy(model, prompt, max_new, eos=None):
     ids = torch.tensor([prompt])
     # an explicit mask: otherwise generate() masks out prompt tokens equal to pad_token_id
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+    out = transformers_model(model).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
                          eos_token_id=eos, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
@@ -64,8 +67,8 @@ GRID = [(f, w, n, g) for f in FAMILIES for (w, n, g) in
 @pytest.mark.parametrize("family,w,n,g", GRID)
 def test_greedy_identical_to_generate(family, w, n, g, attention):
     model = model_for(family, grouped=attention == "grouped")
-    # the lean step runs where the model is grouped and of its families; the forward elsewhere
-    assert (type(default_runner(model)) is LeanRunner) == (attention == "grouped" and family in lean.FAMILIES)
+    # ladechat's Llama steps run where the model is grouped and of their families; transformers' forward elsewhere
+    assert (type(default_runner(model)) is ModelRunner) == (attention == "grouped" and family in llama.FAMILIES)
     rng = random.Random(zlib.crc32(f"{family}-{w}-{n}-{g}".encode()))
     for trial in range(2):
         prompt = repetitive_prompt(rng, model.config.vocab_size, rng.randint(5, 40))

@@ -32,13 +32,33 @@ class FailsAfterForward:
 
     def __init__(self, model, fail_on_call: int, error: BaseException) -> None:
         self.model, self.fail_on_call, self.error, self.calls = model, fail_on_call, error, 0
+        if hasattr(model, "bind"):  # a model that runs its own steps (engine/models/)
+            self.bind = self._bind
 
     def __getattr__(self, name):
         return getattr(self.model, name)
 
     def __call__(self, **kwargs):
+        return self._counted(self.model(**kwargs))
+
+    def _bind(self, *args, **kwargs):
+        """Its prefill and steps, counted as forward passes."""
+        steps, counted = self.model.bind(*args, **kwargs), self._counted
+
+        class Failing:
+            def __getattr__(self, name):
+                return getattr(steps, name)
+
+            def prefill(self, *args):
+                return counted(steps.prefill(*args))
+
+            def step(self, *args):
+                return counted(steps.step(*args))
+
+        return Failing()
+
+    def _counted(self, out):
         self.calls += 1
-        out = self.model(**kwargs)
         if self.calls == self.fail_on_call:
             raise self.error
         return out

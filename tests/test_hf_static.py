@@ -8,6 +8,7 @@ from tiny_models import tiny_loaded
 
 from ladechat.bench import hf_static
 from ladechat.bench.prompts import run
+from ladechat.engine.models import transformers_model
 from ladechat.settings import Settings
 
 
@@ -35,19 +36,19 @@ def test_compiled_once_for_a_whole_run_and_the_same_answers_as_hf(tmp_path):
 
 def test_uncompiled_it_compiles_nothing_and_reuses_its_cache():
     loaded = tiny_loaded()
-    generator = hf_static.StaticGenerate(loaded.model, 256, compile=False)
+    generator = hf_static.StaticGenerate(transformers_model(loaded.model), 256, compile=False)
     cache = generator.cache
     first, _ = generator.answer([1, 5, 6, 7], {"do_sample": False}, 6, [])
     again, _ = generator.answer([1, 5, 6, 7], {"do_sample": False}, 6, [])
     assert first == again and len(first) == 6  # the reset cache answers as a fresh one
     assert generator.cache is cache and generator.graphs == [0, 0]
     with torch.inference_mode():
-        plain = loaded.model.generate(torch.tensor([[1, 5, 6, 7]]), max_new_tokens=6, do_sample=False, pad_token_id=0)
+        plain = transformers_model(loaded.model).generate(torch.tensor([[1, 5, 6, 7]]), max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert plain[0, 4:].tolist() == first
 
 
 def test_a_conversation_longer_than_its_cache_is_a_one_line_error():
-    generator = hf_static.StaticGenerate(tiny_loaded().model, 256, compile=False)
+    generator = hf_static.StaticGenerate(transformers_model(tiny_loaded().model), 256, compile=False)
     with pytest.raises(hf_static.StaticCacheError, match="hf-static: a prompt of 250 tokens and 12 new ones do not fit its static "
                                          "cache of 256"):
         generator.answer([1] * 250, {"do_sample": False}, 12, [])

@@ -24,6 +24,7 @@ from ladechat.engine.defaults import default_lookahead
 from ladechat.engine.kernels import attention, int4, native, q4
 from ladechat.engine.load import packing, quantized
 from ladechat.engine.load.loading import LoadError, LoadSpec, load
+from ladechat.engine.models import transformers_model
 from ladechat.paths import cache_root
 
 gguf = pytest.importorskip("gguf")
@@ -316,7 +317,7 @@ def test_a_gguf_is_built_from_its_blocks_with_no_dense_copy_kept(tiny_gguf, tmp_
         state = built.state_dict()
         assert all(torch.equal(state[name], wanted[name]) for name in compared)
     with torch.no_grad():
-        assert torch.equal(first.model(ids).logits, second.model(ids).logits)
+        assert torch.equal(transformers_model(first.model)(ids).logits, transformers_model(second.model)(ids).logits)
     # bf16: the dense tensors read in the model's dtype
     bf16 = load(LoadSpec(model=str(copy), dtype="bfloat16", device="cpu", weights="dense"))
     assert bf16.model.model.embed_tokens.weight.dtype == torch.bfloat16
@@ -407,7 +408,7 @@ def test_the_embedded_model_is_built_with_the_weights_of_transformers_own_gguf_l
     ids = torch.randint(0, 49152, (1, 20), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         again = load(LoadSpec(dtype="float32", device="cpu", weights="int4")).model
-        assert torch.equal(again(ids).logits, embedded_int4.model(ids).logits)
+        assert torch.equal(again(ids).logits, transformers_model(embedded_int4.model)(ids).logits)
 
 
 def test_embedded_int4_products_match_gguf_dequantize(embedded_int4):
@@ -486,7 +487,7 @@ def test_lookahead_on_4bit_weights_answers_as_plain_decoding(dtype, request):
             assert not rowwise, (name, text, "a lookahead answer parted from plain decoding")
             at = next(k for k in range(min(len(plain), len(ahead))) if plain[k] != ahead[k])
             with torch.inference_mode():
-                logits = lm.model(input_ids=torch.tensor([ids + plain[:at]])).logits[0, -1]
+                logits = transformers_model(lm.model)(input_ids=torch.tensor([ids + plain[:at]])).logits[0, -1]
             margin = float(logits[plain[at]] - logits[ahead[at]])
             assert abs(margin) < NEAR_TIE, (name, text, at, margin)
     assert multi > 0, "no step accepted more than one token: the comparison proved nothing"
@@ -582,5 +583,5 @@ def test_blocks_that_cannot_be_kept_are_one_notice_and_the_model_runs(own_cache,
     again = load(LoadSpec(model=str(copy), device="cpu"))
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
-        assert torch.equal(loaded.model(ids).logits, again.model(ids).logits)
+        assert torch.equal(transformers_model(loaded.model)(ids).logits, transformers_model(again.model)(ids).logits)
     assert list(folder.glob("int4-*.safetensors")) and not any("cannot keep" in n for n in again.notices)

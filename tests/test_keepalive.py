@@ -256,7 +256,7 @@ def test_the_chat_answers_through_the_warm_server_without_torch(warm, tmp_path):
     env = warm.env(XDG_STATE_HOME=str(tmp_path / "state"), TERM="xterm", PROMPT_TOOLKIT_NO_CPR="1")
     child = pexpect.spawn(sys.executable, ["-m", "ladechat", "--dtype", "float32", "--max-new-tokens", "24"], env=env,
                           encoding="utf-8", timeout=60, dimensions=(40, 200), cwd=str(warm.base))
-    child.expect("kept loaded")
+    child.expect(r"kept\s+loaded")
     child.expect(">>>")
     child.sendline(QUESTION)
     child.expect(r"tokens/step, lookahead W=")

@@ -23,13 +23,13 @@ from transformers import (
 )
 
 from ladechat.backends.opener import OptionError, load_model
-from ladechat.engine import lean
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.kernels import q4, q8
 from ladechat.engine.kernels.embedding import BlockEmbedding
 from ladechat.engine.load import loading, requantize
 from ladechat.engine.load.loading import LoadError, LoadSpec, load
+from ladechat.engine.models import transformers_model
 from ladechat.paths import cache_root
 
 # head dim 64: the row-wise attention kernel's (attention.HEAD_DIMS), so every row is computed alone
@@ -121,9 +121,9 @@ def answer(lm, prompt: str, la: LookaheadConfig) -> list[int]:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_lookahead_is_plain_decoding_on_the_quantized_weights(folders, family):
     """On the quantized weights each row is computed alone (block products, row-wise attention), so
-    the lean step prefills and decodes and a lookahead answer is plain decoding's, token for token."""
+    the Llama prefills in parts and decodes, and a lookahead answer is plain decoding's, token for token."""
     lm = load(LoadSpec(model=folders[family], device="cpu", quantize="q4"))
-    assert lean.LeanStep(lm.model).rows_alone
+    assert lm.model.bind().rows_alone
     for prompt in ("the cat sat on the mat. the cat sat on", "abcabcabcabc"):
         plain = answer(lm, prompt, LookaheadConfig(enabled=False))
         assert len(plain) == 48
@@ -141,7 +141,7 @@ def test_the_layout_is_kept_and_read_back(folders, monkeypatch):
     assert len(kept) == 1
     ids = torch.tensor([[5, 17, 33, 2, 64]])
     with torch.no_grad():
-        logits = first.model(ids).logits
+        logits = transformers_model(first.model)(ids).logits
     made = requantize.quantize
 
     def refuse(*args, **kwargs):
@@ -150,7 +150,7 @@ def test_the_layout_is_kept_and_read_back(folders, monkeypatch):
     monkeypatch.setattr(requantize, "quantize", refuse)
     again = load(LoadSpec(model=folder, device="cpu", quantize="q4"))
     with torch.no_grad():
-        assert torch.equal(again.model(ids).logits, logits)
+        assert torch.equal(transformers_model(again.model)(ids).logits, logits)
     (Path(folder) / "config.json").touch()
     with pytest.raises(AssertionError, match="quantized again"):
         load(LoadSpec(model=folder, device="cpu", quantize="q4"))
@@ -216,7 +216,7 @@ def test_buffers_and_what_stays_dense(tmp_path, kernels):
     assert type(lm.model.model.layers[0].mlp.up_proj) is q4.Q4Linear
     assert any("mlp.down_proj (256x48) stays dense" in notice for notice in lm.notices)
     with torch.no_grad():
-        assert torch.isfinite(lm.model(torch.tensor([[3, 4, 5]])).logits).all()
+        assert torch.isfinite(transformers_model(lm.model)(torch.tensor([[3, 4, 5]])).logits).all()
 
 
 def test_what_cannot_be_quantized_is_a_one_line_error(folders, monkeypatch, tmp_path):

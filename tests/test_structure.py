@@ -119,13 +119,13 @@ def test_the_kernels_read_no_file_and_load_nothing():
     assert upward == set()
 
 
-# The engine's layers, lowest first (#42): kernels, loading, the step's runners and what measures
-# them, decoding. A module imports from its own layer or below, and from the basics every layer
-# shares: config, threads, events, draft/, layout (a step's rows, positions and mask: loading's
-# mask probe builds one), errors, paths.
-LAYERS = (("ladechat.engine.kernels",), ("ladechat.engine.load",),
-          ("ladechat.engine.runner", "ladechat.engine.lean", "ladechat.engine.kv",
-           "ladechat.engine.step_cost", "ladechat.engine.thread_probe", "ladechat.engine.cost_envelope"),
+# The engine's layers, lowest first (#42): kernels, the model files and their cache, loading,
+# the step's runners and what measures them, decoding. A module imports from its own layer or
+# below, and from the basics every layer shares: config, threads, events, draft/, layout (a step's
+# rows, positions and mask: loading's mask probe builds one), errors, paths.
+LAYERS = (("ladechat.engine.kernels",), ("ladechat.engine.models", "ladechat.engine.kv"), ("ladechat.engine.load",),
+          ("ladechat.engine.runner", "ladechat.engine.step_cost", "ladechat.engine.thread_probe",
+           "ladechat.engine.cost_envelope"),
           ("ladechat.engine.decode",))
 
 

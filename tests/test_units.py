@@ -614,11 +614,12 @@ def test_mask_probe_verdict_is_remembered_per_folder(tmp_path, monkeypatch):
     from tiny_models import tiny_tokenizer
 
     from ladechat.engine.load.loading import honours_tree_mask, load
+    from ladechat.engine.models import transformers_model
     from ladechat.paths import cache_root
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     folder = tiny_model_folder(tmp_path / "model", tiny_tokenizer())
-    model = load(LoadSpec(model=str(folder), dtype="float32", device="cpu")).model
+    model = transformers_model(load(LoadSpec(model=str(folder), dtype="float32", device="cpu")).model)
     verdicts = cache_root() / "mask-probe"
     assert len(list(verdicts.iterdir())) == 1
     attn = model.config._attn_implementation  # the key names the implementation in use

@@ -70,7 +70,7 @@ class Bot:
     def describe(self) -> str:
         """The model, its device and dtype, which Linear weights and kernels run (when not all as
         transformers loads them) and what runs a step when not the model's own forward, e.g.
-        '... on cpu (float32; 210 Linear from Q4_1 blocks (...); steps by engine/lean.py)'."""
+        '... on cpu (float32; 210 Linear from Q4_1 blocks (...); steps by engine/models/llama.py)'."""
         weights = f"; {self.loaded.weights}" if self.loaded.weights else ""
         steps = f"; steps by {self.session.runner.steps}" if self.session.runner.steps else ""
         dtype = str(self.loaded.dtype).removeprefix("torch.")

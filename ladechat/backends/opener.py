@@ -75,7 +75,7 @@ def load_model(options: dict, progress: Progress | None, compile: bool = False):
                     device_map=options["device_map"],
                     max_memory=parse_max_memory(max_memory) if max_memory is not None else (),
                     pack_weights=not compile, weights=options["weights"], context_size=options["context_size"],
-                    quantize=options["quantize"])
+                    quantize=options["quantize"], own_forward=not compile)
     check_weights(spec)  # flag errors before any slow import
     check_context_size(spec.context_size)
     resolve_dtype(options["dtype"], resolve_device(options["device"]))

@@ -26,6 +26,7 @@ from ladechat.engine.decode import Session, generate
 from ladechat.engine.draft.store import AnswerStore
 from ladechat.engine.events import Done
 from ladechat.engine.load import packing
+from ladechat.engine.models import transformers_model
 from ladechat.engine.runner import StaticRunner, compiled_forward
 from ladechat.errors import UserError
 from ladechat.settings import Settings
@@ -160,12 +161,13 @@ def method_config(method: str, la: LookaheadConfig) -> LookaheadConfig:
 
 def run_item(loaded, item: dict, method: str, la: LookaheadConfig, sampling: SamplingConfig,
              template: str | None, step_cost: dict[int, float] | None = None, runner=None,
-             store: AnswerStore | None = None, layouts: packing.LayoutSwitch | None = None):
+             store: AnswerStore | None = None, layouts: packing.LayoutSwitch | None = None, hf_model=None):
     """Answer every turn of `item` with `method`. Returns (all answer ids, seconds, steps, guesses
     accepted per depth). runner: a fixed-shape runner to reuse (its compiled graphs) instead of the
     default one; for hf-static, its StaticGenerate (required). store: the method's store of past
     answers (None: no store). layouts: the loaded model's two weight layouts, for HF's methods on
-    the model as transformers loads it (None: the model as it is)."""
+    the model as transformers loads it (None: the model as it is). hf_model: transformers' model of
+    the loaded one, for HF's methods (models.transformers_model; None: made here)."""
     tok = loaded.tokenizer
     eos = sorted(loaded.eos_ids)
     messages: list[dict] = []
@@ -190,7 +192,8 @@ def run_item(loaded, item: dict, method: str, la: LookaheadConfig, sampling: Sam
                 if method == "hf-static":
                     answer, took = runner.answer(ids, _sampling_arguments(sampling), sampling.max_new_tokens, eos)
                 else:
-                    answer, took = _hf_answer(loaded.model, ids, sampling, eos, LOOKUP.get(method, 0))
+                    answer, took = _hf_answer(hf_model or transformers_model(loaded.model), ids, sampling, eos,
+                                              LOOKUP.get(method, 0))
             steps = None  # HF does not report its forward passes
         else:
             start = time.perf_counter()
@@ -294,7 +297,9 @@ def run(loaded, datasets: list[str], methods: list[str], settings: Settings, lim
     results["compiled"] = compile
     results["packed_weights"] = packed  # ladechat's methods and hf-packed; HF's others run unpacked
     step_cost = None if compile else cost_envelope.cost_model(loaded)  # compiled methods' steps are all full ones
-    layouts = packing.LayoutSwitch(loaded.model) if packed else None  # a second copy of the Linear weights
+    # HF's methods run transformers' forward over the loaded modules (one copy of the weights)
+    hf_model = transformers_model(loaded.model)
+    layouts = packing.LayoutSwitch(hf_model) if packed else None  # a second copy of the Linear weights
     runners = {m: StaticRunner(loaded.model, method_config(m, la), loaded.context_length,
                                compiled=compiled_forward(loaded.model)) if compile else None
                for m in ours}
@@ -302,7 +307,7 @@ def run(loaded, datasets: list[str], methods: list[str], settings: Settings, lim
     if single_turn:
         measured = {name: [{**item, "turns": item["turns"][:1]} for item in items] for name, items in measured.items()}
     if "hf-static" in methods:
-        runners["hf-static"] = StaticGenerate(loaded.model, _static_length(loaded, measured, sampling, template),
+        runners["hf-static"] = StaticGenerate(hf_model, _static_length(loaded, measured, sampling, template),
                                               compile)
     # warm-up: first calls allocate and pick kernels (and compile)
     for m in methods:
@@ -311,7 +316,7 @@ def run(loaded, datasets: list[str], methods: list[str], settings: Settings, lim
             peer_bench.warm_up(peers[m], loaded.tokenizer)
         else:
             run_item(loaded, {"turns": ["Hello"]}, m, la, SamplingConfig(max_new_tokens=8), template, step_cost,
-                     runners.get(m), layouts=layouts)
+                     runners.get(m), layouts=layouts, hf_model=hf_model)
     if store == "warm":
         warm_items = [item for name in warm_from for item in load_items(name, warm_limit)]
         results["warm_answers"] = _warm_stores(loaded, stores, warm_items,
@@ -321,7 +326,7 @@ def run(loaded, datasets: list[str], methods: list[str], settings: Settings, lim
         if method in peers:
             return None, *peer_bench.answer(peers[method], item, loaded.tokenizer), None, []
         ids, seconds, steps, by_depth = run_item(loaded, item, method, la, sampling, template, step_cost,
-                                                 runners.get(method), stores.get(method), layouts)
+                                                 runners.get(method), stores.get(method), layouts, hf_model)
         return ids, len(ids), seconds, steps, by_depth
 
     for name in datasets:

@@ -4,10 +4,10 @@ Lookahead wins when a step of S tokens costs little more than a step of one. Thi
 curve for a loaded model or a randomly initialised one of a known shape (no download needed,
 e.g. Llama-2-7B on a GPU), in up to four ways side by side:
   dynamic   a growing cache, each step exactly its size, the model's own forward, eager
-  lean      the same steps through engine/lean.py (the default runner on a CPU for the Llama
-            family, which it covers: bitwise the same logits without the forward's framework work;
-            measured on a GPU too, where it is no default yet: a failure there is the result's
-            `lean_error`, the other curves stand)
+  llama     the same steps through engine/models/llama.py (the default on a CPU for the Llama
+            family: bitwise the same logits without the forward's framework work; measured on a
+            GPU too, where it is no default yet: a failure there is the result's `llama_error`,
+            the other curves stand)
   static    pre-allocated cache, fixed-shape step, eager
   compiled  the static step through torch.compile (CUDA graphs on a GPU)   [--compile]
 and HF `generate` per token as the baseline. A step of size 1 is plain decoding; larger steps are
@@ -21,12 +21,12 @@ import time
 
 import torch
 
-from ladechat.engine import lean
 from ladechat.engine.config import LookaheadConfig
 from ladechat.engine.kernels.attention import use_grouped_sdpa
 from ladechat.engine.layout import build_layout
 from ladechat.engine.load import packing
-from ladechat.engine.runner import CompiledForward, DynamicRunner, LeanRunner, StaticRunner
+from ladechat.engine.models import llama, transformers_model
+from ladechat.engine.runner import CompiledForward, DynamicRunner, ModelRunner, StaticRunner
 from ladechat.engine.step_cost import prefill_random, time_step
 from ladechat.errors import UserError
 
@@ -150,6 +150,12 @@ def _generate_per_token(model, context: int, tokens: int) -> float:
 
 
 def run(model, name: str, sizes=SIZES, context: int = 512, reps: int = 10, compile: bool = False) -> dict:
+    """The curves of `model` (transformers' or a Llama ladechat runs itself: either way, both
+    forwards over the same modules where the Llama file takes the model)."""
+    own = model if isinstance(model, llama.Llama) else None
+    model = transformers_model(model)
+    if own is None and llama.accepts(model, gpu=True) is None:
+        own = llama.Llama.adopt(model, gpu=True)
     device = model.device
     la = fixed_config(max(sizes))
     context_length = context + max(sizes) + 8
@@ -158,19 +164,19 @@ def run(model, name: str, sizes=SIZES, context: int = 512, reps: int = 10, compi
     if compile:
         compiled = StaticRunner(model, la, context_length, compiled=CompiledForward(model))
         curves["compiled"] = _time_steps(compiled, sizes, context, reps)
-    lean_error = None
-    if lean.supported(model, gpu=True) is None:  # the model's layers without their forward (a CPU's default)
+    own_error = None
+    if own is not None:  # the model's layers without transformers' forward (a CPU's default)
         try:  # last but HF: on a GPU it is measured here first, and a broken device loses nothing before it
-            curves["lean"] = _time_steps(LeanRunner(model, gpu=True), sizes, context, reps)
+            curves["llama"] = _time_steps(ModelRunner(own, gpu=True), sizes, context, reps)
         except Exception as exc:  # there a failure is reported, the other curves stand; on a CPU it is a bug
             if device.type == "cpu":
                 raise
-            lean_error = f"{type(exc).__name__}: " + next((line for line in str(exc).splitlines() if line.strip()), "")
-    order = ("dynamic", "lean", "static", "compiled")  # the table's columns
+            own_error = f"{type(exc).__name__}: " + next((line for line in str(exc).splitlines() if line.strip()), "")
+    order = ("dynamic", "llama", "static", "compiled")  # the table's columns
     curves = {kind: curves[kind] for kind in order if kind in curves}
     packed = packing.is_packed(model)
     return {"model": name, "device": str(device), "dtype": str(model.dtype).removeprefix("torch."),
             "packed_weights": packed, "context": context, "reps": reps,
             "hf_generate_per_token_s": _hf_per_token(model, context),  # last: it unpacks the model
             "curves": {kind: {str(s): t for s, t in curve.items()} for kind, curve in curves.items()},
-            **({"lean_error": lean_error} if lean_error else {})}
+            **({"llama_error": own_error} if own_error else {})}

@@ -59,7 +59,7 @@ class GrowingLayer(DynamicLayer):
              ) -> tuple[int, torch.Tensor, torch.Tensor]:
         """(positions held, the key buffer, the value buffer), the buffers with room for `rows`
         more positions after the held ones: for a step's keys and values written in place (the
-        lean step's rope_kv kernel), then filled(). New buffers are shaped like key_states and
+        Llama step's rope_kv kernel), then filled(). New buffers are shaped like key_states and
         value_states (default: the layer's own, which must hold keys already)."""
         held = self.keys.shape[-2] if self.keys.dim() == 4 else 0
         end = held + rows

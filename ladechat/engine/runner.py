@@ -2,9 +2,9 @@
 
 DynamicRunner: the cache grows and shrinks and each step feeds exactly its rows. Right for a
 CPU, where every extra row costs and the planner sizes steps to the token.
-LeanRunner: DynamicRunner with its prefill and steps computed by lean.py over the model's own
-modules, bitwise the same logits without the forward's framework work. default_runner picks it where it runs (a
-Llama-family model on a CPU), DynamicRunner elsewhere.
+ModelRunner: DynamicRunner for a model that owns its prefill and steps (engine/models/llama.py:
+the Llama family on a CPU), bitwise the logits of transformers' forward over the same modules
+without its framework work. default_runner picks it for such a model, DynamicRunner elsewhere.
 StaticRunner (--compile): a pre-allocated cache and steps padded to one fixed size, so a step has
 the same shapes every time and torch.compile (CUDA graphs on a GPU) can capture it once. Plain
 one-token decoding (lookahead off) gets the same treatment (its own one-row graph), so comparisons
@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ladechat.engine import kv, lean
+from ladechat.engine import kv
 from ladechat.engine.config import ConfigError, LookaheadConfig
 from ladechat.engine.draft.recycle import TOP_K
 from ladechat.engine.kernels import step_ops
@@ -24,7 +24,7 @@ from ladechat.engine.layout import StepLayout, build_layout, fixed_step_inputs, 
 from ladechat.engine.load import packing
 
 MAX_FIXED_STEP = 512  # rows; the static cache keeps this much room past the context
-PREFILL_CHUNK = 512  # prompt tokens a part: an eager forward into a static cache (bounds the mask), a lean prefill
+PREFILL_CHUNK = 512  # prompt tokens a part: an eager forward into a static cache (bounds the mask)
 PREFILL_TOP_K = 512  # prompt tokens (the latest) whose top-k next tokens a prefill keeps
 FIRST_LENGTH = 2048  # a static cache starts this long and doubles when a conversation outgrows it
 
@@ -119,50 +119,38 @@ class DynamicRunner:
         kv.truncate(self.cache, length)
 
 
-class LeanRunner(DynamicRunner):
-    """DynamicRunner with its steps computed by the lean step (lean.py) into the same GrowingCache,
-    and its prefill where the lean step computes every row alone (ladechat's block products and
-    row-wise attention: a GGUF's weights), in parts of PREFILL_CHUNK tokens, which then give the
-    bits of one pass; elsewhere (oneDNN's, dense or int4 products, SDPA, whose results follow the
-    row count) the model's forward prefills in one pass. Commits and truncation are
-    DynamicRunner's. The lean step holds the model's modules as they were when it was made: build
-    the runner after any change of them (packing.unpack, a LayoutSwitch, another attention), as
-    Sessions are."""
-
-    steps = "engine/lean.py"
+class ModelRunner(DynamicRunner):
+    """DynamicRunner for a model that runs its own prefill and steps (engine/models/: a Llama on
+    the CPU) into the same GrowingCache; commits and truncation are DynamicRunner's. It binds the
+    model's modules as they are when it is made: make it after any change of them (packing.unpack,
+    another attention), as Sessions do."""
 
     def __init__(self, model, rope_kernel: bool | None = None, gpu: bool = False) -> None:
-        super().__init__(model)
-        self.lean = lean.LeanStep(model, rope_kernel, gpu)
+        self.model = model
+        self.rows_device = model.device
+        self.cache = kv.new_cache()
+        self.appended = 0
+        self.forward = model.bind(rope_kernel, gpu)
+        self.steps = f"engine/models/{type(model).__name__.lower()}.py"
 
     def prefill(self, tokens: list[int], past: int, ranked: bool = True) -> np.ndarray:
-        if not self.lean.rows_alone:
-            return super().prefill(tokens, past, ranked)
         count = min(len(tokens), PREFILL_TOP_K) if ranked else 1
-        ranks = []
-        for start in range(0, len(tokens), PREFILL_CHUNK):
-            part = tokens[start:start + PREFILL_CHUNK]
-            after = len(tokens) - start - len(part)  # prompt tokens after this part
-            keep = max(0, min(len(part), count - after))  # of the last `count`, those in this part
-            logits = self.lean.prefill(part, past + start, self.cache, keep)
-            if logits is not None:
-                ranks.append(top_k(logits))
-        return np.concatenate(ranks)
+        return top_k(self.forward.prefill(tokens, past, self.cache, count))
 
     def step(self, layout: StepLayout, past: int) -> torch.Tensor:
         self.appended = layout.size
-        return self.lean.forward(layout, past, self.cache)
+        return self.forward.step(layout, past, self.cache)
 
     def reserve(self, tokens: int, committed: int) -> None:
         # its cos/sin table grows before the turn, not inside a timed step (within the model's
         # context: a step past it still grows the table itself)
-        self.lean.table(min(tokens, getattr(self.model.config, "max_position_embeddings", None) or tokens))
+        self.forward.table(min(tokens, getattr(self.model.config, "max_position_embeddings", None) or tokens))
 
 
 def default_runner(model) -> DynamicRunner:
-    """The runner for exact-size steps: the lean step where it computes what the model's forward
-    does (a Llama-family model on a CPU), else the model's own forward."""
-    return LeanRunner(model) if lean.supported(model) is None else DynamicRunner(model)
+    """The runner for exact-size steps: the model's own steps where it has them (a model of
+    engine/models/, whose bind() gives them), else transformers' forward."""
+    return ModelRunner(model) if callable(getattr(model, "bind", None)) else DynamicRunner(model)
 
 
 COMPILED_GRAPHS = 64  # step graphs one model may compile: cache lengths x W/N/G settings (or lookahead off)

@@ -18,12 +18,13 @@ from pathlib import Path
 
 import torch
 
-from ladechat.engine import kv, layout, lean
+from ladechat.engine import kv, layout
 from ladechat.engine import runner as runners
 from ladechat.engine.kernels import attention, int4, linear, norms, q4, q6, q8, step_ops
 from ladechat.engine.layout import StepLayout, build_layout
 from ladechat.engine.load import packing, quantized
 from ladechat.engine.load.gguf import source_digest
+from ladechat.engine.models import llama
 from ladechat.engine.runner import default_runner, top_k
 from ladechat.paths import cache_root
 
@@ -110,12 +111,12 @@ def cache_path(model, name: str, *what, threads: int | None = None) -> Path:
     count the costs are kept for (None: torch's count now)."""
     # our code that a step runs is part of the key (the attention function, the mask, the cache,
     # this measurement), so a change to it measures afresh rather than trusting a curve of the old code
-    code = source_digest(attention.__file__, layout.__file__, kv.__file__, lean.__file__, packing.__file__,
+    code = source_digest(attention.__file__, layout.__file__, kv.__file__, llama.__file__, packing.__file__,
                          int4.__file__, q4.__file__, q6.__file__, q8.__file__, q4.SOURCE, runners.__file__, __file__,
                          step_ops.SOURCE, norms.__file__, linear.__file__)
     key = json.dumps([code, name, str(model.device), str(model.dtype), quantized.weight_layout(model),
                       model.config._attn_implementation, torch.__version__,
-                      threads or torch.get_num_threads(), lean.supported(model) is None, step_ops.loaded(), *what])
+                      threads or torch.get_num_threads(), type(model).__name__, step_ops.loaded(), *what])
     return cache_root() / "step-cost" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 

@@ -137,11 +137,12 @@ def cached_verdict(model, what: list, ceiling: int, cache: Path | None) -> Verdi
     if cache is not None:
         import transformers
 
-        from ladechat.engine import lean, runner
+        from ladechat.engine import runner
         from ladechat.engine.kernels import attention, linear, norms, q4, q6, q8, step_ops
         from ladechat.engine.load import gguf, packing
+        from ladechat.engine.models import llama
 
-        code = gguf.source_digest(attention.__file__, lean.__file__, runner.__file__, packing.__file__, norms.__file__,
+        code = gguf.source_digest(attention.__file__, llama.__file__, runner.__file__, packing.__file__, norms.__file__,
                                   q4.SOURCE, q4.__file__, q6.__file__, q8.__file__, linear.__file__, step_ops.SOURCE,
                                   __file__)
         key = json.dumps(["v2", what, machine_key(), ceiling, str(model.dtype), torch.__version__,

@@ -1,7 +1,7 @@
 """ladechat's kernels for a step's small ops (engine/kernels/step_ops.cpp): RMSNorm (norms.py) against
 transformers' module on the same inputs, the same bits for a row whatever the step's rows or
 threads, the fused residual add, which models get it (4-bit weights only); the rows' top-k against
-torch's; and what happens without a compiler. The rotation is tested in test_lean.py (bitwise the
+torch's; and what happens without a compiler. The rotation is tested in test_llama.py (bitwise the
 model's forward)."""
 
 import inspect
@@ -104,11 +104,12 @@ def test_the_embedded_model_on_4bit_weights_runs_its_norms_on_the_kernel(step_ke
 @pytest.mark.slow
 def test_without_a_compiler_everything_runs_on_torchs_ops(tmp_path):
     """In a fresh process (this one may have the kernels loaded): the reason in one line, the
-    norms stay transformers' modules, the lean step rotates and the runner ranks with torch's ops."""
+    norms stay transformers' modules, the Llama's steps rotate and the runner ranks with torch's ops."""
     script = (
         "from pathlib import Path\n"
         "import torch\n"
-        "from ladechat.engine import lean, runner\n"
+        "from ladechat.engine import runner\n"
+        "from ladechat.engine.models import llama\n"
         "from ladechat.engine.kernels import norms, step_ops\n"
         "from ladechat.engine.load.gguf import embedded_gguf\n"
         "from transformers import AutoModelForCausalLM\n"
@@ -118,7 +119,7 @@ def test_without_a_compiler_everything_runs_on_torchs_ops(tmp_path):
         "use_grouped_sdpa(model)\n"
         f"print(step_ops.load(Path({str(tmp_path)!r}), compiler='no-such-c++'))\n"
         "print(norms.apply(model), type(model.model.norm).__name__)\n"
-        "print(lean.LeanStep(model).rope is lean._torch_rope)\n"
+        "print(llama.Llama.adopt(model).bind().rope is llama._torch_rope)\n"
         "print(sorted(runner.top_k(torch.tensor([[0.5, 2.0, 1.0] * 4]))[0][:4].tolist()))\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=PATIENCE_S, check=False)
     assert done.returncode == 0, done.stderr
@@ -134,10 +135,10 @@ def test_norms_stay_on_the_cpu(step_kernel):
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_lean_step_with_kernel_norms_is_the_forward(step_kernel, family, dtype):
-    """Every norm of a tiny model of each family the lean step takes replaced: its steps' logits
+def test_the_llama_steps_with_kernel_norms_are_the_forward(step_kernel, family, dtype):
+    """Every norm of a tiny model of each family the Llama file takes replaced: its steps' logits
     and cache (the residual add fused into the norm's call) equal the model's own forward's."""
-    from test_lean import assert_steps_match, grouped
+    from test_llama import assert_steps_match, grouped
 
     model = grouped(family).to(dtype)
     assert norms.apply(model) == 2 * model.config.num_hidden_layers + 1
@@ -147,7 +148,7 @@ def test_the_lean_step_with_kernel_norms_is_the_forward(step_kernel, family, dty
 def test_finding_the_norms_reads_no_other_modules_weight(step_kernel):
     """An int4 or Q8_0 layer's `weight` is a dense copy computed at each read (seconds for the
     embedded model's 210 int4 layers): finding the norms must not read it."""
-    from test_lean import grouped
+    from test_llama import grouped
 
     class ComputedWeight(torch.nn.Module):
         @property

@@ -15,6 +15,7 @@ from test_q4 import paths
 from ladechat.engine.kernels import int4, q4, q6
 from ladechat.engine.load import quantized
 from ladechat.engine.load.loading import LoadSpec, load
+from ladechat.engine.models import transformers_model
 
 gguf = pytest.importorskip("gguf")
 T = gguf.GGMLQuantizationType
@@ -174,7 +175,7 @@ def test_a_q5_k_m_like_layout_runs_every_tensor_at_its_own_bits_and_lookahead_an
     assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()
     again = load(LoadSpec(model=str(path), dtype="float32", device="cpu"))  # from the kept blocks
     with torch.no_grad():
-        assert torch.equal(again.model(ids).logits, ours)
+        assert torch.equal(transformers_model(again.model)(ids).logits, ours)
     assert_lookahead_answers_as_plain(model, ids[0].tolist())
 
 
@@ -195,4 +196,4 @@ def test_a_cache_kept_where_the_kernels_did_not_run_serves_a_load_where_they_do(
     fresh.mkdir()
     other = load(LoadSpec(model=str(write_q5_k_m_gguf(fresh / "tiny.gguf")), dtype="float32", device="cpu"))
     with torch.no_grad():
-        assert torch.equal(later.model(ids).logits, other.model(ids).logits)  # the library's own layout
+        assert torch.equal(transformers_model(later.model)(ids).logits, transformers_model(other.model)(ids).logits)  # the library's own layout

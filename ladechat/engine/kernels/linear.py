@@ -62,7 +62,7 @@ class BlockLinear(FixedLinear):
 
     def product(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """x (rows, in) contiguous, fp32 or bf16 -> x W^T (+ b) in x's dtype: the kernel called
-        directly, without the forward's reshapes (a lean step calls it hundreds of times)."""
+        directly, without the forward's reshapes (a Llama step calls it hundreds of times)."""
         op, buffers, path, bias = getattr(torch.ops.ladechat_blocks, self.OP).default, self._buffers_in_order(), \
             self.path, self.bias
         if bias is None:

@@ -9,8 +9,8 @@ so. So it replaces the norms only where the weights are already not the checkpoi
 transformers' greedy decoding. A row's result does not depend on the step's other rows or the
 thread count, so lookahead still computes what plain decoding does.
 
-`NativeRMSNorm.add_norm` is the residual add before a norm fused into the same call; the lean
-step (engine/lean.py) uses it, and the model's own forward calls the module as before.
+`NativeRMSNorm.add_norm` is the residual add before a norm fused into the same call; the Llama
+steps (engine/models/llama.py) use it, and transformers' forward calls the module as before.
 """
 
 from __future__ import annotations

@@ -383,7 +383,7 @@ class Q4Linear(BlockLinear):
 # the same row again: ~90 of a step's ~240 products are that. So the kept 4-bit file holds each such
 # group's tiles, scales and lows as one tensor each (joined(), when the GGUF is first read), the
 # modules' buffers are consecutive views of them (KeptReader: no copy, no memory added), and the
-# lean step multiplies the row by the whole group at once (joint_product()). Each output is computed
+# Llama step multiplies the row by the whole group at once (joint_product()). Each output is computed
 # as before (one row quantized the same way, one output's sums in one fixed order): the same bits.
 
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))

@@ -9,7 +9,7 @@
 //                           precision, the sum of squares in another fixed order (16 partial sums
 //                           added pairwise): within fp32's last bits, nearly always bf16's exact
 //                           bits. add_rms_norm first adds the residual, rounded as torch's add.
-//   rope                    the lean step's rotation of q and k (lean._rotate): bitwise the same
+//   rope                    the Llama step's rotation of q and k (models/llama._rotate): bitwise the same
 //                           floats, each product rounded to the dtype and then their sum (the
 //                           compile flags keep a * b + c two roundings, as torch's ops are).
 //   rope_kv                 the same rotation of a joint q/k/v product's rows, k rotated and v
@@ -204,7 +204,7 @@ void rotate_into_cache(const at::Tensor& qkv, int64_t heads, int64_t kv_heads, c
 // q rotated and returned, (heads, S, dim); k rotated and v as it is written straight into a
 // layer's key and value buffers (1, kv_heads, capacity, dim) at positions held .. held + S - 1.
 // The same floats as rope() and a copy into the cache (kv.GrowingLayer.update), in one call
-// instead of ~10 (the lean step's q/k/v, once a layer).
+// instead of ~10 (the Llama step's q/k/v, once a layer).
 at::Tensor rope_kv(const at::Tensor& qkv, int64_t heads, int64_t kv_heads, const at::Tensor& cos,
                    const at::Tensor& signed_sin, at::Tensor keys, at::Tensor values, int64_t held) {
   check_rotation(cos, signed_sin);

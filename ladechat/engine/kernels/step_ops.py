@@ -1,5 +1,5 @@
 """ladechat's kernels for a decoding step's small operations (step_ops.cpp): RMSNorm (norms.py),
-the rotation of q and k (engine/lean.py) and the rows' top-k (runner.top_k), each one call
+the rotation of q and k (engine/models/llama.py) and the rows' top-k (runner.top_k), each one call
 instead of several torch ops. On the CPU with a small model these ops' dispatch is a large
 share of a step (measured: BENCHMARKS.md).
 

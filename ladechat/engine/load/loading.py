@@ -15,6 +15,7 @@ from ladechat.engine.kernels import int4, native, norms, q4, q6, q8, step_ops
 from ladechat.engine.kernels.attention import use_grouped_sdpa
 from ladechat.engine.load import gguf, head, packing, quantized, requantize
 from ladechat.engine.load.gguf import ModelNotFound
+from ladechat.engine.models import llama
 from ladechat.engine.threads import CpuThreads
 from ladechat.errors import UserError
 from ladechat.paths import cache_root
@@ -53,6 +54,9 @@ class LoadSpec:
     weights: str = "auto"  # one of WEIGHTS
     context_size: int | None = None  # --ctx: the most tokens a conversation holds; None: context_cap's default
     quantize: str | None = None  # --quantize: a Hugging Face model's weights into blocks at load (requantize.KINDS)
+    # Run a family ladechat has its own model file for (engine/models/) by that file; off for
+    # --compile, whose graphs trace transformers' forward
+    own_forward: bool = True
 
 
 @dataclass(frozen=True)
@@ -266,6 +270,8 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
     # pack() itself leaves weights on devices and in dtypes it does not pack.
     if layouts and spec.weights != "dense":
         packing.pack(model)
+    if spec.own_forward and llama.accepts(model) is None:
+        model = llama.Llama.adopt(model)  # transformers' wrapper dropped: its modules are the Llama's
     cap = context_cap(context_length(model.config), spec.context_size)
     try:
         governed = _governed(threads, model, name, source, gguf_file, progress, probe)

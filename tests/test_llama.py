@@ -1,7 +1,7 @@
-"""The lean step (engine/lean.py) computes what the model's own forward does, bit for bit: the same
-logits for steps of any size and shape, so the same tokens as the model's forward, plain and with
-lookahead, over several turns, for every family it accepts; families it does not accept run their
-own forward."""
+"""ladechat's Llama (engine/models/llama.py) computes what transformers' forward over the same
+modules does, bit for bit: the same logits for prefills and steps of any size and shape, so the
+same tokens, plain and with lookahead, over several turns, for every family it accepts; families
+it does not accept run transformers' forward."""
 
 import random
 import shutil
@@ -13,7 +13,7 @@ import torch
 from tiny_models import tiny_loaded, tiny_model
 
 from ladechat import templates
-from ladechat.engine import kv, lean
+from ladechat.engine import kv
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.kernels import attention, int4, native, q4, step_ops
@@ -21,7 +21,8 @@ from ladechat.engine.kernels.attention import use_grouped_sdpa
 from ladechat.engine.layout import build_layout
 from ladechat.engine.load import quantized
 from ladechat.engine.load.loading import LoadSpec, load
-from ladechat.engine.runner import DynamicRunner, LeanRunner, default_runner
+from ladechat.engine.models import llama
+from ladechat.engine.runner import DynamicRunner, ModelRunner, default_runner
 from ladechat.engine.step_cost import CostModel
 from ladechat.paths import cache_root
 
@@ -56,11 +57,19 @@ def assert_caches_equal(ours, ref) -> None:
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
+def runners(model, rope_kernel: bool | None = None) -> tuple[ModelRunner, DynamicRunner]:
+    """(ladechat's Llama steps, transformers' forward) over the same modules: `model` transformers'
+    (adopted, as loading does) or a Llama (its twin)."""
+    if isinstance(model, llama.Llama):
+        return ModelRunner(model, rope_kernel), DynamicRunner(model.transformers_twin())
+    return ModelRunner(llama.Llama.adopt(model), rope_kernel), DynamicRunner(model)
+
+
 def assert_steps_match(model, prompt: list[int], rope_kernel: bool | None = None) -> None:
-    """The lean prefill of `prompt` ranks the next tokens of its rows as the model's forward does and
-    fills the cache with the same keys and values; after it every row's logits of one-row, window
-    and tree steps through the lean step equal the model's forward's exactly, and so does the cache."""
-    ours, ref = LeanRunner(model, rope_kernel), DynamicRunner(model)
+    """The Llama's prefill of `prompt` ranks the next tokens of its rows as transformers' forward
+    does and fills the cache with the same keys and values; after it every row's logits of one-row,
+    window and tree steps equal the forward's exactly, and so does the cache."""
+    ours, ref = runners(model, rope_kernel)
     assert np.array_equal(ours.prefill(prompt, 0), ref.prefill(prompt, 0))
     assert_caches_equal(ours, ref)
     for window, candidates in STEPS:
@@ -83,7 +92,7 @@ def rope_kernel():
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
 @pytest.mark.parametrize("attention", ["grouped", "ungrouped"])
 @pytest.mark.parametrize("rotation", ["kernel", "torch"])
-def test_lean_step_logits_are_the_forward_pass_logits(family, attention, rotation, request):
+def test_step_logits_are_the_forward_pass_logits(family, attention, rotation, request):
     """Every row's logits of one-row, window and tree steps, after a prompt, equal the model's
     forward's exactly (fp32), and the cache holds the same keys and values: with q and k rotated
     by ladechat's kernel, and by torch's ops."""
@@ -116,14 +125,14 @@ VARIANTS = {
 
 
 def test_a_dtype_the_rope_kernel_does_not_take_rotates_with_torch(rope_kernel):
-    """fp16 on the CPU: with the kernels loaded, the default lean step rotates with torch's ops (the
-    kernel takes fp32 and bf16) and still computes the forward's logits; asking for the kernel is
+    """fp16 on the CPU: with the kernels loaded, the default Llama steps rotate with torch's ops (the
+    kernel takes fp32 and bf16) and still compute the forward's logits; asking for the kernel is
     an error that says why."""
     model = grouped("llama").to(torch.float16)
-    assert LeanRunner(model).lean.rope is lean._torch_rope
+    assert runners(model)[0].forward.rope is llama._torch_rope
     assert_steps_match(model, list(range(3, 40)))
     with pytest.raises(ValueError, match=r"cannot rotate this model's steps \(torch.float16 on cpu, loaded\)"):
-        LeanRunner(model, rope_kernel=True)
+        runners(model, rope_kernel=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -191,16 +200,16 @@ def four_bit(model, lm_head: bool = False):
 
 
 @pytest.mark.parametrize("rotation", ["kernel", "torch"])
-def test_on_4bit_weights_kept_together_the_lean_step_is_the_forward(rotation, request):
+def test_on_4bit_weights_kept_together_the_steps_are_the_forward(rotation, request):
     """A tiny Llama whose Linear weights are 4-bit, q/k/v and gate/up kept together as the 4-bit
-    file keeps them (q4.joined): the lean step multiplies each group in one call and, with the
+    file keeps them (q4.joined): the Llama multiplies each group in one call and, with the
     rope kernel, rotates into the cache in one (rope_kv), or rotates column slices with torch's
     ops; either way every row's logits and the cache are the forward's, bit for bit."""
     if shutil.which(native.COMPILER) is None or q4.load(cache_root() / "kernels"):
         pytest.skip(f"no C++ compiler ({native.COMPILER}) to build the 4-bit kernel here")
     use_kernel = rotation == "kernel" and request.getfixturevalue("rope_kernel")
     model = four_bit(grouped("llama"))
-    step = LeanRunner(model, use_kernel).lean
+    step = runners(model, use_kernel)[0].forward
     assert all(qkv is not None for _, qkv, *_ in step.layers)  # q/k/v in one call
     assert (step.rope_kv is not None) == use_kernel
     assert_steps_match(model, list(range(3, 40)), rope_kernel=use_kernel)
@@ -208,7 +217,7 @@ def test_on_4bit_weights_kept_together_the_lean_step_is_the_forward(rotation, re
 
 def test_a_prompt_in_parts_is_one_pass_where_each_row_is_computed_alone(rope_kernel, monkeypatch):
     """With 4-bit weights (the output layer's too) and the row-wise attention, whose rows' bits do
-    not depend on the rows beside them, the lean prefill feeds a prompt in parts of PREFILL_CHUNK
+    not depend on the rows beside them, the Llama's prefill feeds a prompt in parts of PREFILL_CHUNK
     tokens and ranks the rows of two of them, and its ranks and cache are the model's forward's in
     one pass, on a first turn and on one that follows it."""
     from tiny_models import COMMON
@@ -222,10 +231,10 @@ def test_a_prompt_in_parts_is_one_pass_where_each_row_is_computed_alone(rope_ker
     model = LlamaForCausalLM(LlamaConfig(**{**COMMON, "head_dim": 64}, attn_implementation="sdpa")).eval()
     assert use_grouped_sdpa(model, rowwise=True) and model.config._attn_implementation == attention.ROWWISE
     four_bit(model, lm_head=True)
-    assert LeanRunner(model).lean.rows_alone
-    monkeypatch.setattr(runner, "PREFILL_CHUNK", 5)
+    ours, ref = runners(model)
+    assert ours.forward.rows_alone
+    monkeypatch.setattr(llama, "PREFILL_CHUNK", 5)
     monkeypatch.setattr(runner, "PREFILL_TOP_K", 7)
-    ours, ref = LeanRunner(model), DynamicRunner(model)
     first, second = list(range(3, 40)), [5, 9, 2, 7, 7, 1, 30, 31, 12, 60, 61, 62]
     for prompt, past in ((first, 0), (second, len(first))):
         ranked = ours.prefill(prompt, past)
@@ -234,27 +243,30 @@ def test_a_prompt_in_parts_is_one_pass_where_each_row_is_computed_alone(rope_ker
     assert np.array_equal(ours.prefill([4, 4, 4, 4, 4, 4], 49, ranked=False), ref.prefill([4, 4, 4, 4, 4, 4], 49, ranked=False))
 
 
-def test_where_a_rows_bits_follow_the_row_count_the_forward_prefills(monkeypatch):
-    """SDPA, dense products, 4-bit products beside SDPA: a row's last bits may follow how many rows
-    the call has, so a prompt in parts could differ from one pass; the model's forward prefills."""
-    calls = []
-    monkeypatch.setattr(DynamicRunner, "prefill", lambda self, tokens, past, ranked=True: calls.append(len(tokens)))
+def test_where_a_rows_bits_follow_the_row_count_a_prompt_is_one_pass(monkeypatch):
+    """SDPA, dense products: a row's last bits may follow how many rows the call has, so a prompt
+    in parts could differ from one pass; the Llama prefills in one, under a causal mask after a
+    first turn, and ranks and caches what transformers' forward does, on both turns."""
+    from ladechat.engine import runner
+
+    monkeypatch.setattr(llama, "PREFILL_CHUNK", 5)  # were it fed in parts, they would show
+    monkeypatch.setattr(runner, "PREFILL_TOP_K", 7)
     for model in (grouped("llama"), ungrouped("llama")):
-        ours = LeanRunner(model)
-        assert not ours.lean.rows_alone
-        ours.prefill(list(range(3, 40)), 0)
-        with pytest.raises(ValueError, match="each row is computed alone"):
-            ours.lean.prefill([3, 4], 0, ours.cache, 1)
-    assert calls == [37, 37]
+        ours, ref = runners(model)
+        assert not ours.forward.rows_alone
+        first, second = list(range(3, 40)), [5, 9, 2, 7, 7, 1, 30, 31, 12, 60, 61, 62]
+        for prompt, past in ((first, 0), (second, len(first))):
+            assert np.array_equal(ours.prefill(prompt, past), ref.prefill(prompt, past))
+            assert_caches_equal(ours, ref)
 
 
 def test_the_embedded_models_prefill_is_the_forwards_in_parts():
     """The embedded model as the chat loads it (its GGUF's blocks on ladechat's kernels, row-wise
-    attention): the lean step prefills a prompt of 1,100 tokens in three parts, the ranked rows
+    attention): its Llama prefills a prompt of 1,100 tokens in three parts, the ranked rows
     across two of them, and ranks and caches what the model's forward does in one pass."""
     lm = load(LoadSpec(dtype="float32", device="cpu"))
-    ours, ref = LeanRunner(lm.model), DynamicRunner(lm.model)
-    if not ours.lean.rows_alone:
+    ours, ref = runners(lm.model)
+    if not ours.forward.rows_alone:
         pytest.skip(f"ladechat's kernels are not built here: {lm.weights}")
     prompt = [random.Random(5).randrange(lm.model.config.vocab_size) for _ in range(1100)]
     assert np.array_equal(ours.prefill(prompt, 0), ref.prefill(prompt, 0))
@@ -263,9 +275,9 @@ def test_the_embedded_models_prefill_is_the_forwards_in_parts():
 
 @pytest.mark.parametrize("name", sorted(VARIANTS) + ["bf16"])
 @pytest.mark.parametrize("rotation", ["kernel", "torch"])
-def test_lean_step_follows_the_configs_variants(name, rotation, request):
+def test_the_steps_follow_the_configs_variants(name, rotation, request):
     model = variant(**VARIANTS[name]) if name in VARIANTS else grouped("llama").to(torch.bfloat16)
-    assert lean.supported(model) is None
+    assert llama.accepts(model) is None
     if name == "yarn":
         assert model.model.rotary_emb.attention_scaling != 1.0
     use_kernel = rotation == "kernel" and request.getfixturevalue("rope_kernel")
@@ -274,81 +286,94 @@ def test_lean_step_follows_the_configs_variants(name, rotation, request):
 
 def test_a_one_token_prompt_steps_into_an_empty_cache():
     """Nothing to prefill: the first step makes the cache's layers itself."""
-    model = grouped("llama")
+    own, theirs = runners(grouped("llama"))
     la = LookaheadConfig(window=3, ngram=3, candidates=3)
-    ours = Session(model, la, step_cost=FLAT, runner=LeanRunner(model))
-    ref = Session(model, la, step_cost=FLAT, runner=DynamicRunner(model))
+    ours = Session(own.model, la, step_cost=FLAT, runner=own)
+    ref = Session(theirs.model, la, step_cost=FLAT, runner=theirs)
     assert tokens(ours, [7], 30) == tokens(ref, [7], 30)
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
-def test_lean_runner_answers_like_the_models_forward(family):
+def test_the_llama_answers_like_transformers_forward(family):
     """Greedy answers, plain and with lookahead at several W/N/G, over two turns (the second
     prefilled on top of the first's cache, past the rotary table's first length): token for token."""
     model = grouped(family)
+    own = llama.Llama.adopt(model)
     rng = random.Random(f"lean-{family}")
     for w, n, g in CONFIGS:
         la = LookaheadConfig(window=w, ngram=n, candidates=g)
         prompt = [rng.randrange(model.config.vocab_size) for _ in range(25)] * 2
-        ours = Session(model, la, step_cost=FLAT, runner=LeanRunner(model))
+        ours = Session(own, la, step_cost=FLAT, runner=ModelRunner(own))
         ref = Session(model, la, step_cost=FLAT, runner=DynamicRunner(model))
         first = tokens(ours, prompt, 40)
         assert first == tokens(ref, prompt, 40), (family, w, n, g)
-        second = prompt + first + [3, 1, 4] + [rng.randrange(96) for _ in range(lean.TABLE_MIN)]
+        second = prompt + first + [3, 1, 4] + [rng.randrange(96) for _ in range(llama.TABLE_MIN)]
         assert tokens(ours, second, 30) == tokens(ref, second, 30), (family, w, n, g)
         assert kv.cache_length(ours.runner.cache) == len(ours.cached) == len(ref.cached)
 
 
-def test_the_default_runner_is_lean_where_it_computes_the_same():
-    assert type(default_runner(grouped("llama"))) is LeanRunner
-    assert type(Session(grouped("qwen2"), LookaheadConfig()).runner) is LeanRunner
+def test_a_llama_runs_its_own_steps_and_other_models_transformers_forward():
+    assert type(default_runner(llama.Llama.adopt(grouped("llama")))) is ModelRunner
+    assert type(Session(llama.Llama.adopt(grouped("qwen2")), LookaheadConfig()).runner) is ModelRunner
+    assert type(default_runner(grouped("llama"))) is DynamicRunner  # transformers' model: its forward
     for family in ("gemma", "qwen3"):  # other layers (norms on q/k, scaled embeddings): their own forward
-        model = grouped(family)
-        assert family in lean.supported(model)
-        assert type(default_runner(model)) is DynamicRunner
+        assert family in llama.accepts(grouped(family))
     with pytest.raises(ValueError, match="cannot run this model: gemma"):
-        lean.LeanStep(tiny_model("gemma"))
+        llama.Llama.adopt(tiny_model("gemma"))
     sliding = grouped("mistral")
     sliding.config.sliding_window = 16
-    assert lean.supported(sliding) == "sliding-window attention"
+    assert llama.accepts(sliding) == "sliding-window attention"
     hooked = grouped("llama")  # as accelerate leaves a model placed by a device map
     hooked.model.layers[1]._hf_hook = object()
-    assert "device map" in lean.supported(hooked) and type(default_runner(hooked)) is DynamicRunner
+    assert "device map" in llama.accepts(hooked)
     eager = ungrouped("llama")
     eager.config._attn_implementation = "eager"
-    assert "not SDPA" in lean.supported(eager)
+    assert "not SDPA" in llama.accepts(eager)
     # with groups, transformers' own SDPA repeats keys (or asks SDPA to): other sums in the last bits
-    assert "not grouped SDPA" in lean.supported(tiny_model("llama"))
+    assert "not grouped SDPA" in llama.accepts(tiny_model("llama"))
 
 
-def test_on_a_gpu_the_lean_step_is_measured_but_no_default(monkeypatch):
-    """The first GPU run found eager steps host-bound, so `ladechat bench step-cost` measures the
-    lean step on CUDA too; the default runner there stays the model's forward until it is measured.
-    Elsewhere (here: meta) it is refused either way."""
+def test_a_llama_scores_a_sequence_as_transformers_forward_does():
+    """Called on one sequence it gives every position's logits, transformers' forward's bits."""
     model = grouped("llama")
-    assert lean.supported(model, gpu=True) is None  # a CPU: as without the flag
+    ids = torch.tensor([list(range(3, 40))])
+    with torch.inference_mode():
+        assert torch.equal(llama.Llama.adopt(model)(ids).logits, model(ids).logits)
+    with pytest.raises(ValueError, match=r"one sequence \(1, S\) at a time, not \(2, 3\)"):
+        llama.Llama.adopt(model)(torch.ones(2, 3, dtype=torch.long))
+
+
+def test_on_a_gpu_the_llama_steps_are_measured_but_no_default(monkeypatch):
+    """The first GPU run found eager steps host-bound, so `ladechat bench step-cost` measures the
+    Llama steps on CUDA too; loading there keeps transformers' forward until they are measured.
+    Elsewhere (here: meta) they are refused either way."""
+    model = grouped("llama")
+    assert llama.accepts(model, gpu=True) is None  # a CPU: as without the flag
     monkeypatch.setattr(type(model), "device", property(lambda self: torch.device("cuda", 0)))
-    assert lean.supported(model, gpu=True) is None
-    assert "runs on the CPU" in lean.supported(model) and type(default_runner(model)) is DynamicRunner
+    assert llama.accepts(model, gpu=True) is None
+    assert "runs on the CPU" in llama.accepts(model)
     monkeypatch.setattr(model.config, "_attn_implementation", attention.ROWWISE)  # its kernel is the CPU's
-    assert "row-wise attention runs on the CPU" in lean.supported(model, gpu=True)
+    assert "row-wise attention runs on the CPU" in llama.accepts(model, gpu=True)
     monkeypatch.setattr(type(model), "device", property(lambda self: torch.device("meta")))
-    assert "runs on the CPU" in lean.supported(model, gpu=True)
+    assert "runs on the CPU" in llama.accepts(model, gpu=True)
 
 
-def test_the_step_cost_bench_times_the_lean_step_and_stops_at_its_failure_on_a_cpu(monkeypatch):
-    """On a CPU a failing lean step is a failure of the bench (a bug to see), not a note."""
+def test_the_step_cost_bench_times_the_llama_steps_and_stops_at_their_failure_on_a_cpu(monkeypatch):
+    """On a CPU a failing Llama step is a failure of the bench (a bug to see), not a note; a
+    loaded Llama is timed through its twin's forward too."""
     from ladechat.bench import steps
 
     model = grouped("llama")
     result = steps.run(model, "tiny", sizes=(1, 4), context=8, reps=1)
-    assert set(result["curves"]) == {"dynamic", "lean", "static"} and "lean_error" not in result
+    assert set(result["curves"]) == {"dynamic", "llama", "static"} and "llama_error" not in result
+    result = steps.run(llama.Llama.adopt(grouped("llama")), "tiny", sizes=(1, 4), context=8, reps=1)
+    assert set(result["curves"]) == {"dynamic", "llama", "static"}
 
     def broken(self, layout, past):
-        raise RuntimeError("broken lean step")
+        raise RuntimeError("broken Llama step")
 
-    monkeypatch.setattr(LeanRunner, "step", broken)
-    with pytest.raises(RuntimeError, match="broken lean step"):
+    monkeypatch.setattr(ModelRunner, "step", broken)
+    with pytest.raises(RuntimeError, match="broken Llama step"):
         steps.run(model, "tiny", sizes=(1, 4), context=8, reps=1)
 
 
@@ -363,10 +388,11 @@ PROMPTS = ["Write a haiku about autumn leaves.", "How do I reverse a list in Pyt
 
 
 def test_embedded_int4_answers_are_the_models_forwards(embedded_int4):
-    """The embedded model on int4 weights: the lean step's logits equal its forward's, and greedy
-    answers, plain and with lookahead, are token for token the same."""
+    """The embedded model on int4 weights: its Llama's logits equal transformers' forward's, and
+    greedy answers, plain and with lookahead, are token for token the same."""
     lm = embedded_int4
-    assert type(default_runner(lm.model)) is LeanRunner
+    assert type(default_runner(lm.model)) is ModelRunner
+    twin = lm.model.transformers_twin()
     for layer in lm.model.model.layers:  # q/k/v and gate/up multiplied in one call each (q4.joined)
         assert q4.joint_product([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]) is not None
         assert q4.joint_product([layer.mlp.gate_proj, layer.mlp.up_proj]) is not None
@@ -374,8 +400,8 @@ def test_embedded_int4_answers_are_the_models_forwards(embedded_int4):
                LookaheadConfig(window=3, ngram=3, candidates=3, store=False)):
         for text in PROMPTS:
             ids = templates.encode(lm.tokenizer, [{"role": "user", "content": text}])
-            ours = tokens(Session(lm.model, la, step_cost=FLAT, runner=LeanRunner(lm.model)), ids, 40, lm.eos_ids)
-            ref = tokens(Session(lm.model, la, step_cost=FLAT, runner=DynamicRunner(lm.model)), ids, 40, lm.eos_ids)
+            ours = tokens(Session(lm.model, la, step_cost=FLAT), ids, 40, lm.eos_ids)
+            ref = tokens(Session(twin, la, step_cost=FLAT, runner=DynamicRunner(twin)), ids, 40, lm.eos_ids)
             assert len(ours) >= 20 and ours == ref
 
 
@@ -390,7 +416,7 @@ def test_embedded_int4_bf16_step_logits_are_the_forwards():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_on_torchs_int4_kernel_the_step_logits_are_the_forwards(dtype):
     """Where no compiler builds ladechat's 4-bit kernel the same blocks run on torch's int4 kernel
-    (int4.Int4Linear), which the lean step calls directly too: the forward's logits, bit for bit."""
+    (int4.Int4Linear), which the Llama calls directly too: the forward's logits, bit for bit."""
     if not int4.supported(torch.device("cpu")):
         pytest.skip("torch's int4 CPU kernel is measured and used on x86-64 only")
     model = load(LoadSpec(dtype=dtype, device="cpu", weights="int4")).model
@@ -403,14 +429,37 @@ def test_on_torchs_int4_kernel_the_step_logits_are_the_forwards(dtype):
 
 
 def test_the_chat_says_what_computes_its_steps(embedded_int4):
-    """/show, --debug and the server's model card name the lean step where it runs."""
+    """/show, --debug and the server's model card name the model file that runs the steps."""
     from ladechat.backends.local import Bot
     from ladechat.settings import Settings
 
     bot = Bot(embedded_int4, Settings(), step_cost=FLAT)
     assert bot.describe().startswith("SmolLM2-135M-Instruct (embedded, Q4_1) on cpu (float32; 210 Linear ")
     assert "from Q4_1 blocks" in bot.describe()
-    assert bot.describe().endswith("; steps by engine/lean.py)")
-    gemma = tiny_loaded()  # a model the lean step does not take: nothing said
+    assert bot.describe().endswith("; steps by engine/models/llama.py)")
+    gemma = tiny_loaded()  # a model run by transformers' forward: nothing said
     gemma = replace(gemma, model=grouped("gemma"))
     assert Bot(gemma, Settings(), step_cost=FLAT).describe() == "tiny on cpu (float32)"
+
+
+def test_loading_runs_the_llama_family_by_its_own_file_and_compile_by_transformers(tmp_path):
+    """load() hands a Llama-family model to engine/models/llama.py, its modules taken by name (no
+    copy); with own_forward off (--compile) the model stays transformers'; both answer alike."""
+    from test_cli import tiny_model_folder
+    from tiny_models import tiny_tokenizer
+
+    folder = tiny_model_folder(tmp_path / "tiny", tiny_tokenizer())
+    own = load(LoadSpec(model=str(folder), dtype="float32", device="cpu"))
+    theirs = load(LoadSpec(model=str(folder), dtype="float32", device="cpu", pack_weights=False, own_forward=False))
+    assert isinstance(own.model, llama.Llama) and type(default_runner(own.model)) is ModelRunner
+    assert type(theirs.model).__name__ == "LlamaForCausalLM" and type(default_runner(theirs.model)) is DynamicRunner
+    assert own.model.generation_config is not None and own.context_length == theirs.context_length
+    def leaves(model) -> set[str]:
+        return {name for name, module in model.named_modules() if name and not any(True for _ in module.children())}
+
+    # the checkpoint's own names: every module that holds weights, under the same name
+    assert leaves(own.model) == {n for n in leaves(theirs.model) if n != "model.rotary_emb" and not n.endswith(".act_fn")}
+    la = LookaheadConfig(window=3, ngram=3, candidates=3)
+    prompt = [5, 9, 2, 7, 7, 1, 30, 31, 12, 60, 61, 62]
+    assert tokens(Session(own.model, la, step_cost=FLAT), prompt, 30) == \
+        tokens(Session(theirs.model, la, step_cost=FLAT), prompt, 30)

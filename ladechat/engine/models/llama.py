@@ -1,0 +1,425 @@
+"""The Llama family (Llama, Mistral without a sliding window, Qwen2) as ladechat runs it: the
+layers under the checkpoint's own names, and the prefill and the step written out over them.
+
+    tokens (S) --embed--> x (S, hidden)
+    per layer:  h = input_layernorm(x)
+                q, k, v = q_proj(h), k_proj(h), v_proj(h)  one call where the three are blocks side by
+                                                           side (q4.joint_product), else each its own
+                q, k = rope(q, k) at the rows' positions   cos/sin from the model's inv_freq (table())
+                K, V = cache.update(k, v)                  a kv.GrowingCache; with q/k/v in one product,
+                                                           rotated into it in one call (rope_kv)
+                x = x + o_proj(attend(q stacked per kv head, K, V, mask tiled per group))
+                h = post_attention_layernorm(x)
+                x = x + down_proj(silu(gate_proj(h)) * up_proj(h))   gate/up: as q/k/v
+    logits = lm_head(norm(x))                              every row's in a step (lookahead reads
+                                                           them all); a prefill's last `keep` rows
+
+Each residual add and the norm after it are one call (norms.add_norm; one operator where the
+norm is ladechat's kernel). A step's mask is the tree mask of layout.step_inputs, tiled for the
+query heads of a group once a step, not once a layer; a one-row step has none (it sees every key).
+
+The Linear, norm and embedding modules are whatever the loader put under these names: torch's,
+oneDNN's packed ones or ladechat's block kernels (engine/kernels/). The ops and their order are
+those of transformers' forward for the family, with its attention function of the same name, so
+the logits are bitwise those of transformers' forward over the same modules (tests/test_llama.py
+builds that forward with `transformers_twin` and compares), and only the framework's work goes
+(measured: BENCHMARKS.md).
+
+Prefill: where every row is computed alone (ladechat's block products and row-wise attention) a
+prompt runs in parts of PREFILL_CHUNK rows, causal without a mask, and gives the bits of one pass;
+elsewhere (oneDNN's or torch's products, SDPA, whose results follow the row count) in one pass
+under a causal mask, as transformers' forward does.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from ladechat.engine import kv
+from ladechat.engine.kernels import attention, int4, norms, q4, step_ops
+from ladechat.engine.kernels.linear import BlockLinear
+from ladechat.engine.layout import StepLayout, step_inputs
+
+FAMILIES = frozenset({"llama", "mistral", "qwen2"})
+TABLE_MIN = 1024  # positions of the first cos/sin table; it grows by half when a step passes it
+PREFILL_CHUNK = 512  # prompt rows a part, where rows are computed alone
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def accepts(model, gpu: bool = False) -> str | None:
+    """None when this file computes what transformers' forward of `model` (as loaded) does, else
+    why not (one line). gpu: also on a CUDA device, where it is measured (`ladechat bench
+    step-cost`) but nobody's default."""
+    if isinstance(model, Llama):
+        return None
+    if not isinstance(model, torch.nn.Module):  # a wrapper (the fault-injection tests'): its own forward
+        return "not a torch module"
+    config = model.config
+    if config.model_type not in FAMILIES:
+        return f"{config.model_type} is not a Llama-family model ({', '.join(sorted(FAMILIES))})"
+    # On a GPU eager steps are host-bound, costing the same whatever their rows, which is what
+    # fewer ops address; not a default until measured there.
+    if model.device.type != "cpu" and not (gpu and model.device.type == "cuda"):
+        return "ladechat's Llama forward runs on the CPU (on a GPU only where `ladechat bench step-cost` measures it)"
+    if model.device.type != "cpu" and config._attn_implementation == attention.ROWWISE:
+        return "ladechat's row-wise attention runs on the CPU"
+    # accelerate's hooks (a device map, disk offload) bring a layer's weights in when the layer's
+    # forward runs, which this forward never calls
+    if len(set((getattr(model, "hf_device_map", None) or {}).values())) > 1 \
+            or any(hasattr(module, "_hf_hook") for module in model.modules()):
+        return "its layers are placed by a device map (accelerate's hooks move their weights)"
+    grouped = config.num_key_value_heads != config.num_attention_heads
+    # with key/value groups, ladechat's grouped attention (kernels/attention.py) is what it computes;
+    # its row-wise attention with or without groups
+    if config._attn_implementation not in (attention.ROWWISE, attention.NAME if grouped else "sdpa"):
+        return f"attention {config._attn_implementation!r}, not {'grouped ' if grouped else ''}SDPA"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "sliding-window attention"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    kind = rope.get("rope_type", "default")
+    if "dynamic" in kind or kind == "longrope":  # transformers' own test for a dynamic update
+        return f"{kind} RoPE changes with the sequence length"
+    if getattr(config, "hidden_act", None) != "silu":
+        return "its MLP is not SiLU-gated"
+    layer = model.model.layers[0]
+    if not all(hasattr(layer.self_attn, name) for name in ATTENTION) or not all(hasattr(layer.mlp, n) for n in MLP):
+        return "its layers are not made of q/k/v/o projections and a gated MLP"
+    if getattr(getattr(model.model, "rotary_emb", None), "inv_freq", None) is None:
+        return "it has no rotary table (inv_freq)"
+    return None
+
+
+class RMSNorm(torch.nn.Module):
+    """y = weight * (x / sqrt(mean(x^2) + eps)), the sum in fp32: transformers' LlamaRMSNorm's
+    steps, so its bits (norms.NativeRMSNorm is the kernel's, for block weights)."""
+
+    def __init__(self, weight: torch.nn.Parameter, eps: float) -> None:
+        super().__init__()
+        self.weight = weight
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(dtype)
+
+
+class Layer(torch.nn.Module):
+    """A decoder layer's modules under the checkpoint's names (input_layernorm, self_attn.q_proj, ...)."""
+
+    def __init__(self, modules: dict[str, torch.nn.Module]) -> None:
+        super().__init__()
+        self.input_layernorm = modules["input_layernorm"]
+        self.post_attention_layernorm = modules["post_attention_layernorm"]
+        self.self_attn = torch.nn.Module()
+        self.mlp = torch.nn.Module()
+        for name in ATTENTION:
+            self.self_attn.add_module(name, modules[f"self_attn.{name}"])
+        for name in MLP:
+            self.mlp.add_module(name, modules[f"mlp.{name}"])
+
+
+class Llama(torch.nn.Module):
+    """A Llama-family causal LM: model.embed_tokens, model.layers[i], model.norm, lm_head, as the
+    checkpoint names them; inv_freq, the rotary frequencies its config gives. Build it with
+    `adopt`, from the model a loader built (its modules are taken, not copied)."""
+
+    def __init__(self, config, embed_tokens, layers: list[Layer], norm, lm_head, inv_freq: torch.Tensor,
+                 rope_scale: float, generation_config=None) -> None:
+        super().__init__()
+        self.config = config  # transformers' config object: the checkpoint's config.json, read
+        self.generation_config = generation_config
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = embed_tokens
+        self.model.layers = torch.nn.ModuleList(layers)
+        self.model.norm = norm
+        self.lm_head = lm_head
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.rope_scale = rope_scale  # the rope type's scale of cos and sin (1 for most)
+
+    @classmethod
+    def adopt(cls, built, gpu: bool = False) -> Llama:
+        """The Llama over the modules of `built` (transformers' model of an accepted family, as a
+        loader built and filled it; accepts() says which): its Linear, embedding and norm modules
+        by name, its rotary frequencies. `built` keeps working; drop it to free its wrapper. gpu:
+        see accepts()."""
+        why = accepts(built, gpu)
+        if why:
+            raise ValueError(f"ladechat's Llama forward cannot run this model: {why}")
+
+        def norm(module):
+            # transformers' norm module becomes ours (the same computation); ladechat's kernel's stays
+            return module if type(module) is norms.NativeRMSNorm else RMSNorm(module.weight,
+                                                                               float(module.variance_epsilon))
+
+        layers = []
+        for layer in built.model.layers:
+            modules = {f"self_attn.{n}": getattr(layer.self_attn, n) for n in ATTENTION}
+            modules.update({f"mlp.{n}": getattr(layer.mlp, n) for n in MLP})
+            modules.update(input_layernorm=norm(layer.input_layernorm),
+                           post_attention_layernorm=norm(layer.post_attention_layernorm))
+            layers.append(Layer(modules))
+        rotary = built.model.rotary_emb
+        return cls(built.config, built.model.embed_tokens, layers, norm(built.model.norm), built.lm_head,
+                   rotary.inv_freq, float(rotary.attention_scaling), getattr(built, "generation_config", None))
+
+    @property
+    def device(self) -> torch.device:
+        return self.inv_freq.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.norm.weight.dtype
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.lm_head
+
+    def forward(self, input_ids: torch.Tensor) -> SimpleNamespace:
+        """.logits (1, S, vocab): every position's of one sequence `input_ids` (1, S) after an empty
+        cache, by this file's prefill (scoring a text; a chat's turns run through bind())."""
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"a Llama scores one sequence (1, S) at a time, not {tuple(input_ids.shape)}")
+        tokens = input_ids[0].tolist()
+        return SimpleNamespace(logits=self.bind().prefill(tokens, 0, kv.new_cache(), len(tokens))[None])
+
+    def bind(self, rope_kernel: bool | None = None, gpu: bool = False) -> Steps:
+        """Its prefill and steps over its modules as they are now: bind again after changing them
+        (packing.unpack, another attention), as runners are made per Session."""
+        return Steps(self, rope_kernel, gpu)
+
+    def transformers_twin(self):
+        """transformers' model of this config over these very modules (no copy): its forward and
+        generate() are the reference this file's steps must equal (tests, `ladechat bench`'s HF
+        column)."""
+        from accelerate import init_empty_weights
+        from transformers import AutoModelForCausalLM
+
+        with init_empty_weights(include_buffers=False):
+            twin = AutoModelForCausalLM.from_config(self.config, dtype=self.dtype,
+                                                    attn_implementation=self.config._attn_implementation)
+        for name, module in self.named_modules():
+            if name and not any(True for _ in module.children()):  # a leaf: Linear, norm, embedding
+                twin.set_submodule(name, module)
+        twin.model.rotary_emb.to(self.device)
+        if self.generation_config is not None:
+            twin.generation_config = self.generation_config
+        return twin.eval()
+
+
+def _product(module: torch.nn.Module, dtype: torch.dtype):
+    """x (rows, in) -> x W^T (+ b) of one Linear module in a model of `dtype`: a block module's
+    kernel called directly (its forward's reshapes, and in a bf16 model its casts, do nothing to a
+    step's rows, each contiguous), any other module's own forward."""
+    if isinstance(module, BlockLinear) and dtype in (torch.float32, torch.bfloat16):
+        return module.product()
+    if type(module) is not int4.Int4Linear:
+        return module.forward
+    packed, scales, bias = module.packed_weight, module.scales_and_zeros, module.bias
+    mm = getattr(torch.ops.aten, int4.KERNEL)
+    if dtype == torch.bfloat16 and bias is None:  # ~400 calls a step fewer
+        return lambda x: mm(x, packed, int4.GROUP, scales)
+
+    def int4_product(x: torch.Tensor) -> torch.Tensor:
+        y = mm(x.to(torch.bfloat16), packed, int4.GROUP, scales).to(x.dtype)
+        return y if bias is None else y + bias
+
+    return int4_product
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb, x * cos + rotate_half(x) * sin with rotate_half(x) =
+    cat(-x2, x1), as x * cos + cat(x2, x1) * cat(-sin1, sin2): (-a) * b and a * (-b) are the same
+    float, so the result is bitwise the same, in 4 ops instead of 7."""
+    return (x * cos) + (x.roll(x.shape[-1] // 2, -1) * signed_sin)
+
+
+def _torch_rope(q: torch.Tensor, k: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor,
+                signed_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (S, heads * dim), k (S, kv_heads * dim) -> both rotated, heads first: (heads, S, dim) and
+    (kv_heads, S, dim). ladechat's kernel (kernels/step_ops.cpp) computes the same bits in one call."""
+    size, dim = cos.shape
+    return (_rotate(q.view(size, heads, dim).transpose(0, 1), cos, signed_sin),
+            _rotate(k.view(size, kv_heads, dim).transpose(0, 1), cos, signed_sin))
+
+
+def _one_pass_attention(name: str, groups: int):
+    """transformers' attention function `name` (as its forward calls it) for a prefill's rows in
+    one pass: (q (1, heads, S, dim), K, V, causal mask or None, scale) -> (1, S, heads, dim)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    function = ALL_ATTENTION_FUNCTIONS[name]
+    layer = SimpleNamespace(num_key_value_groups=groups, is_causal=True, training=False)
+    return lambda q, keys, values, mask, scale: function(layer, q, keys, values, mask, dropout=0.0, scaling=scale)[0]
+
+
+class Steps:
+    """A Llama's prefill and steps into a kv.GrowingCache, its modules' products bound once."""
+
+    def __init__(self, model: Llama, rope_kernel: bool | None = None, gpu: bool = False) -> None:
+        """rope_kernel: rotate with ladechat's kernel (its library loaded, fp32 or bf16, on the CPU)
+        or torch's ops, the same bits; None: the kernel where loading loaded it and it takes the
+        dtype. gpu: see accepts()."""
+        self.model = model
+        config = model.config
+        if model.device.type != "cpu" and not (gpu and model.device.type == "cuda"):
+            raise ValueError("ladechat's Llama forward runs on the CPU (on a GPU only for `ladechat bench step-cost`)")
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.groups = self.heads // self.kv_heads
+        self.scale = self.dim**-0.5
+        dtype = model.dtype
+
+        def joint(*modules):
+            """The modules' products in one call where their block buffers are side by side
+            (q4.KeptReader), else None."""
+            return q4.joint_product(list(modules)) if dtype in (torch.float32, torch.bfloat16) else None
+
+        def together(product, *modules):
+            """h -> each module's product of h: the one call `product`, each output a column slice
+            of it, or each module's own."""
+            if product is None:
+                apart = [_product(module, dtype) for module in modules]
+                return lambda h: [each(h) for each in apart]
+            sizes = [module.out_features for module in modules]
+            return lambda h: product(h).split(sizes, dim=1)
+
+        def ops(layer, next_norm) -> tuple:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = joint(attn.q_proj, attn.k_proj, attn.v_proj)
+            return (together(qkv, attn.q_proj, attn.k_proj, attn.v_proj), qkv, _product(attn.o_proj, dtype),
+                    norms.add_norm(layer.post_attention_layernorm),
+                    together(joint(mlp.gate_proj, mlp.up_proj), mlp.gate_proj, mlp.up_proj),
+                    _product(mlp.down_proj, dtype), norms.add_norm(next_norm))
+
+        # Each residual add is fused with the norm after it: a layer ends with the next layer's
+        # input norm, the last with the final norm, so only the first layer's input norm is alone.
+        layers = model.model.layers
+        after = [layer.input_layernorm for layer in layers[1:]] + [model.model.norm]
+        self.first_norm = layers[0].input_layernorm.forward
+        self.layers = [ops(layer, next_norm) for layer, next_norm in zip(layers, after, strict=True)]
+        self.embed, self.head = model.model.embed_tokens, model.lm_head
+        self.cos = self.signed_sin = torch.empty(0)
+        takes = dtype in (torch.float32, torch.bfloat16) and model.device.type == "cpu"
+        if rope_kernel is None:
+            rope_kernel = takes and step_ops.loaded()
+        elif rope_kernel and not (takes and step_ops.loaded()):
+            raise ValueError(f"ladechat's rope kernel cannot rotate this model's steps ({dtype} on "
+                             f"{model.device}, {'loaded' if step_ops.loaded() else 'not loaded'})")
+        self.rope = torch.ops.ladechat_step.rope.default if rope_kernel else _torch_rope
+        # with the kernel and q/k/v in one product: rotated and put in the cache in one call
+        self.rope_kv = torch.ops.ladechat_step.rope_kv.default if rope_kernel else None
+        # the attention transformers' forward runs for the config's implementation (attention.py)
+        name = config._attn_implementation
+        self.attend = attention.attend_stacked if name == attention.ROWWISE else attention.sdpa_stacked
+        self.one_pass = _one_pass_attention(name, self.groups)
+        # Whether a row's bits are the same among any rows: ladechat's block products and row-wise
+        # attention (not SDPA, oneDNN's or torch's dense and int4 products, whose blocking follows
+        # the row count). Only then may a prompt be fed in parts.
+        products = [module for layer in layers for module in (*layer.self_attn.children(), *layer.mlp.children())]
+        self.rows_alone = self.attend is attention.attend_stacked and all(
+            isinstance(module, BlockLinear) for module in (*products, model.lm_head))
+
+    def table(self, end: int) -> None:
+        """cos/sin for positions 0..end-1 at least: each angle one product of a position and a
+        frequency, as transformers' rotary module computes it, the same whatever else is computed."""
+        if end <= self.cos.shape[0]:
+            return
+        length = max(end + end // 2, TABLE_MIN)
+        model = self.model
+        with torch.inference_mode():
+            positions = torch.arange(length, device=model.device).float()
+            freqs = positions[:, None] * model.inv_freq
+            angles = torch.cat((freqs, freqs), dim=-1)
+            cos = (angles.cos() * model.rope_scale).to(model.dtype)
+            sin = (angles.sin() * model.rope_scale).to(model.dtype)
+            half = sin.shape[-1] // 2
+        self.cos, self.signed_sin = cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+
+    def step(self, layout: StepLayout, past: int, cache) -> torch.Tensor:
+        """Logits (S, vocab) of every row of the step, its keys and values appended to `cache`."""
+        with torch.inference_mode():
+            if layout.size == 1:
+                ids, positions = (torch.tensor(v, device=self.model.device) for v in (layout.tokens, [past]))
+                return self._run(ids, positions, None, past, cache)
+            ids, positions, mask = step_inputs(layout, past, self.model.dtype, self.model.device)
+            if self.groups > 1:  # one copy per query head of a group, stacked as rows
+                mask = mask.repeat(1, 1, self.groups, 1)
+            return self._run(ids[0], positions[0], mask, past, cache)
+
+    def prefill(self, tokens: list[int], past: int, cache, keep: int) -> torch.Tensor:
+        """Logits (keep, vocab) of the last `keep` (>= 1) of prompt tokens that follow `past` cached
+        ones, their keys and values appended to `cache` (see the module's docstring)."""
+        device = self.model.device
+        with torch.inference_mode():
+            if not self.rows_alone:
+                ids, positions = torch.tensor(tokens, device=device), torch.arange(past, past + len(tokens), device=device)
+                return self._run(ids, positions, _causal(past, len(tokens), device), past, cache, keep, one_pass=True)
+            kept = []
+            for start in range(0, len(tokens), PREFILL_CHUNK):
+                part = tokens[start:start + PREFILL_CHUNK]
+                after = len(tokens) - start - len(part)  # prompt tokens after this part
+                ids = torch.tensor(part, device=device)
+                positions = torch.arange(past + start, past + start + len(part), device=device)
+                logits = self._run(ids, positions, None, past + start, cache, max(0, min(len(part), keep - after)))
+                if logits is not None:
+                    kept.append(logits)
+            return torch.cat(kept)
+
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, past: int, cache,
+             keep: int | None = None, one_pass: bool = False) -> torch.Tensor | None:
+        """The layers over rows `ids` at `positions` (below past + rows), seeing the cache and each
+        other as `mask` says (None: a one-row step sees every key; the row-wise attention is causal
+        without one); the logits of every row, or of the last `keep` (0: none, None). one_pass: a
+        prefill's rows under a causal mask (None: of an empty cache) by transformers' attention
+        function, as its forward prefills."""
+        size = ids.shape[0]
+        heads, kv_heads, dim, groups = self.heads, self.kv_heads, self.dim, self.groups
+        self.table(past + size)  # a row's position is past + its depth, below size: no read of the device
+        cos, signed_sin = self.cos[positions], self.signed_sin[positions]  # (S, dim), broadcast over heads
+        x = self.embed(ids)  # (S, hidden)
+        silu, attend, rope, rope_kv = torch.nn.functional.silu, self.attend, self.rope, self.rope_kv
+        layers = cache.layers
+        h = self.first_norm(x)
+        for i, (q_k_v, qkv, o_proj, add_norm2, gate_up, down, add_next_norm) in enumerate(self.layers):
+            layer = layers[i] if i < len(layers) else None
+            if rope_kv is not None and qkv is not None and isinstance(layer, kv.GrowingLayer) \
+                    and layer.keys is not None and layer.keys.dim() == 4:  # a reset layer: update() sets it up
+                held, key_buffer, value_buffer = layer.room(size)
+                q = rope_kv(qkv(h), heads, kv_heads, cos, signed_sin, key_buffer, value_buffer, held)
+                keys, values = layer.filled(held + size)
+            else:
+                q, k, v = q_k_v(h)
+                q, k = rope(q, k, heads, kv_heads, cos, signed_sin)
+                v = v.view(size, kv_heads, dim).transpose(0, 1)
+                if layer is not None:
+                    keys, values = layer.update(k[None], v[None])
+                else:  # an empty cache (a prompt's first part): the cache makes the layer
+                    keys, values = cache.update(k[None], v[None], i)
+            if one_pass:
+                out = self.one_pass(q.reshape(1, heads, size, dim), keys, values, mask, self.scale)
+                out = out.reshape(size, heads * dim)
+            else:
+                out = attend(q.reshape(1, kv_heads, groups * size, dim), keys, values, mask, self.scale, size)
+                out = out.reshape(heads, size, dim).transpose(0, 1).reshape(size, heads * dim)
+            x, h = add_norm2(x, o_proj(out))
+            gate, up = gate_up(h)
+            x, h = add_next_norm(x, down(silu(gate) * up))
+        if keep == 0:  # a prompt's part before the rows it ranks
+            return None
+        return self.head(h if keep is None else h[size - keep:])
+
+
+def _causal(past: int, rows: int, device) -> torch.Tensor | None:
+    """A prefill's mask (1, 1, rows, past + rows), True where a row sees a key, as transformers'
+    SDPA mask; None over an empty cache, where SDPA's own causal flag does it."""
+    if past == 0:
+        return None
+    keys = torch.arange(past + rows, device=device)
+    return (keys[None, :] <= torch.arange(past, past + rows, device=device)[:, None])[None, None]
