@@ -21,7 +21,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--steps", type=int, default=24)
     args = parser.parse_args()
-    model = load(LoadSpec(model=None, dtype=args.dtype, device="cpu", pack_weights=False)).model
+    model = load(LoadSpec(model=None, dtype=args.dtype, device="cpu", pack_weights=False, own_forward=False)).model
     for cached in (192, 1536, 3072):
         runner = DynamicRunner(model)
         prefill_random(runner, cached)

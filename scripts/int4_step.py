@@ -57,7 +57,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def table(args) -> None:
-    models = {name: load(LoadSpec(dtype=args.dtype, device="cpu", weights=name)).model for name in LAYOUTS}
+    models = {name: load(LoadSpec(dtype=args.dtype, device="cpu", weights=name, own_forward=False)).model for name in LAYOUTS}
     for name, model in models.items():
         print(f"{name}: {quantized.weight_layout(model)}", flush=True)
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -84,7 +84,7 @@ def profile(args) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as run_profile
 
-    model = load(LoadSpec(dtype=args.dtype, device="cpu", weights=args.profile)).model
+    model = load(LoadSpec(dtype=args.dtype, device="cpu", weights=args.profile, own_forward=False)).model
     runner = prefilled(model, args.cached)
     layout = chain(args.rows)
     for _ in range(5):

@@ -22,8 +22,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--cached", type=int, default=192)
     args = parser.parse_args()
-    models = {"as loaded": load(LoadSpec(dtype=args.dtype, device="cpu", pack_weights=False)).model,
-              "packed": load(LoadSpec(dtype=args.dtype, device="cpu")).model}
+    models = {"as loaded": load(LoadSpec(dtype=args.dtype, device="cpu", pack_weights=False, own_forward=False)).model,
+              "packed": load(LoadSpec(dtype=args.dtype, device="cpu", own_forward=False)).model}
     assert packing.is_packed(models["packed"]) and not packing.is_packed(models["as loaded"])
     runners = {name: DynamicRunner(model) for name, model in models.items()}
     for runner in runners.values():

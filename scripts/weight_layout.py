@@ -33,7 +33,7 @@ def transposed(model, output_layer: bool):
 
 
 def main() -> None:
-    loaded = load(LoadSpec(model=None, dtype="float32", device="cpu", pack_weights=False)).model
+    loaded = load(LoadSpec(model=None, dtype="float32", device="cpu", pack_weights=False, own_forward=False)).model
     models = {"as loaded": loaded, "layers transposed": transposed(loaded, False),
               "all transposed": transposed(loaded, True)}
     runners = {name: DynamicRunner(model) for name, model in models.items()}

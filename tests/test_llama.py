@@ -19,9 +19,9 @@ from ladechat.engine.decode import Session, generate
 from ladechat.engine.kernels import attention, int4, native, q4, step_ops
 from ladechat.engine.kernels.attention import use_grouped_sdpa
 from ladechat.engine.layout import build_layout
-from ladechat.engine.load import quantized
+from ladechat.engine.load import packing, quantized
 from ladechat.engine.load.loading import LoadSpec, load
-from ladechat.engine.models import llama
+from ladechat.engine.models import llama, transformers_model
 from ladechat.engine.runner import DynamicRunner, ModelRunner, default_runner
 from ladechat.engine.step_cost import CostModel
 from ladechat.paths import cache_root
@@ -246,7 +246,7 @@ def test_a_prompt_in_parts_is_one_pass_where_each_row_is_computed_alone(rope_ker
 def test_where_a_rows_bits_follow_the_row_count_a_prompt_is_one_pass(monkeypatch):
     """SDPA, dense products: a row's last bits may follow how many rows the call has, so a prompt
     in parts could differ from one pass; the Llama prefills in one, under a causal mask after a
-    first turn, and ranks and caches what transformers' forward does, on both turns."""
+    first turn, and ranks and caches what transformers' forward does, on every turn."""
     from ladechat.engine import runner
 
     monkeypatch.setattr(llama, "PREFILL_CHUNK", 5)  # were it fed in parts, they would show
@@ -255,7 +255,7 @@ def test_where_a_rows_bits_follow_the_row_count_a_prompt_is_one_pass(monkeypatch
         ours, ref = runners(model)
         assert not ours.forward.rows_alone
         first, second = list(range(3, 40)), [5, 9, 2, 7, 7, 1, 30, 31, 12, 60, 61, 62]
-        for prompt, past in ((first, 0), (second, len(first))):
+        for prompt, past in ((first, 0), (second, len(first)), ([77], len(first) + len(second))):  # one row: no mask
             assert np.array_equal(ours.prefill(prompt, past), ref.prefill(prompt, past))
             assert_caches_equal(ours, ref)
 
@@ -366,8 +366,13 @@ def test_the_step_cost_bench_times_the_llama_steps_and_stops_at_their_failure_on
     model = grouped("llama")
     result = steps.run(model, "tiny", sizes=(1, 4), context=8, reps=1)
     assert set(result["curves"]) == {"dynamic", "llama", "static"} and "llama_error" not in result
-    result = steps.run(llama.Llama.adopt(grouped("llama")), "tiny", sizes=(1, 4), context=8, reps=1)
-    assert set(result["curves"]) == {"dynamic", "llama", "static"}
+    packed = grouped("llama")
+    packing.pack(packed)
+    own = llama.Llama.adopt(packed)
+    del packed
+    result = steps.run(own, "tiny", sizes=(1, 4), context=8, reps=1)
+    assert set(result["curves"]) == {"dynamic", "llama", "static"} and result["packed_weights"]
+    assert not packing.is_packed(own)  # HF's generate ran on its modules unpacked in place, not on a second copy
 
     def broken(self, layout, past):
         raise RuntimeError("broken Llama step")
@@ -461,5 +466,6 @@ def test_loading_runs_the_llama_family_by_its_own_file_and_compile_by_transforme
     assert leaves(own.model) == {n for n in leaves(theirs.model) if n != "model.rotary_emb" and not n.endswith(".act_fn")}
     la = LookaheadConfig(window=3, ngram=3, candidates=3)
     prompt = [5, 9, 2, 7, 7, 1, 30, 31, 12, 60, 61, 62]
+    twin = transformers_model(own.model)  # the same (packed) modules under transformers' forward
     assert tokens(Session(own.model, la, step_cost=FLAT), prompt, 30) == \
-        tokens(Session(theirs.model, la, step_cost=FLAT), prompt, 30)
+        tokens(Session(twin, la, step_cost=FLAT, runner=DynamicRunner(twin)), prompt, 30)

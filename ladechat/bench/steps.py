@@ -152,7 +152,8 @@ def _generate_per_token(model, context: int, tokens: int) -> float:
 def run(model, name: str, sizes=SIZES, context: int = 512, reps: int = 10, compile: bool = False) -> dict:
     """The curves of `model` (transformers' or a Llama ladechat runs itself: either way, both
     forwards over the same modules where the Llama file takes the model)."""
-    own = model if isinstance(model, llama.Llama) else None
+    given_own = isinstance(model, llama.Llama)
+    own = model if given_own else None
     model = transformers_model(model)
     if own is None and llama.accepts(model, gpu=True) is None:
         own = llama.Llama.adopt(model, gpu=True)
@@ -174,9 +175,17 @@ def run(model, name: str, sizes=SIZES, context: int = 512, reps: int = 10, compi
             own_error = f"{type(exc).__name__}: " + next((line for line in str(exc).splitlines() if line.strip()), "")
     order = ("dynamic", "llama", "static", "compiled")  # the table's columns
     curves = {kind: curves[kind] for kind in order if kind in curves}
-    packed = packing.is_packed(model)
-    return {"model": name, "device": str(device), "dtype": str(model.dtype).removeprefix("torch."),
-            "packed_weights": packed, "context": context, "reps": reps,
-            "hf_generate_per_token_s": _hf_per_token(model, context),  # last: it unpacks the model
+    packed, dtype = packing.is_packed(model), str(model.dtype).removeprefix("torch.")
+    # Last: HF's generate on the modules unpacked in place, one layer at a time (not a second copy
+    # of a 7B model): in the Llama where the caller gave one (a twin over them after), else in
+    # transformers' model, the Llama over its modules let go first.
+    if given_own:
+        model = None
+        packing.unpack(own)
+        model = own.transformers_twin()
+    own = None
+    hf_per_token = _hf_per_token(model, context)
+    return {"model": name, "device": str(device), "dtype": dtype, "packed_weights": packed, "context": context,
+            "reps": reps, "hf_generate_per_token_s": hf_per_token,
             "curves": {kind: {str(s): t for s, t in curve.items()} for kind, curve in curves.items()},
             **({"llama_error": own_error} if own_error else {})}

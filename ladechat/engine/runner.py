@@ -135,7 +135,7 @@ class ModelRunner(DynamicRunner):
 
     def prefill(self, tokens: list[int], past: int, ranked: bool = True) -> np.ndarray:
         count = min(len(tokens), PREFILL_TOP_K) if ranked else 1
-        return top_k(self.forward.prefill(tokens, past, self.cache, count))
+        return np.concatenate([top_k(logits) for logits in self.forward.prefill(tokens, past, self.cache, count)])
 
     def step(self, layout: StepLayout, past: int) -> torch.Tensor:
         self.appended = layout.size

@@ -1,6 +1,7 @@
 """The model families ladechat runs itself: one file per family owns its layers (under the
-checkpoint's own names), its prefill and its step. Every other family, a device map and
-`--compile` run transformers' forward (engine/runner.py's DynamicRunner and StaticRunner)."""
+checkpoint's own names), its prefill and its step. Every other family, a GPU, a device map over
+several devices and `--compile` run transformers' forward (engine/runner.py's DynamicRunner and
+StaticRunner)."""
 
 
 def transformers_model(model):

@@ -33,6 +33,7 @@ under a causal mask, as transformers' forward does.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import torch
@@ -165,7 +166,7 @@ class Llama(torch.nn.Module):
             layers.append(Layer(modules))
         rotary = built.model.rotary_emb
         return cls(built.config, built.model.embed_tokens, layers, norm(built.model.norm), built.lm_head,
-                   rotary.inv_freq, float(rotary.attention_scaling), getattr(built, "generation_config", None))
+                   rotary.inv_freq, float(rotary.attention_scaling), getattr(built, "generation_config", None)).eval()
 
     @property
     def device(self) -> torch.device:
@@ -187,7 +188,7 @@ class Llama(torch.nn.Module):
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"a Llama scores one sequence (1, S) at a time, not {tuple(input_ids.shape)}")
         tokens = input_ids[0].tolist()
-        return SimpleNamespace(logits=self.bind().prefill(tokens, 0, kv.new_cache(), len(tokens))[None])
+        return SimpleNamespace(logits=torch.cat(list(self.bind().prefill(tokens, 0, kv.new_cache(), len(tokens))))[None])
 
     def bind(self, rope_kernel: bool | None = None, gpu: bool = False) -> Steps:
         """Its prefill and steps over its modules as they are now: bind again after changing them
@@ -198,11 +199,13 @@ class Llama(torch.nn.Module):
         """transformers' model of this config over these very modules (no copy): its forward and
         generate() are the reference this file's steps must equal (tests, `ladechat bench`'s HF
         column)."""
+        import copy
+
         from accelerate import init_empty_weights
         from transformers import AutoModelForCausalLM
 
-        with init_empty_weights(include_buffers=False):
-            twin = AutoModelForCausalLM.from_config(self.config, dtype=self.dtype,
+        with init_empty_weights(include_buffers=False):  # a config of its own: building it writes there
+            twin = AutoModelForCausalLM.from_config(copy.deepcopy(self.config), dtype=self.dtype,
                                                     attn_implementation=self.config._attn_implementation)
         for name, module in self.named_modules():
             if name and not any(True for _ in module.children()):  # a leaf: Linear, norm, embedding
@@ -353,24 +356,26 @@ class Steps:
                 mask = mask.repeat(1, 1, self.groups, 1)
             return self._run(ids[0], positions[0], mask, past, cache)
 
-    def prefill(self, tokens: list[int], past: int, cache, keep: int) -> torch.Tensor:
-        """Logits (keep, vocab) of the last `keep` (>= 1) of prompt tokens that follow `past` cached
-        ones, their keys and values appended to `cache` (see the module's docstring)."""
+    def prefill(self, tokens: list[int], past: int, cache, keep: int) -> Iterator[torch.Tensor]:
+        """The logits of the last `keep` (>= 1) of prompt tokens that follow `past` cached ones, in
+        order, a part's rows at a time (so a caller that ranks them holds one part's), their keys
+        and values appended to `cache` (see the module's docstring). Read it to the end."""
         device = self.model.device
-        with torch.inference_mode():
-            if not self.rows_alone:
-                ids, positions = torch.tensor(tokens, device=device), torch.arange(past, past + len(tokens), device=device)
-                return self._run(ids, positions, _causal(past, len(tokens), device), past, cache, keep, one_pass=True)
-            kept = []
-            for start in range(0, len(tokens), PREFILL_CHUNK):
-                part = tokens[start:start + PREFILL_CHUNK]
-                after = len(tokens) - start - len(part)  # prompt tokens after this part
-                ids = torch.tensor(part, device=device)
-                positions = torch.arange(past + start, past + start + len(part), device=device)
+        if not self.rows_alone:
+            ids, positions = torch.tensor(tokens, device=device), torch.arange(past, past + len(tokens), device=device)
+            with torch.inference_mode():
+                logits = self._run(ids, positions, _causal(past, len(tokens), device), past, cache, keep, one_pass=True)
+            yield logits
+            return
+        for start in range(0, len(tokens), PREFILL_CHUNK):
+            part = tokens[start:start + PREFILL_CHUNK]
+            after = len(tokens) - start - len(part)  # prompt tokens after this part
+            ids = torch.tensor(part, device=device)
+            positions = torch.arange(past + start, past + start + len(part), device=device)
+            with torch.inference_mode():
                 logits = self._run(ids, positions, None, past + start, cache, max(0, min(len(part), keep - after)))
-                if logits is not None:
-                    kept.append(logits)
-            return torch.cat(kept)
+            if logits is not None:
+                yield logits
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, past: int, cache,
              keep: int | None = None, one_pass: bool = False) -> torch.Tensor | None:
@@ -418,8 +423,9 @@ class Steps:
 
 def _causal(past: int, rows: int, device) -> torch.Tensor | None:
     """A prefill's mask (1, 1, rows, past + rows), True where a row sees a key, as transformers'
-    SDPA mask; None over an empty cache, where SDPA's own causal flag does it."""
-    if past == 0:
+    SDPA mask; None where transformers passes none: over an empty cache (SDPA's own causal flag
+    does it) and for one row (it sees every key)."""
+    if past == 0 or rows == 1:
         return None
     keys = torch.arange(past + rows, device=device)
     return (keys[None, :] <= torch.arange(past, past + rows, device=device)[:, None])[None, None]
