@@ -469,3 +469,43 @@ def test_loading_runs_the_llama_family_by_its_own_file_and_compile_by_transforme
     twin = transformers_model(own.model)  # the same (packed) modules under transformers' forward
     assert tokens(Session(own.model, la, step_cost=FLAT), prompt, 30) == \
         tokens(Session(twin, la, step_cost=FLAT, runner=DynamicRunner(twin)), prompt, 30)
+
+
+def test_a_gguf_of_the_family_is_built_as_a_llama_without_transformers_model(monkeypatch):
+    """The embedded GGUF on ladechat's kernels: the Llama is built empty from the config and
+    filled by name from the file; no transformers model is made (its class is never asked), and
+    its answers are transformers' generate() over the same modules."""
+    from transformers import AutoModelForCausalLM
+
+    def no_transformers_model(*args, **kwargs):
+        raise AssertionError("a transformers model was built")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(AutoModelForCausalLM, "from_config", no_transformers_model)
+        patched.setattr(AutoModelForCausalLM, "from_pretrained", no_transformers_model)
+        lm = load(LoadSpec(dtype="float32", device="cpu"))
+    assert isinstance(lm.model, llama.Llama) and "from Q4_1 blocks" in lm.weights
+    assert lm.model.config.tie_word_embeddings and type(lm.model.lm_head).__name__ == "Q8Linear"
+    assert_steps_match(lm.model, list(range(100, 160)))
+
+
+def test_built_empty_the_llama_has_transformers_shapes_and_rotary_frequencies():
+    """Llama.empty's modules have the shapes, biases and names of transformers' model of the same
+    config, and its rotary frequencies are the same floats, for each family and RoPE variant."""
+    from tiny_models import COMMON
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    configs = [AutoConfig.for_model(family, **COMMON, **extra) for family, extra in
+               (("llama", {}), ("mistral", {"sliding_window": None}), ("qwen2", {"use_sliding_window": False}))]
+    configs += [AutoConfig.for_model("llama", **{**COMMON, **VARIANTS[name]}) for name in sorted(VARIANTS)]
+    for config in configs:
+        built = AutoModelForCausalLM.from_config(config)
+        own = llama.Llama.empty(config, torch.float32)
+        theirs = {n: tuple(p.shape) for n, p in built.named_parameters()}
+        assert {n: tuple(p.shape) for n, p in own.named_parameters()} == theirs, config.model_type
+        assert torch.equal(own.inv_freq, built.model.rotary_emb.inv_freq)
+        assert own.rope_scale == built.model.rotary_emb.attention_scaling
+    sliding = AutoConfig.for_model("mistral", **{**COMMON, "sliding_window": 16})
+    assert llama.takes(sliding, "sdpa") == "sliding-window attention"
+    with pytest.raises(ValueError, match="cannot run this model: attention 'eager', not SDPA"):
+        llama.Llama.empty(configs[0], torch.float32, "eager")

@@ -26,6 +26,23 @@ from ladechat.engine.kernels import step_ops
 REPLACEABLE = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"})
 
 
+class TorchRMSNorm(torch.nn.Module):
+    """y = weight * (x / sqrt(mean(x^2) + eps)), the sum in fp32, in torch's ops: transformers'
+    LlamaRMSNorm's steps, so its bits (engine/models/llama.py's norm where the kernel does not
+    replace it)."""
+
+    def __init__(self, weight: torch.nn.Parameter, eps: float) -> None:
+        super().__init__()
+        self.weight = weight
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(dtype)
+
+
 class NativeRMSNorm(torch.nn.Module):
     """y = weight * (x / sqrt(mean(x^2) + eps)) over the last dim, as the module it replaces,
     by ladechat's kernel (step_ops.load first). x fp32 or bf16 in the weight's dtype, on the CPU."""
@@ -51,7 +68,8 @@ class NativeRMSNorm(torch.nn.Module):
 
 
 def replaceable(module: torch.nn.Module, dtype: torch.dtype) -> bool:
-    if type(module).__name__ not in REPLACEABLE:  # first: other modules' `weight` may be computed
+    if type(module) is not TorchRMSNorm and type(module).__name__ not in REPLACEABLE:  # first: other modules'
+        # `weight` may be computed
         return False  # at each read (an int4 layer's dense copy takes seconds)
     weight = getattr(module, "weight", None)
     return (isinstance(weight, torch.Tensor) and weight.dim() == 1 and weight.dtype == dtype

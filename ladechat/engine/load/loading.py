@@ -250,7 +250,7 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
     if gguf_file is not None and not spec.device_map:  # else transformers' own GGUF load spreads it
         def build(config):
             return _from_gguf(Path(source), gguf_file, config, kwargs, device, kernels if to_int4 else None, progress,
-                              blocks_embedding=spec.pack_weights)
+                              blocks_embedding=spec.pack_weights, own_forward=spec.own_forward)
     tokenizer, model, applied = _read(spec.model or source, source, name, device, kwargs, build, gguf_file,
                                       _float_weights if spec.quantize else None)
     if attn == "sdpa" and model.config._attn_implementation == "eager":
@@ -270,7 +270,7 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
     # pack() itself leaves weights on devices and in dtypes it does not pack.
     if layouts and spec.weights != "dense":
         packing.pack(model)
-    if spec.own_forward and llama.accepts(model) is None:
+    if spec.own_forward and not isinstance(model, llama.Llama) and llama.accepts(model) is None:
         model = llama.Llama.adopt(model)  # transformers' wrapper dropped: its modules are the Llama's
     cap = context_cap(context_length(model.config), spec.context_size)
     try:
@@ -456,27 +456,34 @@ def _has_sdpa(config) -> bool:
 
 
 def _from_gguf(folder: Path, gguf_file: Path, config, kwargs: dict, device: torch.device, kernels: Path | None,
-               progress, blocks_embedding: bool = True) -> tuple:
+               progress, blocks_embedding: bool = True, own_forward: bool = False) -> tuple:
     """(the model of `gguf_file`, built from its blocks as they are, in eval mode on `device`;
     quantized.Applied or None). Built empty (parameters on the meta device); with `kernels` (a CPU that
     runs them), its Q4_0/Q4_1/Q4_K Linear weights and its Q8_0 output layer go into the kernels'
     layout first (quantized.py, head.py: read from the file once and kept in `folder`); then every other
     tensor is dequantized on its own into the model's dtype on `device` (gguf.read_tensors). No
-    dense copy of the weights is made at any point."""
+    dense copy of the weights is made at any point. own_forward: a family ladechat runs itself is
+    built as its own model (engine/models/) where its kernels run, not as transformers'."""
     try:
-        return _build_from_gguf(folder, gguf_file, config, kwargs, device, kernels, progress, blocks_embedding)
+        return _build_from_gguf(folder, gguf_file, config, kwargs, device, kernels, progress, blocks_embedding,
+                                own_forward)
     finally:
         gguf.reader.cache_clear()  # the first load's parsed metadata: not kept with the model
 
 
 def _build_from_gguf(folder: Path, gguf_file: Path, config, kwargs: dict, device: torch.device, kernels: Path | None,
-                     progress, blocks_embedding: bool) -> tuple:
+                     progress, blocks_embedding: bool, own_forward: bool) -> tuple:
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     dtype = kwargs["dtype"]
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=kwargs["attn_implementation"])
+    if own_forward and kernels is not None and device.type == "cpu" \
+            and llama.takes(config, kwargs["attn_implementation"]) is None:
+        model = llama.Llama.empty(config, dtype, kwargs["attn_implementation"])
+    else:
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                     attn_implementation=kwargs["attn_implementation"])
     index = gguf.tensor_index(model, gguf_file, folder)  # before any module is replaced
     applied = None
     if kernels is not None:
@@ -563,8 +570,9 @@ def _size(count: int) -> str:
 
 def _check_tree_mask(model, name: str, attn: str, folder: str | None, notices: list[str]) -> None:
     """LoadError unless the model honours the step's 4D mask with explicit positions, after
-    switching to eager attention (with a notice) where only that does."""
-    if honours_tree_mask(model, folder, model.config._attn_implementation):
+    switching to eager attention (with a notice) where only that does. A model ladechat runs
+    itself (engine/models/) takes the mask by construction (tests/test_llama.py)."""
+    if isinstance(model, llama.Llama) or honours_tree_mask(model, folder, model.config._attn_implementation):
         return
     if attn != "eager":
         model.set_attn_implementation("eager")

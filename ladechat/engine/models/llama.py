@@ -93,20 +93,46 @@ def accepts(model, gpu: bool = False) -> str | None:
     return None
 
 
-class RMSNorm(torch.nn.Module):
-    """y = weight * (x / sqrt(mean(x^2) + eps)), the sum in fp32: transformers' LlamaRMSNorm's
-    steps, so its bits (norms.NativeRMSNorm is the kernel's, for block weights)."""
+def takes(config, attn: str) -> str | None:
+    """None when a model of `config` built empty by Llama.empty, with attention `attn` (the
+    loader's choice), is one accepts() takes once loaded, else why not (one line)."""
+    if config.model_type not in FAMILIES:
+        return f"{config.model_type} is not a Llama-family model ({', '.join(sorted(FAMILIES))})"
+    if attn != "sdpa":
+        return f"attention {attn!r}, not SDPA"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "sliding-window attention"
+    kind = _rope(config).get("rope_type", "default")
+    if "dynamic" in kind or kind == "longrope":
+        return f"{kind} RoPE changes with the sequence length"
+    if getattr(config, "hidden_act", None) != "silu":
+        return "its MLP is not SiLU-gated"
+    return None
 
-    def __init__(self, weight: torch.nn.Parameter, eps: float) -> None:
-        super().__init__()
-        self.weight = weight
-        self.variance_epsilon = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.to(torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * x.to(dtype)
+def _rope(config) -> dict:
+    return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+
+
+def _biases(config) -> tuple[bool, bool, bool]:
+    """(q/k/v, o, MLP) biases of the family: Llama's config says; Qwen2 has q/k/v biases only."""
+    if config.model_type == "llama":
+        return bool(config.attention_bias), bool(config.attention_bias), bool(getattr(config, "mlp_bias", False))
+    return config.model_type == "qwen2", False, False
+
+
+def rotary_frequencies(config) -> tuple[torch.Tensor, float]:
+    """(inv_freq, the scale of cos and sin) of the config's RoPE, as transformers' rotary module
+    computes them (its own function for the scaled kinds)."""
+    rope = _rope(config)
+    kind = rope.get("rope_type", "default")
+    if kind != "default":
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[kind](config)
+        return inv_freq, float(scale)
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
 
 
 class Layer(torch.nn.Module):
@@ -126,8 +152,9 @@ class Layer(torch.nn.Module):
 
 class Llama(torch.nn.Module):
     """A Llama-family causal LM: model.embed_tokens, model.layers[i], model.norm, lm_head, as the
-    checkpoint names them; inv_freq, the rotary frequencies its config gives. Build it with
-    `adopt`, from the model a loader built (its modules are taken, not copied)."""
+    checkpoint names them; inv_freq, the rotary frequencies its config gives. Built `empty` from
+    a config for a loader to fill by name (a GGUF), or by `adopt` over the modules of the
+    transformers model a loader read (a checkpoint: taken, not copied)."""
 
     def __init__(self, config, embed_tokens, layers: list[Layer], norm, lm_head, inv_freq: torch.Tensor,
                  rope_scale: float, generation_config=None) -> None:
@@ -154,8 +181,9 @@ class Llama(torch.nn.Module):
 
         def norm(module):
             # transformers' norm module becomes ours (the same computation); ladechat's kernel's stays
-            return module if type(module) is norms.NativeRMSNorm else RMSNorm(module.weight,
-                                                                               float(module.variance_epsilon))
+            if type(module) in (norms.NativeRMSNorm, norms.TorchRMSNorm):
+                return module
+            return norms.TorchRMSNorm(module.weight, float(module.variance_epsilon))
 
         layers = []
         for layer in built.model.layers:
@@ -164,9 +192,58 @@ class Llama(torch.nn.Module):
             modules.update(input_layernorm=norm(layer.input_layernorm),
                            post_attention_layernorm=norm(layer.post_attention_layernorm))
             layers.append(Layer(modules))
+        if isinstance(built, Llama):
+            return built
         rotary = built.model.rotary_emb
         return cls(built.config, built.model.embed_tokens, layers, norm(built.model.norm), built.lm_head,
                    rotary.inv_freq, float(rotary.attention_scaling), getattr(built, "generation_config", None)).eval()
+
+    @classmethod
+    def empty(cls, config, dtype: torch.dtype, attn: str = "sdpa") -> Llama:
+        """The Llama of `config` in `dtype`, its weights on the meta device for a loader to fill by
+        name (takes() says which configs); the rotary frequencies computed, on the CPU."""
+        from transformers import GenerationConfig
+
+        why = takes(config, attn)
+        if why:
+            raise ValueError(f"ladechat's Llama forward cannot run this model: {why}")
+        config._attn_implementation = attn
+        hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+        dim = getattr(config, "head_dim", None) or hidden // heads
+        qkv_bias, o_bias, mlp_bias = _biases(config)
+        inv_freq, scale = rotary_frequencies(config)
+        with torch.device("meta"):
+            def linear(cols: int, rows: int, bias: bool) -> torch.nn.Linear:
+                return torch.nn.Linear(cols, rows, bias=bias, dtype=dtype)
+
+            def norm() -> norms.TorchRMSNorm:
+                return norms.TorchRMSNorm(torch.nn.Parameter(torch.empty(hidden, dtype=dtype)), config.rms_norm_eps)
+
+            layers = [Layer({"self_attn.q_proj": linear(hidden, heads * dim, qkv_bias),
+                             "self_attn.k_proj": linear(hidden, kv_heads * dim, qkv_bias),
+                             "self_attn.v_proj": linear(hidden, kv_heads * dim, qkv_bias),
+                             "self_attn.o_proj": linear(heads * dim, hidden, o_bias),
+                             "mlp.gate_proj": linear(hidden, config.intermediate_size, mlp_bias),
+                             "mlp.up_proj": linear(hidden, config.intermediate_size, mlp_bias),
+                             "mlp.down_proj": linear(config.intermediate_size, hidden, mlp_bias),
+                             "input_layernorm": norm(), "post_attention_layernorm": norm()})
+                      for _ in range(config.num_hidden_layers)]
+            embed = torch.nn.Embedding(config.vocab_size, hidden, dtype=dtype)
+            head, final = linear(hidden, config.vocab_size, False), norm()
+        return cls(config, embed, layers, final, head, inv_freq, scale, GenerationConfig.from_model_config(config)).eval()
+
+    def set_input_embeddings(self, module: torch.nn.Module) -> None:
+        self.model.embed_tokens = module
+
+    def set_attn_implementation(self, name: str) -> None:
+        """The attention its steps run (kernels/attention.py's names, registered with transformers)."""
+        self.config._attn_implementation = name
+
+    def tie_weights(self, missing_keys: set[str]) -> None:
+        """The output layer's weight as the embedding's where the file has none of its own and the
+        config ties them."""
+        if "lm_head.weight" in missing_keys and getattr(self.config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     @property
     def device(self) -> torch.device:
