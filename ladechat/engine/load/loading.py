@@ -15,7 +15,7 @@ from ladechat.engine.kernels import int4, native, norms, q4, q6, q8, step_ops
 from ladechat.engine.kernels.attention import use_grouped_sdpa
 from ladechat.engine.load import gguf, head, packing, quantized, requantize
 from ladechat.engine.load.gguf import ModelNotFound
-from ladechat.engine.models import llama
+from ladechat.engine.models import llama, transformers_model
 from ladechat.engine.threads import CpuThreads
 from ladechat.errors import UserError
 from ladechat.paths import cache_root
@@ -266,7 +266,7 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
                            "running them as --weights packed")
     blocks = layouts and kernel_weights and applied is not None and applied.replaced > 0 and model.device.type == "cpu"
     _step_kernels(model, blocks, attn, kernels, progress, notices)
-    _check_tree_mask(model, name, attn, source if Path(source).is_dir() else None, notices)
+    model = _check_tree_mask(model, name, attn, source if Path(source).is_dir() else None, notices)
     # pack() itself leaves weights on devices and in dtypes it does not pack.
     if layouts and spec.weights != "dense":
         packing.pack(model)
@@ -568,17 +568,19 @@ def _size(count: int) -> str:
     return f"{count / 2**30:.1f} GiB" if count >= 2**30 else f"{count / 2**20:.0f} MiB"
 
 
-def _check_tree_mask(model, name: str, attn: str, folder: str | None, notices: list[str]) -> None:
-    """LoadError unless the model honours the step's 4D mask with explicit positions, after
-    switching to eager attention (with a notice) where only that does. A model ladechat runs
-    itself (engine/models/) takes the mask by construction (tests/test_llama.py)."""
-    if isinstance(model, llama.Llama) or honours_tree_mask(model, folder, model.config._attn_implementation):
-        return
+def _check_tree_mask(model, name: str, attn: str, folder: str | None, notices: list[str]):
+    """The model to run, once it honours the step's 4D mask with explicit positions (LoadError
+    where it does not): itself, or transformers' model switched to eager attention (with a notice)
+    where only that does (a Llama's twin over its modules: its own steps do not run eager)."""
+    if honours_tree_mask(model, folder, model.config._attn_implementation):
+        return model
+    if isinstance(model, llama.Llama):
+        model = model.transformers_twin()
     if attn != "eager":
         model.set_attn_implementation("eager")
         if mask_probe(model):
             notices.append(f"{name} ignores 4D masks under {attn}; switched to eager attention")
-            return
+            return model
     raise LoadError(f"{name} does not honour a 4D attention mask with position ids, "
                     "so lookahead cannot run on it")
 
@@ -744,6 +746,7 @@ def mask_probe(model) -> bool:
     """
     from ladechat.engine.layout import StepLayout, step_inputs
 
+    model = transformers_model(model)  # a Llama: transformers' forward over its modules and kernels
     device, dtype = model.device, model.dtype
     vocab = model.config.get_text_config().vocab_size
     a, b, c = 1 % vocab, 2 % vocab, 3 % vocab

@@ -230,6 +230,8 @@ class Llama(torch.nn.Module):
                       for _ in range(config.num_hidden_layers)]
             embed = torch.nn.Embedding(config.vocab_size, hidden, dtype=dtype)
             head, final = linear(hidden, config.vocab_size, False), norm()
+            if getattr(config, "tie_word_embeddings", False):  # as transformers ties them when it builds
+                head.weight = embed.weight
         return cls(config, embed, layers, final, head, inv_freq, scale, GenerationConfig.from_model_config(config)).eval()
 
     def set_input_embeddings(self, module: torch.nn.Module) -> None:
