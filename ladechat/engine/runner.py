@@ -126,10 +126,7 @@ class ModelRunner(DynamicRunner):
     another attention), as Sessions do."""
 
     def __init__(self, model, rope_kernel: bool | None = None, gpu: bool = False) -> None:
-        self.model = model
-        self.rows_device = model.device
-        self.cache = kv.new_cache()
-        self.appended = 0
+        super().__init__(model)
         self.forward = model.bind(rope_kernel, gpu)
         self.steps = f"engine/models/{type(model).__name__.lower()}.py"
 

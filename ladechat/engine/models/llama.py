@@ -59,8 +59,9 @@ def accepts(model, gpu: bool = False) -> str | None:
     if not isinstance(model, torch.nn.Module):  # a wrapper (the fault-injection tests'): its own forward
         return "not a torch module"
     config = model.config
-    if config.model_type not in FAMILIES:
-        return f"{config.model_type} is not a Llama-family model ({', '.join(sorted(FAMILIES))})"
+    why = _config_refusal(config)
+    if why:
+        return why
     # On a GPU eager steps are host-bound, costing the same whatever their rows, which is what
     # fewer ops address; not a default until measured there.
     if model.device.type != "cpu" and not (gpu and model.device.type == "cuda"):
@@ -77,14 +78,6 @@ def accepts(model, gpu: bool = False) -> str | None:
     # its row-wise attention with or without groups
     if config._attn_implementation not in (attention.ROWWISE, attention.NAME if grouped else "sdpa"):
         return f"attention {config._attn_implementation!r}, not {'grouped ' if grouped else ''}SDPA"
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        return "sliding-window attention"
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    kind = rope.get("rope_type", "default")
-    if "dynamic" in kind or kind == "longrope":  # transformers' own test for a dynamic update
-        return f"{kind} RoPE changes with the sequence length"
-    if getattr(config, "hidden_act", None) != "silu":
-        return "its MLP is not SiLU-gated"
     layer = model.model.layers[0]
     if not all(hasattr(layer.self_attn, name) for name in ATTENTION) or not all(hasattr(layer.mlp, n) for n in MLP):
         return "its layers are not made of q/k/v/o projections and a gated MLP"
@@ -96,14 +89,17 @@ def accepts(model, gpu: bool = False) -> str | None:
 def takes(config, attn: str) -> str | None:
     """None when a model of `config` built empty by Llama.empty, with attention `attn` (the
     loader's choice), is one accepts() takes once loaded, else why not (one line)."""
+    return _config_refusal(config) or (None if attn == "sdpa" else f"attention {attn!r}, not SDPA")
+
+
+def _config_refusal(config) -> str | None:
+    """Why this file cannot compute a model of `config` whatever its placement (one line), or None."""
     if config.model_type not in FAMILIES:
         return f"{config.model_type} is not a Llama-family model ({', '.join(sorted(FAMILIES))})"
-    if attn != "sdpa":
-        return f"attention {attn!r}, not SDPA"
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         return "sliding-window attention"
     kind = _rope(config).get("rope_type", "default")
-    if "dynamic" in kind or kind == "longrope":
+    if "dynamic" in kind or kind == "longrope":  # transformers' own test for a dynamic update
         return f"{kind} RoPE changes with the sequence length"
     if getattr(config, "hidden_act", None) != "silu":
         return "its MLP is not SiLU-gated"
@@ -175,6 +171,8 @@ class Llama(torch.nn.Module):
         loader built and filled it; accepts() says which): its Linear, embedding and norm modules
         by name, its rotary frequencies. `built` keeps working; drop it to free its wrapper. gpu:
         see accepts()."""
+        if isinstance(built, Llama):
+            return built
         why = accepts(built, gpu)
         if why:
             raise ValueError(f"ladechat's Llama forward cannot run this model: {why}")
@@ -192,8 +190,6 @@ class Llama(torch.nn.Module):
             modules.update(input_layernorm=norm(layer.input_layernorm),
                            post_attention_layernorm=norm(layer.post_attention_layernorm))
             layers.append(Layer(modules))
-        if isinstance(built, Llama):
-            return built
         rotary = built.model.rotary_emb
         return cls(built.config, built.model.embed_tokens, layers, norm(built.model.norm), built.lm_head,
                    rotary.inv_freq, float(rotary.attention_scaling), getattr(built, "generation_config", None)).eval()
