@@ -155,22 +155,22 @@ def test_the_rope_kernel_takes_rows_apart(rope_kernel, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_kv_rotates_into_the_cache_what_rope_and_an_update_put_there(rope_kernel, dtype):
-    """One joint q/k/v product's rows: q as rope rotates it; k rotated and v written into a growing
-    layer's buffers after what it holds, as the layer's own update writes them, bit for bit."""
+    """One joint q/k/v product's rows: q as rope rotates it; k rotated and v written into a cache
+    layer's buffers after what it holds, as the layer's own write puts them there, bit for bit."""
     generator = torch.Generator().manual_seed(4)
     heads, kv_heads, dim = 6, 2, 64
 
     def randn(*shape):
         return torch.randn(*shape, generator=generator).to(dtype)
 
-    ours, theirs = kv.GrowingLayer(), kv.GrowingLayer()
+    ours, theirs = kv.RowsCache(2, kv_heads, dim, dtype, torch.device("cpu")).layers
     for layer in (ours, theirs):  # a prompt of 5 already held
-        layer.update(*(torch.ones(1, kv_heads, 5, dim, dtype=dtype) * sign for sign in (1, -1)))
+        layer.write(*(torch.ones(1, kv_heads, 5, dim, dtype=dtype) * sign for sign in (1, -1)))
     for rows in (1, 4, 300):  # the last grows the buffers
         joint, cos, sin = randn(rows, (heads + 2 * kv_heads) * dim), randn(rows, dim), randn(rows, dim)
         q, k, v = joint.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
         want_q, want_k = torch.ops.ladechat_step.rope(q, k, heads, kv_heads, cos, sin)
-        want = theirs.update(want_k[None], v.reshape(rows, kv_heads, dim).transpose(0, 1)[None])
+        want = theirs.write(want_k[None], v.reshape(rows, kv_heads, dim).transpose(0, 1)[None])
         held, key_buffer, value_buffer = ours.room(rows)
         got_q = torch.ops.ladechat_step.rope_kv(joint, heads, kv_heads, cos, sin, key_buffer, value_buffer, held)
         got = ours.filled(held + rows)

@@ -131,11 +131,13 @@ def test_commit_kv_gathers_accepted_rows(make):
     assert kv.cache_length(cache) == 7
 
 
+@pytest.mark.parametrize("kind", ["growing", "rows"])
 @pytest.mark.parametrize("gather", ["kernel", "torch"])
-def test_a_growing_cache_writes_after_what_it_keeps_and_grows_past_its_room(gather, monkeypatch):
-    """Steps of 1-9 rows, each keeping some: a GrowingCache holds what a DynamicCache holds, through
-    truncations, gathers (by ladechat's keep_rows kernel, or torch's ops where it is not loaded)
-    and buffers growing (the first hold 256 positions)."""
+def test_a_growing_cache_writes_after_what_it_keeps_and_grows_past_its_room(gather, kind, monkeypatch):
+    """Steps of 1-9 rows, each keeping some: a GrowingCache (transformers' forward's) and a
+    RowsCache (a Llama's own steps') hold what a DynamicCache holds, through truncations, gathers
+    (by ladechat's keep_rows kernel, or torch's ops where it is not loaded) and buffers growing
+    (the first hold 256 positions)."""
     import random
 
     from ladechat.engine.kernels import native, step_ops
@@ -147,13 +149,18 @@ def test_a_growing_cache_writes_after_what_it_keeps_and_grows_past_its_room(gath
         monkeypatch.setattr(kv, "_moves_rows_on_host", lambda layers: False)
 
     rng = random.Random(5)
-    growing, dynamic = kv.GrowingCache(), DynamicCache()
+    growing = kv.GrowingCache() if kind == "growing" else kv.RowsCache(1, 2, 4, torch.float32, torch.device("cpu"))
+    dynamic = DynamicCache()
+    assert kv.cache_length(growing) == 0
     committed = 0
     for step in range(120):
         rows = rng.randint(1, 9)
         states = torch.randn(1, 2, rows, 4)
         for cache in (growing, dynamic):
-            keys, _ = cache.update(states, states * 2, 0)
+            if cache is growing and kind == "rows":
+                keys, _ = cache.layers[0].write(states, states * 2)
+            else:
+                keys, _ = cache.update(states, states * 2, 0)
             assert keys.shape[-2] == committed + rows
         keep = sorted({0, *rng.sample(range(rows), rng.randint(0, rows - 1))})
         for cache in (growing, dynamic):
@@ -517,22 +524,29 @@ def test_the_longer_context_is_measured_at_the_sizes_of_the_shorter(tmp_path, mo
     assert [list(costs.curves[context]) for context in CONTEXTS] == [[1, 2, 4]] * len(CONTEXTS)
 
 
-def test_a_long_context_is_the_prefilled_one_repeated():
+@pytest.mark.parametrize("forward", ["transformers", "llama"])
+def test_a_long_context_is_the_prefilled_one_repeated(forward):
     """prefill_random computes PREFILLED tokens and repeats their keys and values to the length asked
-    (what a step attends over, not what it holds, is what it costs)."""
+    (what a step attends over, not what it holds, is what it costs), in transformers' cache and in
+    the Llama's own."""
     from tiny_models import tiny_model
 
     from ladechat.engine import kv
-    from ladechat.engine.runner import DynamicRunner
+    from ladechat.engine.kernels.attention import use_grouped_sdpa
+    from ladechat.engine.models.llama import Llama
+    from ladechat.engine.runner import DynamicRunner, ModelRunner
     from ladechat.engine.step_cost import PREFILLED, prefill_random
 
-    runner = DynamicRunner(tiny_model("llama"))
+    model = tiny_model("llama")
+    assert use_grouped_sdpa(model)  # as loading does: the Llama's grouped attention
+    runner = DynamicRunner(model) if forward == "transformers" else ModelRunner(Llama.adopt(model))
+    assert isinstance(runner.cache, kv.GrowingCache if forward == "transformers" else kv.RowsCache)
     prefill_random(runner, 100)
     assert kv.cache_length(runner.cache) == 100
     for layer in runner.cache.layers:
         assert torch.equal(layer.keys[..., PREFILLED : 2 * PREFILLED, :], layer.keys[..., :PREFILLED, :])
         assert torch.equal(layer.values[..., 96:100, :], layer.values[..., :4, :])
-    assert not kv.repeat_to(kv.new_cache(), 10)  # nothing to repeat: the caller prefills
+    assert not kv.repeat_to(runner.new_cache(), 10)  # nothing to repeat: the caller prefills
 
 
 @pytest.mark.parametrize("name,device_type,native,expected", [

@@ -1,9 +1,10 @@
 """The KV cache across steps: keep what was accepted, drop the rest, never recompute.
 
-Two kinds of cache hold the same committed sequence:
-- GrowingCache (a DynamicCache): grows with every step, into buffers with room to spare rather
-  than by concatenation (cheaper steps, measured: BENCHMARKS.md); dropping rows means slicing the
-  tensors shorter.
+Three kinds of cache hold the same committed sequence:
+- RowsCache (a model's own steps, engine/models/) and GrowingCache (transformers' forward, a
+  DynamicCache of the same layers): each layer's Rows grow with every step, into buffers with
+  room to spare rather than by concatenation (cheaper steps, measured: BENCHMARKS.md); dropping
+  rows means slicing the tensors shorter.
 - StaticCache: pre-allocated to a fixed length (for compiled / CUDA-graph steps); its tensors
   never move, so dropping rows only moves the write position back, and kept rows are gathered
   in place. Slots past the write position hold junk that the step's mask never shows.
@@ -33,22 +34,22 @@ def cache_argument(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-class GrowingLayer(DynamicLayer):
-    """A DynamicLayer whose keys and values are views of buffers with room to spare: a step writes
-    its rows after the committed ones instead of concatenating (DynamicLayer copies the whole
+class Rows:
+    """A layer's keys and values as views of buffers with room to spare: a step writes its rows
+    after the committed ones instead of concatenating (transformers' DynamicLayer copies the whole
     layer's cache every step: 60 copies a step for a 30-layer model, growing with the
     conversation). Full buffers grow by half (room for half as much again: amortized copies
-    without doubling a long prompt's cache). `keys` and `values` are the filled part, as a
-    DynamicLayer's: cutting them shorter (truncate, commit_kv) is all dropping rows takes, and
-    the next step writes after what they hold."""
+    without doubling a long prompt's cache). `keys` and `values` (batch, heads, positions, dim)
+    are the filled part: cutting them shorter (truncate, commit_kv) is all dropping rows takes,
+    and the next step writes after what they hold."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.keys, self.values = keys, values
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's keys and values with these rows appended."""
         held, keys, values = self.room(key_states.shape[-2], key_states, value_states)
         end = held + key_states.shape[-2]
         keys[..., held:end, :] = key_states
@@ -60,8 +61,8 @@ class GrowingLayer(DynamicLayer):
         """(positions held, the key buffer, the value buffer), the buffers with room for `rows`
         more positions after the held ones: for a step's keys and values written in place (the
         Llama step's rope_kv kernel), then filled(). New buffers are shaped like key_states and
-        value_states (default: the layer's own, which must hold keys already)."""
-        held = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+        value_states (default: the layer's own keys and values, 4-D, empty or not)."""
+        held = self.keys.shape[-2] if self.keys is not None and self.keys.dim() == 4 else 0
         end = held + rows
         if self._buffers is None or end > self._buffers[0].shape[-2]:
             like = (self.keys, self.values) if key_states is None else (key_states, value_states)
@@ -75,12 +76,33 @@ class GrowingLayer(DynamicLayer):
         return self.keys, self.values
 
     @staticmethod
-    def _room_for(length: int, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    def _room_for(length: int, new: torch.Tensor, old: torch.Tensor | None) -> torch.Tensor:
         batch, heads, _, dim = new.shape
         buffer = new.new_empty((batch, heads, max(length + length // 2, GROWING_MIN), dim))
-        if old.dim() == 4:
+        if old is not None and old.dim() == 4:
             buffer[..., : old.shape[-2], :] = old
         return buffer
+
+
+class RowsCache:
+    """The KV cache of a model that runs its own steps (engine/models/): one Rows per layer, made
+    empty up front for the model's key/value heads, so a step writes every layer in place, by
+    whatever call computes its keys, with no first-write set-up. kv's other functions (commit_kv,
+    truncate, cache_length, repeat_to) take it as they take transformers' caches."""
+
+    def __init__(self, layers: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        empty = {"size": (1, heads, 0, dim), "dtype": dtype, "device": device}
+        self.layers = [Rows(torch.empty(**empty), torch.empty(**empty)) for _ in range(layers)]
+
+
+class GrowingLayer(Rows, DynamicLayer):
+    """Rows as a transformers cache layer (made lazily as transformers' forward reaches it): the
+    cache of transformers' forward on exact-size steps (DynamicRunner)."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        return self.write(key_states, value_states)
 
     def reset(self) -> None:
         self._buffers = None
@@ -98,12 +120,12 @@ class GrowingCache(DynamicCache):
 
 
 def repeat_to(cache, length: int) -> bool:
-    """Lengthen every layer of a GrowingCache to `length` positions by repeating the positions it
+    """Lengthen every layer of a RowsCache or GrowingCache to `length` positions by repeating the positions it
     holds: a long context to time steps after, without the prefill that would compute one (a
     step's cost follows how many positions it attends over, not what they hold). False, and the
     cache as it was, for any other cache or an empty one."""
     layers = getattr(cache, "layers", None) or []
-    if not layers or not all(isinstance(layer, GrowingLayer) and layer.is_initialized and layer.keys.numel()
+    if not layers or not all(isinstance(layer, Rows) and layer.keys is not None and layer.keys.numel()
                              for layer in layers):
         return False
     with torch.inference_mode():

@@ -67,11 +67,14 @@ class DynamicRunner:
         self.model = model
         self.rows_device = rows_device(model)  # where a step's row indices go (fixed once loaded)
         self.cache_arg = kv.cache_argument(model)  # the forward's name for the KV cache
-        self.cache = kv.new_cache()
+        self.cache = self.new_cache()
         self.appended = 0  # rows the last step wrote into the cache
 
+    def new_cache(self):
+        return kv.new_cache()
+
     def reset(self) -> None:
-        self.cache = kv.new_cache()
+        self.cache = self.new_cache()
 
     def configure(self, lookahead: LookaheadConfig) -> None:
         pass
@@ -121,14 +124,17 @@ class DynamicRunner:
 
 class ModelRunner(DynamicRunner):
     """DynamicRunner for a model that runs its own prefill and steps (engine/models/: a Llama on
-    the CPU) into the same GrowingCache; commits and truncation are DynamicRunner's. It binds the
-    model's modules as they are when it is made: make it after any change of them (packing.unpack,
-    another attention), as Sessions do."""
+    the CPU) into its own cache (kv.RowsCache); commits and truncation are DynamicRunner's. It
+    binds the model's modules as they are when it is made: make it after any change of them
+    (packing.unpack, another attention), as Sessions do."""
 
     def __init__(self, model, rope_kernel: bool | None = None, gpu: bool = False) -> None:
-        super().__init__(model)
         self.forward = model.bind(rope_kernel, gpu)
+        super().__init__(model)
         self.steps = f"engine/models/{type(model).__name__.lower()}.py"
+
+    def new_cache(self):
+        return self.forward.new_cache()
 
     def prefill(self, tokens: list[int], past: int, ranked: bool = True) -> np.ndarray:
         count = min(len(tokens), PREFILL_TOP_K) if ranked else 1

@@ -6,8 +6,8 @@ layers under the checkpoint's own names, and the prefill and the step written ou
                 q, k, v = q_proj(h), k_proj(h), v_proj(h)  one call where the three are blocks side by
                                                            side (q4.joint_product), else each its own
                 q, k = rope(q, k) at the rows' positions   cos/sin from the model's inv_freq (table())
-                K, V = cache.update(k, v)                  a kv.GrowingCache; with q/k/v in one product,
-                                                           rotated into it in one call (rope_kv)
+                K, V = cache.layers[i].write(k, v)         a kv.RowsCache (new_cache); with q/k/v in one
+                                                           product, rotated into it in one call (rope_kv)
                 x = x + o_proj(attend(q stacked per kv head, K, V, mask tiled per group))
                 h = post_attention_layernorm(x)
                 x = x + down_proj(silu(gate_proj(h)) * up_proj(h))   gate/up: as q/k/v
@@ -263,7 +263,8 @@ class Llama(torch.nn.Module):
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"a Llama scores one sequence (1, S) at a time, not {tuple(input_ids.shape)}")
         tokens = input_ids[0].tolist()
-        return SimpleNamespace(logits=torch.cat(list(self.bind().prefill(tokens, 0, kv.new_cache(), len(tokens))))[None])
+        steps = self.bind()
+        return SimpleNamespace(logits=torch.cat(list(steps.prefill(tokens, 0, steps.new_cache(), len(tokens))))[None])
 
     def bind(self, rope_kernel: bool | None = None, gpu: bool = False) -> Steps:
         """Its prefill and steps over its modules as they are now: bind again after changing them
@@ -338,7 +339,7 @@ def _one_pass_attention(name: str, groups: int):
 
 
 class Steps:
-    """A Llama's prefill and steps into a kv.GrowingCache, its modules' products bound once."""
+    """A Llama's prefill and steps into its kv.RowsCache (new_cache), its modules' products bound once."""
 
     def __init__(self, model: Llama, rope_kernel: bool | None = None, gpu: bool = False) -> None:
         """rope_kernel: rotate with ladechat's kernel (its library loaded, fp32 or bf16, on the CPU)
@@ -404,6 +405,12 @@ class Steps:
         self.rows_alone = self.attend is attention.attend_stacked and all(
             isinstance(module, BlockLinear) for module in (*products, model.lm_head))
 
+    def new_cache(self) -> kv.RowsCache:
+        """An empty cache for these steps: a layer's keys and values per layer, in the model's dtype
+        and on its device."""
+        model = self.model
+        return kv.RowsCache(len(self.layers), self.kv_heads, self.dim, model.dtype, model.device)
+
     def table(self, end: int) -> None:
         """cos/sin for positions 0..end-1 at least: each angle one product of a position and a
         frequency, as transformers' rotary module computes it, the same whatever else is computed."""
@@ -465,23 +472,17 @@ class Steps:
         cos, signed_sin = self.cos[positions], self.signed_sin[positions]  # (S, dim), broadcast over heads
         x = self.embed(ids)  # (S, hidden)
         silu, attend, rope, rope_kv = torch.nn.functional.silu, self.attend, self.rope, self.rope_kv
-        layers = cache.layers
         h = self.first_norm(x)
-        for i, (q_k_v, qkv, o_proj, add_norm2, gate_up, down, add_next_norm) in enumerate(self.layers):
-            layer = layers[i] if i < len(layers) else None
-            if rope_kv is not None and qkv is not None and isinstance(layer, kv.GrowingLayer) \
-                    and layer.keys is not None and layer.keys.dim() == 4:  # a reset layer: update() sets it up
+        for layer, ops in zip(cache.layers, self.layers, strict=True):
+            q_k_v, qkv, o_proj, add_norm2, gate_up, down, add_next_norm = ops
+            if rope_kv is not None and qkv is not None:
                 held, key_buffer, value_buffer = layer.room(size)
                 q = rope_kv(qkv(h), heads, kv_heads, cos, signed_sin, key_buffer, value_buffer, held)
                 keys, values = layer.filled(held + size)
             else:
                 q, k, v = q_k_v(h)
                 q, k = rope(q, k, heads, kv_heads, cos, signed_sin)
-                v = v.view(size, kv_heads, dim).transpose(0, 1)
-                if layer is not None:
-                    keys, values = layer.update(k[None], v[None])
-                else:  # an empty cache (a prompt's first part): the cache makes the layer
-                    keys, values = cache.update(k[None], v[None], i)
+                keys, values = layer.write(k[None], v.view(size, kv_heads, dim).transpose(0, 1)[None])
             if one_pass:
                 out = self.one_pass(q.reshape(1, heads, size, dim), keys, values, mask, self.scale)
                 out = out.reshape(size, heads * dim)
