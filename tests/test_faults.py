@@ -187,21 +187,29 @@ def test_chat_interrupted_before_the_first_token_keeps_the_question(embedded_fp3
     assert [m["role"] for m in app.conversation.messages] == ["user", "assistant"] * 2
 
 
+@pytest.mark.parametrize("reader", ["ladechat", "transformers"])
 @pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"), CPU_OOM])
-def test_out_of_memory_while_loading_is_a_load_error(tmp_path, monkeypatch, error):
+def test_out_of_memory_while_loading_is_a_load_error(tmp_path, monkeypatch, error, reader):
+    """Memory running out while ladechat reads a checkpoint itself (load/checkpoint.py), or while
+    transformers' model (read by from_pretrained: own_forward off, as --compile loads) moves to its
+    device."""
     from test_cli import tiny_model_folder
     from tiny_models import tiny_tokenizer
 
+    from ladechat.engine.load import checkpoint
     from ladechat.engine.load.loading import LoadError, LoadSpec, load
 
     folder = tiny_model_folder(tmp_path, tiny_tokenizer())
 
-    def to(self, *args, **kwargs):
+    def fail(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(torch.nn.Module, "to", to)  # as moving the weights to the device would
+    if reader == "ladechat":
+        monkeypatch.setattr(checkpoint, "read_into", fail)
+    else:
+        monkeypatch.setattr(torch.nn.Module, "to", fail)  # as moving the weights to the device would
     with pytest.raises(LoadError) as info:
-        load(LoadSpec(model=str(folder), dtype="float32", device="cpu"))
+        load(LoadSpec(model=str(folder), dtype="float32", device="cpu", own_forward=reader == "ladechat"))
     message = str(info.value)
     assert message.startswith(f"out of memory loading {folder} on cpu (") and "\n" not in message
     assert message.endswith("try --load-in-4bit, --dtype float16, or --device-map auto to spread it over devices")

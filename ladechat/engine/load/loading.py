@@ -13,7 +13,7 @@ import torch
 
 from ladechat.engine.kernels import int4, native, norms, q4, q6, q8, step_ops
 from ladechat.engine.kernels.attention import use_grouped_sdpa
-from ladechat.engine.load import gguf, head, packing, quantized, requantize
+from ladechat.engine.load import checkpoint, gguf, head, packing, quantized, requantize
 from ladechat.engine.load.gguf import ModelNotFound
 from ladechat.engine.models import llama, transformers_model
 from ladechat.engine.threads import CpuThreads
@@ -246,11 +246,7 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
         kwargs["dtype"] = "auto"
         if not shutil.which(native.COMPILER):  # before reading gigabytes
             raise LoadError(f"--quantize runs on ladechat's CPU kernels, which need a C++ compiler ({native.COMPILER})")
-    build = None
-    if gguf_file is not None and not spec.device_map:  # else transformers' own GGUF load spreads it
-        def build(config):
-            return _from_gguf(Path(source), gguf_file, config, kwargs, device, kernels if to_int4 else None, progress,
-                              blocks_embedding=spec.pack_weights, own_forward=spec.own_forward)
+    build = _builder(spec, source, name, gguf_file, kwargs, device, kernels if to_int4 else None, progress)
     tokenizer, model, applied = _read(spec.model or source, source, name, device, kwargs, build, gguf_file,
                                       _float_weights if spec.quantize else None)
     if attn == "sdpa" and model.config._attn_implementation == "eager":
@@ -280,6 +276,20 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, device=model.device, dtype=model.dtype,
                        eos_ids=eos_ids(model, tokenizer), context_length=cap,
                        notices=tuple(notices), weights=quantized.describe(model), threads=governed)
+
+
+def _builder(spec: LoadSpec, source: str, name: str, gguf_file: Path | None, kwargs: dict, device: torch.device,
+             kernels: Path | None, progress) -> Callable | None:
+    """_read's `build(config)`: ladechat's own reading of a GGUF (but one spread by a device map,
+    which transformers' GGUF load does) or of a checkpoint of a family it runs itself on a CPU
+    (placed and quantized weights aside); None: from_pretrained reads it."""
+    if gguf_file is not None and not spec.device_map:
+        return lambda config: _from_gguf(Path(source), gguf_file, config, kwargs, device, kernels, progress,
+                                         blocks_embedding=spec.pack_weights, own_forward=spec.own_forward)
+    if gguf_file is None and spec.own_forward and device.type == "cpu" and "device_map" not in kwargs \
+            and "quantization_config" not in kwargs:
+        return lambda config: _from_checkpoint(source, config, kwargs, progress, name)
+    return None
 
 
 def _step_kernels(model, blocks: bool, attn: str, kernels: Path, progress, notices: list[str]) -> None:
@@ -393,10 +403,12 @@ def parting_notices(device_type: str, dtype: torch.dtype, four_bit: bool, eight_
 def _read(asked: str, source: str, name: str, device: torch.device, kwargs: dict, build=None,
           gguf_file: Path | None = None, check: Callable | None = None):
     """(tokenizer, model in eval mode on its device, what `build` applied) from `source` (a folder or
-    hub id; `asked`: what the user gave, for messages): built by `build(config)` (_from_gguf: (model,
-    quantized.Applied or None)) where given, else loaded with from_pretrained's `kwargs` (from `gguf_file`
-    by transformers' own GGUF reader, where given)."""
+    hub id; `asked`: what the user gave, for messages): built by `build(config)` (_from_gguf,
+    _from_checkpoint: (model, quantized.Applied or None), or None where it does not build this one)
+    where given, else loaded with from_pretrained's `kwargs` (from `gguf_file` by transformers' own
+    GGUF reader, where given)."""
     from huggingface_hub.errors import StrictDataclassError
+    from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     local = Path(source).is_dir()
@@ -421,8 +433,9 @@ def _read(asked: str, source: str, name: str, device: torch.device, kwargs: dict
     if kwargs.get("attn_implementation") == "sdpa" and not _has_sdpa(config):
         kwargs["attn_implementation"] = "eager"  # load() says so
     try:
-        if build is not None:
-            return tokenizer, *build(config)
+        built = build(config) if build is not None else None
+        if built is not None:
+            return tokenizer, *built
         if gguf_file is not None:
             model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, **kwargs)
         else:
@@ -431,7 +444,7 @@ def _read(asked: str, source: str, name: str, device: torch.device, kwargs: dict
             model = model.to(device)
     except gguf.BadGGUF as exc:
         raise LoadError(str(exc)) from None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, SafetensorError) as exc:  # SafetensorError: a file that does not parse
         raise LoadError(_not_found(asked, exc) if not local else f"cannot load model {name}: {_one_line(exc)}") from None
     except (torch.OutOfMemoryError, MemoryError) as exc:
         raise LoadError(_out_of_memory(name, device, exc)) from None
@@ -455,6 +468,40 @@ def _has_sdpa(config) -> bool:
         return True
 
 
+def _from_checkpoint(source: str, config, kwargs: dict, progress, name: str) -> tuple | None:
+    """(the Llama of a Llama-family checkpoint, its tensors read by name from its safetensors files
+    (checkpoint.py), None) where engine/models/llama.py runs the model and the files hold its
+    tensors by their names; None for any other (from_pretrained reads it, then load() adopts what
+    it can). LoadError where its weights would not fit in the memory available."""
+    folder = _folder(source)
+    if folder is None or getattr(config, "quantization_config", None) is not None \
+            or llama.takes(config, kwargs["attn_implementation"]) is not None:
+        return None
+    found = checkpoint.tensors(folder)
+    if found is None:
+        return None
+    dtype = checkpoint.checkpoint_dtype(found, config) if kwargs["dtype"] == "auto" else kwargs["dtype"]
+    model = llama.Llama.empty(config, dtype, kwargs["attn_implementation"])
+    if checkpoint.misfit(model, found) is not None:
+        return None
+    needed, available = sum(p.numel() for p in model.parameters()) * dtype.itemsize, available_memory()
+    if available is not None and needed > available:
+        raise LoadError(f"not enough memory for {name}: its weights are {_size(needed)} in "
+                        f"{str(dtype).removeprefix('torch.')}, and {_size(available)} is available")
+    checkpoint.read_into(model, found, dtype, progress, name)
+    _generation_config(model, folder)
+    return model, None
+
+
+def _generation_config(model, folder: Path) -> None:
+    """The folder's generation_config.json, as from_pretrained reads it, where it has one (else the
+    one made from the model's config stays)."""
+    from transformers import GenerationConfig
+
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+
+
 def _from_gguf(folder: Path, gguf_file: Path, config, kwargs: dict, device: torch.device, kernels: Path | None,
                progress, blocks_embedding: bool = True, own_forward: bool = False) -> tuple:
     """(the model of `gguf_file`, built from its blocks as they are, in eval mode on `device`;
@@ -463,7 +510,7 @@ def _from_gguf(folder: Path, gguf_file: Path, config, kwargs: dict, device: torc
     layout first (quantized.py, head.py: read from the file once and kept in `folder`); then every other
     tensor is dequantized on its own into the model's dtype on `device` (gguf.read_tensors). No
     dense copy of the weights is made at any point. own_forward: a family ladechat runs itself is
-    built as its own model (engine/models/) where its kernels run, not as transformers'."""
+    built as its own model (engine/models/) on a CPU, not as transformers'."""
     try:
         return _build_from_gguf(folder, gguf_file, config, kwargs, device, kernels, progress, blocks_embedding,
                                 own_forward)
@@ -474,10 +521,10 @@ def _from_gguf(folder: Path, gguf_file: Path, config, kwargs: dict, device: torc
 def _build_from_gguf(folder: Path, gguf_file: Path, config, kwargs: dict, device: torch.device, kernels: Path | None,
                      progress, blocks_embedding: bool, own_forward: bool) -> tuple:
     from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM
 
     dtype = kwargs["dtype"]
-    if own_forward and kernels is not None and device.type == "cpu" \
+    if own_forward and device.type == "cpu" \
             and llama.takes(config, kwargs["attn_implementation"]) is None:
         model = llama.Llama.empty(config, dtype, kwargs["attn_implementation"])
     else:
@@ -511,8 +558,7 @@ def _build_from_gguf(folder: Path, gguf_file: Path, config, kwargs: dict, device
                         + (f" and {len(empty) - 3} more" if len(empty) > 3 else ""))
     if device.type != "cpu":
         model = model.to(device)  # the buffers (rotary tables), made on the CPU
-    if (folder / "generation_config.json").is_file():
-        model.generation_config = GenerationConfig.from_pretrained(folder)
+    _generation_config(model, folder)
     return model.eval(), applied
 
 
@@ -694,17 +740,21 @@ def _quantized(model, quantize: str, name: str, source: str, kernels: Path, dtyp
 
 
 def _checkpoint(source: str) -> tuple[str, str] | None:
-    """A checkpoint's folder and its files as text (the key of its quantized layout, requantize.py):
-    a local folder's, or a hub id's folder in the hub's cache; None where neither is found."""
-    folder = Path(source)
-    if not folder.is_dir():
-        from huggingface_hub import try_to_load_from_cache
+    """A checkpoint's folder and its files as text (the key of its quantized layout, requantize.py);
+    None where its folder is not found."""
+    folder = _folder(source)
+    return None if folder is None else (str(folder.resolve()), str(model_files(folder)))
 
-        found = try_to_load_from_cache(source, "config.json")
-        if not isinstance(found, str):
-            return None
-        folder = Path(found).parent
-    return str(folder.resolve()), str(model_files(folder))
+
+def _folder(source: str) -> Path | None:
+    """A checkpoint's folder: a local one, or a hub id's in the hub's cache; None where neither is found."""
+    folder = Path(source)
+    if folder.is_dir():
+        return folder
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(source, "config.json")
+    return Path(found).parent if isinstance(found, str) else None
 
 
 def honours_tree_mask(model, folder: str | None, attn: str) -> bool:
