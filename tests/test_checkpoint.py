@@ -168,3 +168,31 @@ def test_auto_reads_the_checkpoint_in_its_configs_dtype_else_its_first_floats(tm
     assert checkpoint.checkpoint_dtype(found, config) == torch.bfloat16
     config.dtype = None
     assert checkpoint.checkpoint_dtype(found, config) == torch.float16
+
+
+def mapped_file(tensor: torch.Tensor) -> str | None:
+    """The file the process maps at the tensor's first byte (/proc/self/maps), or None."""
+    address = tensor.data_ptr()
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        start, end = (int(n, 16) for n in fields[0].split("-"))
+        if start <= address < end:
+            return fields[5] if len(fields) > 5 else None
+    return None
+
+
+def test_weights_in_the_files_dtype_are_views_of_the_file_never_written_back(tmp_path):
+    """In the file's dtype a weight is the file's own bytes, mapped (no copy), and a write to it
+    stays in the process; cast to another dtype it is memory of its own."""
+    folder = saved(tmp_path / "v")
+    path = folder / checkpoint.SINGLE
+    before = path.read_bytes()
+    config = reference(folder, torch.float32).config
+    kept_dtype, cast = llama.Llama.empty(config, torch.float32), llama.Llama.empty(config, torch.bfloat16)
+    checkpoint.read_into(kept_dtype, checkpoint.tensors(folder), torch.float32)
+    checkpoint.read_into(cast, checkpoint.tensors(folder), torch.bfloat16)
+    weight = kept_dtype.model.layers[1].mlp.up_proj.weight
+    assert mapped_file(weight) == str(path) and mapped_file(cast.model.layers[1].mlp.up_proj.weight) != str(path)
+    with torch.no_grad():
+        weight.add_(1.0)
+    assert path.read_bytes() == before

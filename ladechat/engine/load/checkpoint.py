@@ -1,15 +1,18 @@
 """A Hugging Face checkpoint's safetensors files read by name into a model ladechat built empty
 (engine/models/), without transformers' from_pretrained: the names in the files are the model's own.
 
-Each tensor is read from its file into memory of its own and cast to the model's dtype before the
-next is read, so a load holds the model once plus one tensor (safetensors' safe_open maps a file
-and copies out of it, kept.py says why not). A checkpoint this reader cannot take whole (.bin
-files, names or shapes that are not the model's, a missing shard) is left to from_pretrained.
+Each weight in the file's dtype is a view of the file, mapped copy-on-write, as from_pretrained
+maps it: no copy is made, a page is read when the weights are first used (packing them for
+oneDNN, or the first step), and the page cache holds it once. A weight cast to another dtype is
+a tensor of its own, made one at a time, so a load holds the model once plus one tensor. A
+checkpoint this reader cannot take whole (.bin files, names or shapes that are not the model's,
+a missing shard) is left to from_pretrained.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -92,27 +95,40 @@ def misfit(model, found: dict[str, Tensor]) -> str | None:
 
 def read_into(model, found: dict[str, Tensor], dtype: torch.dtype,
               progress: Callable[[str], AbstractContextManager] | None = None, name: str = "the model") -> None:
-    """Every parameter of `model` (built empty; misfit() None) read from `found`, cast to `dtype`,
-    one at a time. OSError for a file cut short."""
+    """Every parameter of `model` (built empty; misfit() None) from `found`: a view of its file,
+    mapped copy-on-write (read as the weights are first used, shared with the page cache, never
+    written back), or where it must be cast to `dtype` (or is not aligned for a view) a tensor of
+    its own, made one at a time. OSError for a file cut short."""
     wanted = _wanted(model)
     aliases: dict[int, list[str]] = {}  # a parameter's names: a tied output layer's weight is the embedding's
     for key, param in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(param), []).append(key)
+    maps: dict[Path, mmap.mmap] = {}
     status = progress(f"Reading the weights of {name}") if progress else nullcontext()
     with status, torch.no_grad():
-        for key in sorted(wanted, key=lambda key: (found[key].file, found[key].start)):  # each file front to back
+        for key, param in wanted.items():
             where = found[key]
-            tensor = torch.empty(where.shape, dtype=where.dtype)
-            with open(where.file, "rb") as fh:
-                fh.seek(where.start)
-                if where.size and fh.readinto(memoryview(tensor.reshape(-1).view(torch.uint8).numpy())) != where.size:
-                    raise OSError(f"{where.file.name} is cut short")
+            if where.file not in maps:
+                maps[where.file] = _mapped(where.file)
+            if where.start + where.size > len(maps[where.file]):
+                raise OSError(f"{where.file.name} is cut short")
+            tensor = torch.frombuffer(maps[where.file], dtype=torch.uint8, count=where.size, offset=where.start) \
+                if where.size else torch.empty(0, dtype=torch.uint8)
+            if where.start % where.dtype.itemsize:  # not aligned for a view
+                tensor = tensor.clone()
+            tensor = tensor.view(where.dtype).reshape(where.shape)
             if tensor.is_floating_point() and tensor.dtype != dtype:
                 tensor = tensor.to(dtype)
             param = torch.nn.Parameter(tensor, requires_grad=False)
             for alias in aliases[id(wanted[key])]:
                 parent, _, leaf = alias.rpartition(".")
                 model.get_submodule(parent)._parameters[leaf] = param
+
+
+def _mapped(file: Path) -> mmap.mmap:
+    """The file mapped copy-on-write (the tensors viewing it keep it mapped)."""
+    with open(file, "rb") as fh:
+        return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
 
 
 def _wanted(model) -> dict[str, torch.nn.Parameter]:
