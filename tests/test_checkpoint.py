@@ -2,15 +2,17 @@
 engine/models/llama.py's model (engine/load/checkpoint.py), without transformers' from_pretrained;
 what that reader cannot take whole still loads through from_pretrained."""
 
+import copy
 import json
 import struct
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from tiny_models import COMMON, FAMILIES, tiny_tokenizer
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from ladechat.engine.load import checkpoint, kept, loading
+from ladechat.engine.load import checkpoint, loading
 from ladechat.engine.load.loading import LoadError, LoadSpec, load
 from ladechat.engine.models import llama
 
@@ -80,9 +82,7 @@ def test_a_checkpoint_of_the_family_is_read_by_name_into_the_llama(tmp_path, mon
 def with_tensors(folder, extra: dict[str, torch.Tensor]) -> None:
     """The folder's model.safetensors rewritten with `extra` tensors added."""
     path = folder / checkpoint.SINGLE
-    _, names, get = kept.read(path)
-    tensors = {name: get(name).clone() for name in names}
-    kept.write(path, {**tensors, **extra}, {"format": "pt"})
+    save_file({**load_file(path), **extra}, path, {"format": "pt"})
 
 
 def test_older_checkpoints_rotary_tables_are_not_read(tmp_path, no_from_pretrained):
@@ -118,6 +118,30 @@ def test_what_the_reader_cannot_take_whole_goes_through_from_pretrained(tmp_path
         assert torch.equal(own.model.layers[1].mlp.down_proj.weight, state["model.layers.1.mlp.down_proj.weight"])
 
 
+def test_an_output_layer_of_its_own_under_a_tied_config_is_kept_as_transformers_keeps_it(tmp_path):
+    """A checkpoint whose config ties the output layer to the embedding but whose file holds one of
+    its own (some fine-tunes): from_pretrained keeps the file's where it differs, so the reader
+    leaves it to from_pretrained, and the Llama runs that output layer."""
+    folder = saved(tmp_path / "own-head", "qwen2", tie_word_embeddings=True)
+    with_tensors(folder, {"lm_head.weight": torch.randn(len(tiny_tokenizer()), 64)})
+    theirs = reference(folder, torch.float32)
+    config = copy.deepcopy(theirs.config)
+    assert checkpoint.misfit(llama.Llama.empty(config, torch.float32), checkpoint.tensors(folder)) == \
+        "it has an output layer of its own, though its config ties it to the embedding"
+    own = load(LoadSpec(model=str(folder), dtype="float32", device="cpu", weights="dense")).model
+    assert isinstance(own, llama.Llama)
+    assert torch.equal(own.lm_head.weight, theirs.lm_head.weight)
+    assert (theirs.lm_head.weight is theirs.model.embed_tokens.weight) == \
+        (own.lm_head.weight is own.model.embed_tokens.weight)
+
+
+def test_a_single_file_is_read_before_an_index_as_from_pretrained_reads_it(tmp_path):
+    folder = saved(tmp_path / "both")
+    (folder / checkpoint.INDEX).write_text(json.dumps({"weight_map": {"lm_head.weight": "stale.safetensors"}}))
+    (folder / "stale.safetensors").write_bytes((folder / checkpoint.SINGLE).read_bytes())
+    assert checkpoint.files(folder) == [folder / checkpoint.SINGLE]
+
+
 def test_misfit_names_the_first_tensor_that_does_not_fit(tmp_path):
     folder = saved(tmp_path / "m")
     config = reference(folder, torch.float32).config
@@ -127,15 +151,22 @@ def test_misfit_names_the_first_tensor_that_does_not_fit(tmp_path):
     short = {name: where for name, where in found.items() if name != "model.norm.weight"}
     assert checkpoint.misfit(model, short) == "it has no tensor model.norm.weight"
     name = "model.layers.0.mlp.up_proj.weight"
-    bent = {**found, name: checkpoint.Tensor(found[name].file, found[name].start, torch.float32, (64, 64))}
+    bent = {**found, name: checkpoint.Tensor(found[name].file, torch.float32, (64, 64))}
     assert checkpoint.misfit(model, bent) == f"its {name} is [64, 64], not [128, 64]"
+    whole = {**found, name: checkpoint.Tensor(found[name].file, torch.int32, (128, 64))}
+    assert checkpoint.misfit(model, whole) == f"its {name} is int32"
 
 
-def test_a_checkpoint_cut_short_is_one_line_error(tmp_path, no_from_pretrained):
-    folder = saved(tmp_path / "cut")
+@pytest.mark.parametrize("damage", ["cut short", "a Git LFS pointer"])
+def test_a_file_safetensors_refuses_is_left_to_from_pretrained_and_its_one_line_error(tmp_path, damage):
+    folder = saved(tmp_path / "bad")
     path = folder / checkpoint.SINGLE
-    path.write_bytes(path.read_bytes()[:-100])
-    with pytest.raises(LoadError, match=r"^cannot load model .*cut: model\.safetensors is cut short$"):
+    if damage == "cut short":
+        path.write_bytes(path.read_bytes()[:-100])
+    else:  # what a clone without git-lfs holds
+        path.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0123\nsize 1024\n")
+    assert checkpoint.tensors(folder) is None
+    with pytest.raises(LoadError, match=r"^cannot load model .*bad: [^\n]+$"):
         load(LoadSpec(model=str(folder), device="cpu"))
 
 
@@ -150,13 +181,19 @@ def test_a_checkpoint_the_reader_cannot_parse_is_left_to_from_pretrained_and_its
     assert checkpoint.tensors(folder) is None  # a shard the index names is missing
 
 
-def test_weights_that_would_not_fit_in_memory_are_refused_before_reading(tmp_path, monkeypatch, no_from_pretrained):
-    folder = saved(tmp_path / "big")
+def test_weights_cast_that_would_not_fit_in_memory_are_refused_before_reading(tmp_path, monkeypatch,
+                                                                            no_from_pretrained):
+    """Weights to be cast are copies, counted against the memory available before anything is read;
+    in the file's own dtype they are the file's pages (--quantize reads them so), not counted."""
+    folder = saved(tmp_path / "big", dtype=torch.bfloat16)
     monkeypatch.setattr(loading, "available_memory", lambda: 10_000)
-    monkeypatch.setattr(checkpoint, "read_into", lambda *a, **k: pytest.fail("read"))
-    with pytest.raises(LoadError, match=r"^not enough memory for .*big: its weights are \d+ MiB in float32, "
-                                        r"and 0 MiB is available$"):
-        load(LoadSpec(model=str(folder), dtype="float32", device="cpu"))
+    with monkeypatch.context() as patched:
+        patched.setattr(checkpoint, "read_into", lambda *a, **k: pytest.fail("read"))
+        with pytest.raises(LoadError, match=r"^not enough memory for .*big: its weights are \d+ MiB in float32, "
+                                            r"and 0 MiB is available$"):
+            load(LoadSpec(model=str(folder), dtype="float32", device="cpu"))
+    assert isinstance(load(LoadSpec(model=str(folder), dtype="bfloat16", device="cpu", weights="dense")).model,
+                      llama.Llama)
 
 
 def test_auto_reads_the_checkpoint_in_its_configs_dtype_else_its_first_floats(tmp_path):
@@ -173,7 +210,9 @@ def test_auto_reads_the_checkpoint_in_its_configs_dtype_else_its_first_floats(tm
 def mapped_file(tensor: torch.Tensor) -> str | None:
     """The file the process maps at the tensor's first byte (/proc/self/maps), or None."""
     address = tensor.data_ptr()
-    for line in open("/proc/self/maps"):
+    with open("/proc/self/maps") as maps:
+        lines = maps.read().splitlines()
+    for line in lines:
         fields = line.split()
         start, end = (int(n, 16) for n in fields[0].split("-"))
         if start <= address < end:
@@ -196,3 +235,15 @@ def test_weights_in_the_files_dtype_are_views_of_the_file_never_written_back(tmp
     with torch.no_grad():
         weight.add_(1.0)
     assert path.read_bytes() == before
+
+
+def test_on_hf_mount_the_files_are_read_not_mapped(tmp_path, monkeypatch):
+    """Where transformers reads a file into memory rather than mapping it (hf-mount's FUSE
+    filesystem: a mapping deadlocks under parallel page faults), so does the reader."""
+    from transformers import modeling_utils
+
+    folder = saved(tmp_path / "mounted")
+    monkeypatch.setattr(modeling_utils, "_is_on_hf_mount", lambda path: True)
+    model = llama.Llama.empty(reference(folder, torch.float32).config, torch.float32)
+    checkpoint.read_into(model, checkpoint.tensors(folder), torch.float32)
+    assert mapped_file(model.model.layers[0].self_attn.q_proj.weight) != str(folder / checkpoint.SINGLE)

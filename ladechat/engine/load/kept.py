@@ -60,30 +60,21 @@ def weights_memory(size: int) -> torch.Tensor:
     return memory
 
 
-def header(fh) -> tuple[int, dict[str, str], dict[str, dict]]:
-    """(where the data starts, metadata, {tensor name: its dtype, shape and data_offsets}) of the
-    safetensors file open in `fh`, read from its start. ValueError for a header that does not parse."""
-    size = int.from_bytes(fh.read(8), "little")
-    entries = json.loads(fh.read(size))
-    if not isinstance(entries, dict):
-        raise ValueError("its header is not a JSON object")  # noqa: TRY004 (a malformed file, as json says)
-    metadata = entries.pop("__metadata__", {}) or {}
-    return 8 + size, metadata, entries
-
-
 def read(path: Path) -> tuple[dict[str, str], list[str], Callable[[str], torch.Tensor]]:
     """(metadata, tensor names, get(name) -> the tensor). The file's data is read whole into one
     allocation (weights_memory) and every tensor is a view of it: one read, no copy. OSError or
     ValueError for a file that is not whole."""
     with open(path, "rb") as fh:
-        _, metadata, entries = header(fh)
-        end = max((entry["data_offsets"][1] for entry in entries.values()), default=0)
+        size = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(size))
+        metadata = header.pop("__metadata__", {}) or {}
+        end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
         whole = weights_memory(end)
         if fh.readinto(memoryview(whole.numpy())) != end:
             raise OSError(f"{Path(path).name} is cut short")
 
     def get(name: str) -> torch.Tensor:
-        entry = entries[name]
+        entry = header[name]
         begin, stop = entry["data_offsets"]
         dtype = DTYPES[entry["dtype"]]
         part = whole[begin:stop]
@@ -91,7 +82,7 @@ def read(path: Path) -> tuple[dict[str, str], list[str], Callable[[str], torch.T
             part = part.clone()
         return part.view(dtype).reshape(entry["shape"])
 
-    return metadata, list(entries), get
+    return metadata, list(header), get
 
 
 def whole(path: Path) -> bool:

@@ -472,7 +472,7 @@ def _from_checkpoint(source: str, config, kwargs: dict, progress, name: str) -> 
     """(the Llama of a Llama-family checkpoint, its tensors read by name from its safetensors files
     (checkpoint.py), None) where engine/models/llama.py runs the model and the files hold its
     tensors by their names; None for any other (from_pretrained reads it, then load() adopts what
-    it can). LoadError where its weights would not fit in the memory available."""
+    it can). LoadError where the weights it must cast would not fit in the memory available."""
     folder = _folder(source)
     if folder is None or getattr(config, "quantization_config", None) is not None \
             or llama.takes(config, kwargs["attn_implementation"]) is not None:
@@ -484,11 +484,13 @@ def _from_checkpoint(source: str, config, kwargs: dict, progress, name: str) -> 
     model = llama.Llama.empty(config, dtype, kwargs["attn_implementation"])
     if checkpoint.misfit(model, found) is not None:
         return None
-    needed, available = sum(p.numel() for p in model.parameters()) * dtype.itemsize, available_memory()
+    # the weights cast to another dtype are copies; the rest stay the file's pages (the page cache's)
+    needed, available = checkpoint.copied_bytes(model, found, dtype), available_memory()
     if available is not None and needed > available:
         raise LoadError(f"not enough memory for {name}: its weights are {_size(needed)} in "
                         f"{str(dtype).removeprefix('torch.')}, and {_size(available)} is available")
     checkpoint.read_into(model, found, dtype, progress, name)
+    config.dtype = dtype  # as from_pretrained records it
     _generation_config(model, folder)
     return model, None
 
