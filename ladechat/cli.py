@@ -620,15 +620,20 @@ def bench_step_cost(model: Model = None,
                     reps: Annotated[int, typer.Option("--reps", help="Timed steps per size (median).")] = 10,
                     compile: Compile = False, dtype: Dtype = "auto", device: Device = "auto", attn: Attn = "sdpa",
                     as_json: BenchJson = False,
-                    weights: Annotated[Optional[str], typer.Option("--weights", help="Linear weights, as for the chat (auto, dense, packed, int4); default: the chat's own (auto), dense with --compile.")] = None) -> None:
+                    weights: Annotated[Optional[str], typer.Option("--weights", help="Linear weights, as for the chat (auto, dense, packed, int4); default: the chat's own (auto), dense with --compile.")] = None,
+                    show: Annotated[bool, typer.Option("--show", help="Print the step costs the chat plans with for --model on this machine (measured once, lowered by real steps), measuring nothing.")] = False,
+                    reset: Annotated[bool, typer.Option("--reset", help="Forget the step costs kept for --model on this machine: its next chat measures them afresh.")] = False) -> None:
     """What one decoding step costs as it feeds more tokens (exact-size steps through the model's
     forward and, for the Llama family, engine/models/llama.py, on a GPU too; fixed-shape and --compile'd
-    ones), next to HF generate's time per token."""
+    ones), next to HF generate's time per token. --show / --reset: the costs the chat keeps."""
     from ladechat.bench import steps
     from ladechat.engine.load.loading import bench_weights, resolve_device, resolve_dtype
     from ladechat.ui.report import step_cost_table
 
     err = stderr_console()
+    if show or reset:
+        _kept_step_costs(model, dtype, device, attn, weights, show, reset, as_json, err)
+        return
     size_list = steps.parse_sizes(sizes)
     if context < 1 or reps < 1:
         raise Fail(f"--context and --reps must be >= 1, got {context} and {reps}")
@@ -654,6 +659,44 @@ def bench_step_cost(model: Model = None,
         print(json.dumps(result, indent=2))
     else:
         stdout_console().print(step_cost_table(result))
+
+
+def _kept_step_costs(model: str | None, dtype: str, device: str, attn: str, weights: str | None, show: bool,
+                     reset: bool, as_json: bool, err: Console) -> None:
+    """`bench step-cost --show/--reset`: the step costs a chat on this model plans with, loaded as the
+    chat loads it (they are kept per model, device, dtype and weight layout)."""
+    from ladechat.engine import cost_envelope
+    from ladechat.ui.report import kept_costs_table
+
+    if show and reset:
+        raise Fail("give --show or --reset, not both")
+    quiet_libraries()
+    loaded = _load_here({"model": model, "dtype": dtype, "device": device, "attn": attn, "weights": weights or "auto"}, err)
+    if loaded.device.type != "cpu":
+        raise Fail(f"on {loaded.device.type} every lookahead step is a full one: no step costs are kept there")
+    if reset:
+        removed = cost_envelope.forget(loaded)
+        err.print(f"forgot the step costs kept for {escape(loaded.name)}: its next chat measures them"
+                  if removed else f"no step costs were kept for {escape(loaded.name)} on this machine",
+                  highlight=False, soft_wrap=True)
+        from ladechat.keepalive.client import servers
+
+        if servers(_runtime_root()):  # one of this model would save what it holds in memory again
+            err.print("notice: a model kept loaded ('ladechat ps') keeps the costs it learned until 'ladechat stop'",
+                      highlight=False, soft_wrap=True)
+        return
+    kept = cost_envelope.kept_costs(loaded)
+    if kept is None:
+        if as_json:
+            print(json.dumps({"model": loaded.name, "measured": False, "sizes": []}, indent=2))
+        err.print(f"no step costs kept for {escape(loaded.name)} on this machine yet: its first chat measures them",
+                  highlight=False, soft_wrap=True)
+        return
+    rows = kept.summary()
+    if as_json:
+        print(json.dumps({"model": loaded.name, "measured": True, "sizes": rows}, indent=2))
+    else:
+        stdout_console().print(kept_costs_table(loaded.name, rows))
 
 
 def _old_bench_form(args: list[str]) -> str | None:

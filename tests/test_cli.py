@@ -293,6 +293,34 @@ def test_step_cost_bench_on_a_random_model():
         assert set(curve) == {"1", "8", "16"} and all(t > 0 for t in curve.values())
 
 
+def test_step_cost_kept_for_a_model_is_shown_and_reset(tmp_path):
+    """`bench step-cost --show` prints what the chat plans with (nothing before its first use),
+    --reset forgets it so the next use measures afresh."""
+    from tiny_models import tiny_tokenizer
+
+    folder = str(tiny_model_folder(tmp_path / "model", tiny_tokenizer()))
+    model = ("--model", folder, "--dtype", "float32")
+    r = ladechat("bench", "step-cost", "--show", *model)
+    assert r.returncode == 0 and r.stdout == b""
+    assert "no step costs kept for" in r.stderr.decode() and "its first chat measures them" in r.stderr.decode()
+    assert ladechat("ask", *model, "--max-new-tokens", "8", "Hello").returncode == 0  # measures the curves
+    r = ladechat("bench", "step-cost", "--show", "--json", *model)
+    assert r.returncode == 0, r.stderr.decode()
+    shown = json.loads(r.stdout)
+    assert shown["measured"] and shown["sizes"][0]["size"] == 1
+    for row in shown["sizes"]:
+        assert 0 < row["could_s"] <= row["kept_s"] <= row["measured_s"] and isinstance(row["in_doubt"], bool)
+    table = ladechat("bench", "step-cost", "--show", *model).stdout.decode()
+    assert "step costs kept" in table and "planned ms" in table
+    r = ladechat("bench", "step-cost", "--reset", *model)
+    assert r.returncode == 0 and r.stderr.decode() == f"forgot the step costs kept for {folder}: its next chat measures them\n"
+    again = ladechat("bench", "step-cost", "--show", *model)
+    assert again.returncode == 0 and again.stderr.decode() == (
+        f"no step costs kept for {folder} on this machine yet: its first chat measures them\n")
+    r = ladechat("bench", "step-cost", "--show", "--reset", *model)
+    assert r.returncode == 1 and r.stderr.decode() == "ladechat: error: give --show or --reset, not both\n"
+
+
 def test_ask_compiled_gives_the_same_tokens(tmp_path, embedded_fp32):
     """--compile (static cache, fixed-shape steps, torch.compile, the Linear weights as loaded)
     answers token for token like the default runner (on packed weights). A small random Llama with

@@ -5,6 +5,7 @@ known cost per step, so what the envelope learns does not depend on this machine
 
 import json
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -91,18 +92,89 @@ def test_a_busy_measurement_converges_to_the_quiet_curve_within_two_conversation
     session = Session(model, LA, step_cost=envelope, clock=model.clock)
     fed = converse(session, base, prompts(1, 2))
     learned = at_reference(envelope)
-    # every measured size up to the widest step these drafts could fill was probed (and the widest
-    # then tried, the last probe, ran as wide as its draft went)
-    assert {size for size in SIZES if size <= max(fed)} <= set(fed)
-    assert envelope.observed == {size for size in SIZES if size <= max_step_size(LA)}
+    # every measured size the drafts filled often was probed and is now at the quiet machine's cost;
+    # the wider ones the few wide steps reached are bounded by them, no size they reached in doubt
     for size in SIZES:
         want, was = QUIET.cost(size, CONTEXTS[0]), BUSY.cost(size, CONTEXTS[0])
-        if size <= max(fed):
+        if size <= 16:
+            assert size in fed
             assert want * (1 - 1e-9) <= learned[size] <= want * 1.02, (size, learned[size], want)
-        else:  # no step was that wide: no evidence
-            assert learned[size] == pytest.approx(was)
+        elif size <= max(fed):
+            assert want * (1 - 1e-9) <= learned[size] <= want / cost_envelope.DISAGREE, (size, learned[size], want)
+            assert not envelope.doubts(size)
+        else:  # no step was that wide: no evidence of its own, only the doubt the narrower ones cast
+            assert learned[size] == pytest.approx(was) and envelope.doubts(size)
     # ...and the cost after a long conversation follows the measured growth with the cache
     assert envelope.cost(8, CONTEXTS[1]) == pytest.approx(learned[8] * LONG)
+
+
+# Issue #62, the real Qwen2.5-Coder-1.5B Q4_K_M on a 2-core Zen 4 (ms at 192 cached tokens): the curve
+# its first use measured while a test suite kept both cores busy, which planned small steps for good
+# (every size had been observed, none was probed again), and the same curve from an empty cache on
+# the quiet machine.
+LOADED_MS = {1: 28, 2: 32, 4: 287, 8: 565, 12: 802}
+QUIET_15_MS = {1: 28, 2: 32, 4: 39, 8: 73, 12: 102, 16: 132}
+LOADED, QUIET_15 = cost_model(LOADED_MS), cost_model(QUIET_15_MS)
+
+
+def fed(session: Session, prompt: list[int], max_new: int = 120) -> list[int]:
+    """The rows each step of the answer to `prompt` fed."""
+    session.reset()
+    return [e.fed for e in list(generate(session, prompt, SamplingConfig(max_new_tokens=max_new), frozenset()))[:-1]]
+
+
+def test_a_curve_learned_under_load_converges_on_a_quiet_machine_whatever_was_observed(tmp_path):
+    """The issue's case: an envelope saved under load (the old file: every size observed) read back
+    by a chat on the quiet machine. Within the first answer the wide sizes are probed and priced at
+    exactly what the quiet machine's steps cost (never below: the planner never buys rows for less
+    than they cost, so it is never slower than its plain steps), and the next chat, from the saved
+    lesson, plans every step as a chat that knew the quiet curve would."""
+    path = tmp_path / "envelope.json"
+    path.write_text(json.dumps({"best": {str(k): v / 1000 for k, v in LOADED_MS.items()}, "observed": [1, 2, 4, 8, 12]}))
+    envelope = CostEnvelope.load(LOADED, path)
+    assert [row["size"] for row in envelope.summary() if row["in_doubt"]] == [4]  # 4 rows dearer than two steps of 2
+    base = tiny_model("llama")
+    quiet = TimedModel(base, QUIET_15)
+    converse(Session(quiet, LA, step_cost=envelope, clock=quiet.clock), base, prompts(1, 1))
+    # the quiet curve measured where the loaded one was (past 12 rows both extrapolate from 12)
+    knew = cost_model({size: ms for size, ms in QUIET_15_MS.items() if size in LOADED_MS})
+    assert at_reference(envelope) == pytest.approx(at_reference(CostEnvelope(knew)), rel=1e-9)
+    assert not envelope.in_doubt
+    envelope.persist()
+    again = CostEnvelope.load(LOADED, path)
+    assert at_reference(again) == pytest.approx(at_reference(envelope)) and not again.in_doubt
+    for prompt in prompts(6, 3):
+        timed = TimedModel(base, QUIET_15)
+        learned = fed(Session(timed, LA, step_cost=again, clock=timed.clock), prompt)
+        assert learned == fed(Session(TimedModel(base, QUIET_15), LA, step_cost=knew), prompt)
+        assert max(fed(Session(TimedModel(base, QUIET_15), LA, step_cost=LOADED), prompt)) < max(learned)
+
+
+def test_a_machine_that_stays_busy_is_probed_ever_more_rarely():
+    """When the loaded curve is the truth (the machine stays that busy), only the doubted size is
+    probed, each time WAIT_GROWTH times later, then every MAX_WAIT steps; the kept curve is unchanged."""
+    envelope = CostEnvelope(LOADED)
+    probes = []
+    for step in range(3000):
+        probe = envelope.probe_size(largest=16)
+        size = probe or 2
+        envelope.observe(size, CONTEXTS[0], LOADED.cost(size, CONTEXTS[0]), probe)
+        if probe:
+            probes.append((step, probe))
+    assert {size for _, size in probes} == {4}
+    gaps = [b - a for (a, _), (b, _) in zip(probes, probes[1:])]
+    grow, cap = cost_envelope.WAIT_GROWTH, cost_envelope.MAX_WAIT
+    want = [cost_envelope.PROBE_EVERY * grow ** k for k in range(1, 10)]
+    want = [min(cap, gap) for gap in want]
+    assert probes[0][0] == cost_envelope.PROBE_EVERY and gaps == want[: len(gaps)] + [cap] * (len(gaps) - len(want))
+    assert len(probes) <= 3000 // cap + 5
+    assert at_reference(envelope) == pytest.approx(at_reference(CostEnvelope(LOADED)))
+    # ...and once the machine is quiet, the next probe (at most MAX_WAIT steps on) corrects it
+    for _ in range(cap + cost_envelope.PROBE_EVERY):
+        probe = envelope.probe_size(largest=16)
+        size = probe or 2
+        envelope.observe(size, CONTEXTS[0], QUIET_15.cost(size, CONTEXTS[0]), probe)
+    assert at_reference(envelope)[4] == pytest.approx(QUIET_15.cost(4, CONTEXTS[0]))
 
 
 def test_a_quiet_measurement_is_never_probed_nor_changed():
@@ -151,13 +223,16 @@ def test_probes_come_every_few_steps_while_in_doubt_and_widen():
         envelope.observe(probe or 1, CONTEXTS[0], QUIET.cost(probe or 1, CONTEXTS[0]), probe)
     every = cost_envelope.PROBE_EVERY
     probes = [(i, s) for i, s in enumerate(sizes) if s > 1]
-    assert [s for _, s in probes] == [2, 4, 8, 12, 16]  # each untried measured size once, up to the largest step
+    assert [s for _, s in probes] == [2, 4, 8, 12, 16]  # each doubted measured size once, up to the largest step
     assert envelope.probe_size(largest=64) is None  # the next is not due yet
     for _ in range(every):
         envelope.observe(1, CONTEXTS[0], QUIET.cost(1, CONTEXTS[0]))
     assert envelope.probe_size(largest=64) == 24  # the wider ones too, where a step can be wider
     envelope.observe(9, CONTEXTS[0], 1.0, probe=24)  # a probe the draft could fill only to 9 rows
-    assert 24 in envelope.observed and envelope.probe_size(largest=64) is None  # ...counts as tried
+    assert envelope.doubts(24)  # ...leaves 24 in doubt, waiting longer before its next probe
+    for _ in range(every):
+        envelope.observe(1, CONTEXTS[0], QUIET.cost(1, CONTEXTS[0]))
+    assert envelope.probe_size(largest=64) == 32
     assert [i for i, _ in probes] == [every + k * (every + 1) for k in range(5)]
 
 
@@ -167,12 +242,22 @@ def test_what_was_learned_is_saved_and_read_back(tmp_path):
     envelope.observe(4, CONTEXTS[0], 0.097)
     envelope.persist()
     saved = json.loads(path.read_text())
-    assert saved["observed"] == [4] and saved["best"]["1"] == pytest.approx(0.097)
+    assert saved["best"]["1"] == pytest.approx(0.097) and saved["basis"]["4"] == pytest.approx(0.097)
     again = CostEnvelope.load(BUSY, path)
-    assert at_reference(again) == at_reference(envelope) and again.observed == {4}
+    assert at_reference(again) == at_reference(envelope) and again.basis == envelope.basis
+    # a size's wait is kept across chats: a doubted size probed in vain waits on in the next chat
+    for _ in range(cost_envelope.PROBE_EVERY):
+        again.observe(1, CONTEXTS[0], 0.097)
+    probe = again.probe_size(largest=64)
+    again.observe(probe, CONTEXTS[0], BUSY.cost(probe, CONTEXTS[0]), probe)
+    again.persist()
+    third = CostEnvelope.load(BUSY, path)
+    waited = cost_envelope.PROBE_EVERY * cost_envelope.WAIT_GROWTH
+    assert third.summary()[SIZES.index(probe)]["probe_in"] == waited - 1 and third.wait[probe] == waited  # the probe was one
     # a corrupt file is a fresh start, an unwritable folder loses only the lesson
-    path.write_text("{not json")
-    assert at_reference(CostEnvelope.load(BUSY, path)) == at_reference(CostEnvelope(BUSY))
+    for corrupt in ("{not json", '{"best": {"1": -1.0}}', '{"best": {"1": NaN}}', '{"best": [1]}'):
+        path.write_text(corrupt)
+        assert at_reference(CostEnvelope.load(BUSY, path)) == at_reference(CostEnvelope(BUSY))
     blocked = tmp_path / "file"
     blocked.write_text("")
     stuck = CostEnvelope.load(BUSY, blocked / "envelope.json")
@@ -193,7 +278,7 @@ def test_the_loaded_model_plans_with_a_saved_envelope(tmp_path, monkeypatch):
     first.observe(widest, CONTEXTS[0], 1e-9, probe=widest)  # implausibly fast: every size is lowered to it
     first.persist()
     second = learned_cost_model(model, "tiny-llama")
-    assert second.cost(1, CONTEXTS[0]) == pytest.approx(1e-9) and second.observed == {widest}
+    assert second.cost(1, CONTEXTS[0]) == pytest.approx(1e-9) and second.basis[widest] == pytest.approx(1e-9)
 
 
 def test_the_first_use_measures_the_step_costs_under_a_progress_message(tmp_path, monkeypatch):

@@ -1,9 +1,10 @@
 """The step-cost model the planner uses: the measured curve, lowered by what steps really cost.
 
 The curve (step_cost.py) is measured once, at a model's first use on a machine. If the machine was
-busy then (another build, a browser), the curve is too high, and not uniformly: wide steps
-suffer more than a one-row step, so its shape overprices them, and the planner sizes every later
-step from it: smaller drafts, fewer tokens per step, for good.
+busy then (another build, a test suite), the curve is too high, and not uniformly: wide steps can
+suffer many times more than a one-row step (a thread waiting at every barrier for a busy core), so
+its shape overprices them, and the planner sizes every later step from it: smaller drafts, fewer
+tokens per step, for good.
 
 So every step the engine runs is also a measurement. The envelope keeps, per measured size, the
 lowest cost seen (a machine is never faster than it can be, so the lowest time is the truest), and
@@ -12,28 +13,39 @@ seconds says every size up to s costs at most t. Costs are compared at one refer
 (the curve's shortest), scaled by the measured curves' own growth with the cache.
 
 Steps the planner never chooses are never observed, and a curve that overprices wide steps keeps
-the planner from choosing them. So when the evidence disagrees with the measurement (some size ran
-at least DISAGREE cheaper than measured), the envelope asks for a probe every PROBE_EVERY steps: a
-step of the smallest measured size that no step has had yet (still a real, verified step: it only
-feeds more or fewer of the likeliest draft nodes). A quiet machine's curve is confirmed by the steps it
-already takes and is never probed.
+the planner from choosing them. Two kinds of evidence put a size's cost in doubt (what it could
+cost, could_cost(), is clearly, DISAGREE, below what it is kept at):
+- the one-row step has become cheaper since the size last ran or was measured (a busy spell then):
+  it could cost its kept cost scaled by the one-row step's fall;
+- it costs more than two narrower steps together (a step of a+b rows could always run as a step
+  of a and one of b): a shape no quiet machine has, so it was measured or observed under load.
+A size in doubt is probed: a real, verified step of that many rows (the likeliest draft nodes
+first), at most every PROBE_EVERY steps, the smallest doubted size first. A probe that leaves its
+size in doubt (the machine is still busy, or it really costs that) makes that size wait
+WAIT_GROWTH times longer before the next, up to MAX_WAIT steps, so a curve that is right costs ever fewer probes and one that was
+wrong is corrected as soon as the machine is quiet. A quiet machine's curve is never in doubt and
+never probed.
 
-What the envelope learned is saved beside the measured curves (persist()), so the next chat starts
-from it: a curve measured under load converges to the quiet one within a conversation or two
-(tests/test_cost_envelope.py), and a quiet one is left as it is.
+What the envelope learned, and each size's wait, is saved beside the measured curves (persist()),
+so the next chat starts from it: a curve measured under load converges to the quiet one within an
+answer or two of a quiet machine (tests/test_cost_envelope.py), and a quiet one is left as it is.
+`ladechat bench step-cost --show` prints it; `--reset` forgets it (and the measured curves).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ladechat.engine.step_cost import CONTEXTS, CostModel, cache_path, cached_cost_model
+from ladechat.engine.step_cost import CONTEXTS, CostModel, cache_path, cached_cost_model, curve_paths, curves_cached
 
-DISAGREE = 0.85  # some size ran this much cheaper than measured: the measurement was disturbed
-PROBE_EVERY = 8  # steps between probes while the measurement is in doubt
+DISAGREE = 0.85  # a size that could cost this much less than it is kept at is in doubt
+PROBE_EVERY = 8  # steps between probes, and a doubted size's first wait
+WAIT_GROWTH = 4  # a probe that leaves its size in doubt makes it wait this much longer
+MAX_WAIT = 512  # the longest a doubted size waits between probes (steps)
 
 
 @dataclass
@@ -45,7 +57,10 @@ class CostEnvelope:
     measured: CostModel
     path: Path | None = None
     best: dict[int, float] = field(default_factory=dict)  # size -> lowest seconds seen, at the reference cache length
-    observed: set[int] = field(default_factory=set)  # the measured sizes that some step had
+    basis: dict[int, float] = field(default_factory=dict)  # size -> the one-row cost when it last ran (or was measured)
+    wait: dict[int, int] = field(default_factory=dict)  # size -> steps it last had to wait for its probe
+    due: dict[int, int] = field(default_factory=dict)  # size -> the step count from which it may be probed
+    steps: int = 0  # steps observed
     since_probe: int = 0  # steps observed since the last probe
     _model: CostModel | None = field(default=None, repr=False)  # the curves as lowered, rebuilt on change
     _saved: tuple = field(default=(), repr=False)
@@ -53,18 +68,27 @@ class CostEnvelope:
     def __post_init__(self) -> None:
         ref = self.measured.curves[self.reference]
         self.best = {size: min(ref[size], self.best.get(size, ref[size])) for size in ref}
+        one = ref[min(ref)]
+        self.basis = {size: self.basis.get(size, one) for size in ref}
+        self.wait = {size: min(MAX_WAIT, max(PROBE_EVERY, self.wait.get(size, PROBE_EVERY))) for size in ref}
+        self.due = {size: self.due.get(size, 0) for size in ref}
         self._model = None
         self._saved = self._state()
 
     @classmethod
     def load(cls, measured: CostModel, path: Path | None) -> CostEnvelope:
         """The envelope saved at `path` over these measured curves (a fresh one if none is saved or
-        it does not read)."""
+        it does not read; one saved before waits were kept starts them afresh)."""
         if path is not None:
             try:
                 saved = json.loads(path.read_text())
                 best = {int(size): float(seconds) for size, seconds in saved["best"].items()}
-                return cls(measured, path, best=best, observed={int(size) for size in saved["observed"]})
+                basis = {int(size): float(seconds) for size, seconds in saved.get("basis", {}).items()}
+                wait = {int(size): int(steps) for size, steps in saved.get("wait", {}).items()}
+                due = {int(size): int(steps) for size, steps in saved.get("due_in", {}).items()}
+                if not all(math.isfinite(v) and v > 0 for v in [*best.values(), *basis.values()]):
+                    raise ValueError("not a cost")
+                return cls(measured, path, best=best, basis=basis, wait=wait, due=due)
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 pass
         return cls(measured, path)
@@ -72,6 +96,11 @@ class CostEnvelope:
     @property
     def reference(self) -> int:
         return min(self.measured.curves)
+
+    @property
+    def one_row(self) -> int:
+        """The narrowest measured size (a one-row step)."""
+        return min(self.best)
 
     def _at_reference(self, size: int, cached: int) -> float:
         """How much cheaper or dearer the measured curves make a step at `cached` than at the
@@ -88,32 +117,80 @@ class CostEnvelope:
     def observe(self, size: int, cached: int, seconds: float, probe: int | None = None) -> None:
         """A step of `size` rows after `cached` cached tokens took `seconds`. probe: the size it was
         planned to probe (probe_size()), if it was a probe; it may have had fewer rows when the
-        draft had fewer nodes, and that size is not probed again."""
+        draft had fewer nodes: that size then waits as after any probe that left it in doubt."""
         at_reference = seconds * self._at_reference(size, cached)
+        lowered = set()
         for measured_size, best in self.best.items():
             if measured_size <= size and at_reference < best:
                 self.best[measured_size] = at_reference
+                lowered.add(measured_size)
                 self._model = None
-        self.observed.update({size, probe} & self.best.keys())
-        self.since_probe = 0 if probe is not None else self.since_probe + 1
+        one = self.best[self.one_row]
+        for measured_size in lowered | ({size} & self.best.keys()):
+            self.basis[measured_size] = one  # ran (or was bettered) at today's one-row cost
+        for measured_size in lowered:  # new evidence: a doubt that remains is a new one
+            self.wait[measured_size], self.due[measured_size] = PROBE_EVERY, self.steps
+        if probe is not None and probe in self.best:
+            self.since_probe = -1
+            if self.doubts(probe):  # still busy, or it really costs that: wait longer next time
+                self.wait[probe] = min(MAX_WAIT, WAIT_GROWTH * self.wait[probe])
+                self.due[probe] = self.steps + self.wait[probe]
+            else:
+                self.wait[probe] = PROBE_EVERY
+        self.steps += 1
+        self.since_probe += 1
+
+    def could_cost(self) -> dict[int, float]:
+        """Per measured size, the least the evidence allows it to cost at the reference cache
+        length: its kept cost scaled by the one-row step's fall since it last ran, and no more than
+        two narrower sizes together (see the module's docstring)."""
+        one, best = self.best[self.one_row], self.best
+        could: dict[int, float] = {}
+        for size in sorted(best):
+            least = best[size] * min(1.0, one / self.basis[size])
+            for part in could:  # kept costs, not what they could be: a doubt rests on evidence
+                if size - part in best:
+                    least = min(least, best[part] + best[size - part])
+            could[size] = least
+        return could
+
+    def doubts(self, size: int, could: dict[int, float] | None = None) -> bool:
+        """Whether `size` could cost clearly less than it is kept at."""
+        could = self.could_cost() if could is None else could
+        return could[size] < DISAGREE * self.best[size]
 
     @property
     def in_doubt(self) -> bool:
-        """Some size ran clearly cheaper than it was measured: the measurement was disturbed."""
-        ref = self.measured.curves[self.reference]
-        return any(self.best[size] < DISAGREE * ref[size] for size in ref)
+        """Some size could cost clearly less than it is kept at."""
+        could = self.could_cost()
+        return any(self.doubts(size, could) for size in self.best)
 
     def probe_size(self, largest: int) -> int | None:
-        """The size of step to run now to test the measurement further, None if none is due: the
-        smallest measured size no step has had, up to `largest` (the most rows a step can have),
-        every PROBE_EVERY steps while the measurement is in doubt."""
-        if self.since_probe < PROBE_EVERY or not self.in_doubt:
+        """The size of step to run now to test a doubted cost, None if none is due: the smallest
+        size in doubt whose wait is over, up to `largest` (the most rows a step can have), at most
+        every PROBE_EVERY steps."""
+        if self.since_probe < PROBE_EVERY:
             return None
-        untried = [size for size in sorted(self.best) if size not in self.observed and size <= largest]
-        return untried[0] if untried else None
+        could = self.could_cost()
+        due = [size for size in sorted(self.best)
+               if 1 < size <= largest and self.due[size] <= self.steps and self.doubts(size, could)]
+        return due[0] if due else None
+
+    def summary(self) -> list[dict]:
+        """Per measured size, for a person: measured and kept seconds (reference cache length), what
+        it could cost, whether it is in doubt, and in how many steps it may be probed next."""
+        ref = self.measured.curves[self.reference]
+        could = self.could_cost()
+        return [{"size": size, "measured_s": ref[size], "kept_s": self.best[size], "could_s": could[size],
+                 "in_doubt": self.doubts(size, could), "probe_in": max(0, self.due[size] - self.steps)}
+                for size in sorted(self.best)]
 
     def _state(self) -> tuple:
-        return tuple(sorted(self.best.items())), tuple(sorted(self.observed))
+        return (tuple(sorted(self.best.items())), tuple(sorted(self.basis.items())),
+                tuple(sorted(self.wait.items())), tuple(sorted(self._due_in().items())))
+
+    def _due_in(self) -> dict[int, int]:
+        return {size: max(0, due - self.steps) for size, due in self.due.items()}
 
     def persist(self) -> None:
         """Save what was learned, if anything, for the next session on this machine (an unwritable
@@ -123,18 +200,44 @@ class CostEnvelope:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             temporary = self.path.with_suffix(f".{os.getpid()}.tmp")
-            temporary.write_text(json.dumps({"best": self.best, "observed": sorted(self.observed)}))
+            temporary.write_text(json.dumps({"best": self.best, "basis": self.basis, "wait": self.wait,
+                                             "due_in": self._due_in()}))
             temporary.replace(self.path)  # a concurrent reader sees the old file or the new, whole
         except OSError:
             return
         self._saved = self._state()
 
 
+def envelope_path(model, name: str, threads: int | None = None) -> Path:
+    """Where the envelope over this model's measured curves is saved."""
+    return cache_path(model, name, "envelope", list(CONTEXTS), threads=threads)
+
+
 def learned_cost_model(model, name: str, threads: int | None = None) -> CostEnvelope:
     """The cost model a chat plans with: the measured one, lowered by what real steps cost on this
     machine, saved beside it; kept for `threads` (step_cost.cache_path)."""
-    return CostEnvelope.load(cached_cost_model(model, name, threads),
-                             cache_path(model, name, "envelope", list(CONTEXTS), threads=threads))
+    return CostEnvelope.load(cached_cost_model(model, name, threads), envelope_path(model, name, threads))
+
+
+def kept_cost_model(model, name: str, threads: int | None = None) -> CostEnvelope | None:
+    """The cost model a chat would plan with, if its curves are measured already (None: the next
+    chat measures them); measures nothing."""
+    if not curves_cached(model, name, threads):
+        return None
+    return learned_cost_model(model, name, threads)
+
+
+def forget_costs(model, name: str, threads: int | None = None) -> list[Path]:
+    """Remove this model's measured curves and what real steps taught (the next chat measures
+    afresh); the files removed."""
+    removed = []
+    for path in [*curve_paths(model, name, threads), envelope_path(model, name, threads)]:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        removed.append(path)
+    return removed
 
 
 # -- a loaded model's costs (engine/load/loading.LoadedModel) --------------------------------------
@@ -166,6 +269,18 @@ def cost_model(loaded) -> CostEnvelope:
 
 def costs_measured(loaded) -> bool:
     """Whether cost_model(loaded) reads its curves rather than measuring them (seconds)."""
-    from ladechat.engine.step_cost import curves_cached
+    return curves_cached(loaded.model, loaded.name, _kept_for(loaded))
 
-    return curves_cached(loaded.model, loaded.name, loaded.threads.ceiling if loaded.threads else None)
+
+def _kept_for(loaded) -> int | None:
+    return loaded.threads.ceiling if loaded.threads else None
+
+
+def kept_costs(loaded) -> CostEnvelope | None:
+    """What a chat on this loaded model would plan with (None: not measured on this machine yet)."""
+    return kept_cost_model(loaded.model, loaded.name, _kept_for(loaded))
+
+
+def forget(loaded) -> list[Path]:
+    """Forget the loaded model's step costs: the next chat measures them afresh."""
+    return forget_costs(loaded.model, loaded.name, _kept_for(loaded))

@@ -169,10 +169,15 @@ class CostModel:
         return at_lo + (at_hi - at_lo) * share
 
 
+def curve_paths(model, name: str, threads: int | None = None) -> list[Path]:
+    """The cache files of cached_cost_model's curves, one per context length."""
+    sizes = measured_sizes(model)
+    return [cache_path(model, name, list(sizes), context, threads=threads) for context in CONTEXTS]
+
+
 def curves_cached(model, name: str, threads: int | None = None) -> bool:
     """Whether cached_cost_model would read every curve rather than measure one."""
-    sizes = measured_sizes(model)
-    return all(cache_path(model, name, list(sizes), context, threads=threads).is_file() for context in CONTEXTS)
+    return all(path.is_file() for path in curve_paths(model, name, threads))
 
 
 def cached_cost_model(model, name: str, threads: int | None = None) -> CostModel:

@@ -87,6 +87,20 @@ def step_cost_table(result: dict) -> Table:
     return table
 
 
+def kept_costs_table(model: str, rows: list[dict]) -> Table:
+    """`bench step-cost --show`: per step size, the measured cost, the cost the chat plans with now,
+    the least the evidence allows (engine/cost_envelope.py), and whether a probe will test it."""
+    table = Table(title=f"step costs kept · {model} · ms per step after 192 cached tokens")
+    for col in ("rows", "measured ms", "planned ms", "vs 1 row", "could be ms", "in doubt"):
+        table.add_column(col, justify="right")
+    one = rows[0]["kept_s"]
+    for row in rows:
+        doubt = (f"yes, probed in {row['probe_in']} steps" if row["probe_in"] else "yes, probed next") if row["in_doubt"] else "no"
+        table.add_row(str(row["size"]), f"{row['measured_s'] * 1000:.1f}", f"{row['kept_s'] * 1000:.1f}",
+                      f"{row['kept_s'] / one:.2f}x", f"{row['could_s'] * 1000:.1f}", doubt)
+    return table
+
+
 def serve_bench_table(result: dict) -> Table:
     """`ladechat bench --api`: tokens/s in this process and through the server, per item and overall."""
     table = Table(title=f"serving overhead · {result['model']} · through {result['server']} · "
