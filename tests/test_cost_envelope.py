@@ -99,9 +99,8 @@ def test_a_busy_measurement_converges_to_the_quiet_curve_within_two_conversation
         if size <= 16:
             assert size in fed
             assert want * (1 - 1e-9) <= learned[size] <= want * 1.02, (size, learned[size], want)
-        elif size <= max(fed):
-            assert want * (1 - 1e-9) <= learned[size] <= want / cost_envelope.DISAGREE, (size, learned[size], want)
-            assert not envelope.doubts(size)
+        elif size <= max(fed):  # bounded by the few steps that wide, never below what it costs
+            assert want * (1 - 1e-9) <= learned[size] < was, (size, learned[size], want)
         else:  # no step was that wide: no evidence of its own, only the doubt the narrower ones cast
             assert learned[size] == pytest.approx(was) and envelope.doubts(size)
     # ...and the cost after a long conversation follows the measured growth with the cache
@@ -138,16 +137,25 @@ def test_a_curve_learned_under_load_converges_on_a_quiet_machine_whatever_was_ob
     converse(Session(quiet, LA, step_cost=envelope, clock=quiet.clock), base, prompts(1, 1))
     # the quiet curve measured where the loaded one was (past 12 rows both extrapolate from 12)
     knew = cost_model({size: ms for size, ms in QUIET_15_MS.items() if size in LOADED_MS})
-    assert at_reference(envelope) == pytest.approx(at_reference(CostEnvelope(knew)), rel=1e-9)
+    for size, cost in at_reference(envelope).items():  # (steps after fewer than 192 tokens: brought there erring high)
+        assert knew.cost(size, CONTEXTS[0]) * (1 - 1e-9) <= cost <= knew.cost(size, CONTEXTS[0]) * 1.03, size
     assert not envelope.in_doubt
     envelope.persist()
     again = CostEnvelope.load(LOADED, path)
     assert at_reference(again) == pytest.approx(at_reference(envelope)) and not again.in_doubt
+    clocks = {"learned": TimedModel(base, QUIET_15), "knew": TimedModel(base, QUIET_15),
+              "loaded": TimedModel(base, QUIET_15)}
+    sessions = {"learned": Session(clocks["learned"], LA, step_cost=again, clock=clocks["learned"].clock),
+                "knew": Session(clocks["knew"], LA, step_cost=knew), "loaded": Session(clocks["loaded"], LA, step_cost=LOADED)}
+    widest = {name: 0 for name in sessions}
     for prompt in prompts(6, 3):
-        timed = TimedModel(base, QUIET_15)
-        learned = fed(Session(timed, LA, step_cost=again, clock=timed.clock), prompt)
-        assert learned == fed(Session(TimedModel(base, QUIET_15), LA, step_cost=knew), prompt)
-        assert max(fed(Session(TimedModel(base, QUIET_15), LA, step_cost=LOADED), prompt)) < max(learned)
+        for name, session in sessions.items():
+            widest[name] = max(widest[name], *fed(session, prompt))
+    # the same answers (greedy), on the quiet machine's clock as soon as with the quiet curve known
+    # (within what erring high costs), with the wide steps the loaded curve forbade
+    took = {name: model.now for name, model in clocks.items()}
+    assert took["learned"] <= took["knew"] * 1.02, took
+    assert widest["loaded"] < widest["learned"] == widest["knew"], widest
 
 
 def test_a_machine_that_stays_busy_is_probed_ever_more_rarely():
@@ -209,9 +217,37 @@ def test_a_step_bounds_every_size_up_to_its_own():
     assert learned[8] == pytest.approx(BUSY.cost(8, CONTEXTS[0]))  # wider sizes: no evidence
     envelope.observe(1, CONTEXTS[0], 0.300)  # a slow step lowers nothing
     assert at_reference(envelope) == learned
-    # a step after a long conversation counts at the reference length, by the measured growth
+    # a step after a long conversation bounds the reference length's cost as it is (a longer cache
+    # never makes a step cheaper), one after a short cache scaled up by the measured growth
     envelope.observe(8, CONTEXTS[1], 0.150 * LONG)
-    assert at_reference(envelope)[8] == pytest.approx(0.150)
+    assert at_reference(envelope)[8] == pytest.approx(0.150 * LONG)
+    envelope.observe(8, 0, 0.150)
+    growth = (LONG - 1) / (CONTEXTS[1] - CONTEXTS[0]) * CONTEXTS[0]  # of the cost, from 0 to 192 cached tokens
+    assert at_reference(envelope)[8] == pytest.approx(0.150 / (1 - growth))
+
+
+def test_a_probe_in_a_busy_spell_settles_nothing_and_a_quiet_one_corrects_it():
+    """A probe that ran while the machine was busy (its one-row steps were dearer too) leaves its
+    size in doubt once the spell is over, and the next probe prices it as the quiet machine runs it."""
+    envelope = CostEnvelope(LOADED)
+    ref = CONTEXTS[0]
+
+    def run(steps: int, busy: float) -> list[int]:
+        probes = []
+        for _ in range(steps):
+            probe = envelope.probe_size(largest=12)
+            size = probe or 1
+            envelope.observe(size, ref, busy * QUIET_15.cost(size, ref), probe)
+            probes += [probe] if probe else []
+        return probes
+
+    assert run(40, busy=3.0)[:1] == [4]  # probed during the spell: 3x what it costs quiet
+    assert at_reference(envelope)[4] == pytest.approx(3 * QUIET_15.cost(4, ref)) and envelope.doubts(4)
+    run(cost_envelope.MAX_WAIT + cost_envelope.PROBE_EVERY, busy=1.0)
+    learned = at_reference(envelope)
+    for size in (1, 2, 4, 8, 12):
+        assert learned[size] == pytest.approx(QUIET_15.cost(size, ref)), size
+    assert not envelope.in_doubt
 
 
 def test_probes_come_every_few_steps_while_in_doubt_and_widen():
@@ -248,7 +284,8 @@ def test_what_was_learned_is_saved_and_read_back(tmp_path):
     # a size's wait is kept across chats: a doubted size probed in vain waits on in the next chat
     for _ in range(cost_envelope.PROBE_EVERY):
         again.observe(1, CONTEXTS[0], 0.097)
-    probe = again.probe_size(largest=64)
+    probe = 8  # in doubt: dearer than two steps of 4, and ran at a busier time than now
+    assert again.doubts(probe)
     again.observe(probe, CONTEXTS[0], BUSY.cost(probe, CONTEXTS[0]), probe)
     again.persist()
     third = CostEnvelope.load(BUSY, path)

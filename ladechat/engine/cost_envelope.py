@@ -9,14 +9,16 @@ tokens per step, for good.
 So every step the engine runs is also a measurement. The envelope keeps, per measured size, the
 lowest cost seen (a machine is never faster than it can be, so the lowest time is the truest), and
 uses that a step of more rows never costs less than one of fewer: a step of s rows that took t
-seconds says every size up to s costs at most t. Costs are compared at one reference cache length
-(the curve's shortest), scaled by the measured curves' own growth with the cache.
+seconds says every size up to s costs at most t. Costs are kept at one reference cache length (the
+curve's shortest), and a step is brought there erring high (_at_reference): what is kept may be
+too high for a while, never too low, so the planner never buys rows for less than they cost.
 
 Steps the planner never chooses are never observed, and a curve that overprices wide steps keeps
 the planner from choosing them. Two kinds of evidence put a size's cost in doubt (what it could
 cost, could_cost(), is clearly, DISAGREE, below what it is kept at):
-- the one-row step has become cheaper since the size last ran or was measured (a busy spell then):
-  it could cost its kept cost scaled by the one-row step's fall;
+- the machine is quieter than when a step of that size last ran or was measured (a busy spell
+  then, seen in how much dearer than their kept costs all steps of that time ran; a wider step
+  that bettered it since only bounds it): it could cost its kept cost scaled by the difference;
 - it costs more than two narrower steps together (a step of a+b rows could always run as a step
   of a and one of b): a shape no quiet machine has, so it was measured or observed under load.
 A size in doubt is probed: a real, verified step of that many rows (the likeliest draft nodes
@@ -44,6 +46,7 @@ from ladechat.engine.step_cost import CONTEXTS, CostModel, cache_path, cached_co
 
 DISAGREE = 0.85  # a size that could cost this much less than it is kept at is in doubt
 PROBE_EVERY = 8  # steps between probes, and a doubted size's first wait
+RECENT = 0.25  # weight of the latest step in the moving average of the machine's load
 WAIT_GROWTH = 4  # a probe that leaves its size in doubt makes it wait this much longer
 MAX_WAIT = 512  # the longest a doubted size waits between probes (steps)
 
@@ -57,10 +60,11 @@ class CostEnvelope:
     measured: CostModel
     path: Path | None = None
     best: dict[int, float] = field(default_factory=dict)  # size -> lowest seconds seen, at the reference cache length
-    basis: dict[int, float] = field(default_factory=dict)  # size -> the one-row cost when it last ran (or was measured)
+    basis: dict[int, float] = field(default_factory=dict)  # size -> the one-row cost when a step of that size last ran (or was measured)
     wait: dict[int, int] = field(default_factory=dict)  # size -> steps it last had to wait for its probe
     due: dict[int, int] = field(default_factory=dict)  # size -> the step count from which it may be probed
     steps: int = 0  # steps observed
+    busy: float = 1.0  # how much dearer than their kept cost steps run of late (a moving average; 1: quiet)
     since_probe: int = 0  # steps observed since the last probe
     _model: CostModel | None = field(default=None, repr=False)  # the curves as lowered, rebuilt on change
     _saved: tuple = field(default=(), repr=False)
@@ -85,11 +89,11 @@ class CostEnvelope:
                 best = {int(size): float(seconds) for size, seconds in saved["best"].items()}
                 basis = {int(size): float(seconds) for size, seconds in saved.get("basis", {}).items()}
                 wait = {int(size): int(steps) for size, steps in saved.get("wait", {}).items()}
-                due = {int(size): int(steps) for size, steps in saved.get("due_in", {}).items()}
+                due = {int(size): min(MAX_WAIT, max(0, int(steps))) for size, steps in saved.get("due_in", {}).items()}
                 if not all(math.isfinite(v) and v > 0 for v in [*best.values(), *basis.values()]):
                     raise ValueError("not a cost")
                 return cls(measured, path, best=best, basis=basis, wait=wait, due=due)
-            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError):
                 pass
         return cls(measured, path)
 
@@ -102,10 +106,19 @@ class CostEnvelope:
         """The narrowest measured size (a one-row step)."""
         return min(self.best)
 
-    def _at_reference(self, size: int, cached: int) -> float:
-        """How much cheaper or dearer the measured curves make a step at `cached` than at the
-        reference cache length."""
-        return self.measured.cost(size, self.reference) / self.measured.cost(size, cached)
+    def _at_reference(self, size: int, cached: int, seconds: float) -> float:
+        """What a step of `size` rows that took `seconds` after `cached` cached tokens says of its
+        cost at the reference cache length, erring high, never low (a cost kept too low would buy
+        rows for less than they cost): after a longer cache, the time as it is (a longer cache never
+        makes a step cheaper; scaling it down by the measured curves would trust a curve that may
+        have been measured busy); after a shorter one, the time scaled up by the measured curves'
+        growth with the cache."""
+        if cached >= self.reference or len(self.measured.curves) < 2:
+            return seconds
+        near, far = sorted(self.measured.curves)[:2]
+        at_near, at_far = self.measured.cost(size, near), self.measured.cost(size, far)
+        slope = max(0.0, (at_far - at_near) / (far - near))
+        return seconds * at_near / max(at_near - slope * (near - cached), 0.5 * at_near)
 
     def cost(self, size: int, cached: int) -> float:
         if self._model is None:
@@ -118,16 +131,25 @@ class CostEnvelope:
         """A step of `size` rows after `cached` cached tokens took `seconds`. probe: the size it was
         planned to probe (probe_size()), if it was a probe; it may have had fewer rows when the
         draft had fewer nodes: that size then waits as after any probe that left it in doubt."""
-        at_reference = seconds * self._at_reference(size, cached)
+        at_reference = self._at_reference(size, cached, seconds)
+        # how busy the machine is now: steps dearer than their kept cost (the kept cost is the
+        # cheapest seen, so on a quiet machine they come close; a step cheaper than kept says the
+        # curve is high there, not that the machine is quieter than quiet)
+        self.busy += RECENT * (max(1.0, at_reference / self.cost(size, self.reference)) - self.busy)
         lowered = set()
         for measured_size, best in self.best.items():
             if measured_size <= size and at_reference < best:
                 self.best[measured_size] = at_reference
                 lowered.add(measured_size)
                 self._model = None
+        # the size that ran now ran at the one-row cost of this moment (a busy spell's, if one is
+        # on: once it is over, the one-row step is cheaper than that and the size is in doubt again),
+        # which was no more than this step's; a size a wider step bettered did not run: that step
+        # bounds its cost from above, it may cost far less
         one = self.best[self.one_row]
-        for measured_size in lowered | ({size} & self.best.keys()):
-            self.basis[measured_size] = one  # ran (or was bettered) at today's one-row cost
+        self.basis[self.one_row] = one
+        if size in self.best and size != self.one_row:
+            self.basis[size] = max(min(one * self.busy, at_reference), one)
         for measured_size in lowered:  # new evidence: a doubt that remains is a new one
             self.wait[measured_size], self.due[measured_size] = PROBE_EVERY, self.steps
         if probe is not None and probe in self.best:
