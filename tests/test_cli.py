@@ -293,6 +293,33 @@ def test_step_cost_bench_on_a_random_model():
         assert set(curve) == {"1", "8", "16"} and all(t > 0 for t in curve.values())
 
 
+def test_a_model_path_that_is_not_a_model_file_says_what_it_is(tmp_path):
+    (tmp_path / "model.gguf").mkdir()
+    os.mkfifo(tmp_path / "pipe.gguf")
+    for name, why in (("model.gguf", "is a folder, not a GGUF file"),
+                      ("pipe.gguf", "is not a regular file (a GGUF file is read from disk)"),
+                      ("missing.gguf", None)):
+        r = ladechat("ask", "--model", str(tmp_path / name), "hi")
+        want = f"GGUF file not found: {tmp_path / name}" if why is None else f"{tmp_path / name} {why}"
+        assert r.returncode == 1 and r.stderr.decode() == f"ladechat: error: {want}\n"
+
+
+def test_weights_that_are_not_numbers_are_named_as_such_not_the_mask(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from tiny_models import tiny_tokenizer
+
+    folder = tiny_model_folder(tmp_path / "model", tiny_tokenizer())
+    weights = load_file(folder / "model.safetensors")
+    save_file({name: torch.full_like(t, float("nan")) for name, t in weights.items()}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+    for flags in ((), ("--no-lookahead",)):
+        r = ladechat("ask", "--model", str(folder), "--dtype", "float32", *flags, "hi")
+        err = r.stderr.decode()
+        assert r.returncode == 1 and err.count("\n") == 1, err
+        assert err == (f"ladechat: error: {folder}: its logits are NaN or infinite on a plain forward pass: the "
+                       "weights are not numbers (a corrupt or badly converted file)\n")
+
+
 def test_step_cost_kept_for_a_model_is_shown_and_reset(tmp_path):
     """`bench step-cost --show` prints what the chat plans with (nothing before its first use),
     --reset forgets it so the next use measures afresh."""
@@ -389,7 +416,7 @@ def broken_model(kind, path):
      "bad config.json: Validation error for field 'hidden_size': TypeError: Field 'hidden_size' expected int, got str"),
     ("not a gguf", "is not a GGUF file (it does not start with the GGUF magic bytes)"),
     ("truncated gguf", "is truncated: 15 bytes, shorter than a GGUF header"),
-    ("gguf cut short in its weights", "model.gguf: it is truncated or corrupt ("),
+    ("gguf cut short in its weights", "lie past the file's end ("),
     ("weights of the wrong shape", "its weights do not have the shapes its config.json gives"),
     ("no tokenizer", "has no tokenizer in it (none of tokenizer.json, tokenizer.model"),
 ])

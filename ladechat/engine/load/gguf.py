@@ -10,6 +10,7 @@ device (read_tensors).
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import importlib.metadata
@@ -159,38 +160,62 @@ def ensure_prepared(gguf: Path, progress: Callable[[str], AbstractContextManager
             _prepare(gguf, target)
         except NotImplementedError:  # gguf-py or transformers: an architecture they do not map
             raise BadGGUF(unsupported_architecture(gguf)) from None
-        except (ValueError, KeyError, IndexError, EOFError, struct.error) as exc:
+        except MemoryError:
+            raise BadGGUF(f"cannot read {gguf}: its metadata does not fit in memory (a corrupt file?)") from None
+        except OSError:  # the cache folder (a full or read-only disk): not the file's fault
+            raise
+        except Exception as exc:  # noqa: BLE001 (the header checked whole, what is left is the metadata's content)
             if isinstance(exc, ValueError) and "is not supported yet" in str(exc):  # transformers: no config for it
                 raise BadGGUF(unsupported_architecture(gguf)) from None
-            # transformers' GGUF reader fails with whatever it meets first in a cut or corrupt file
-            detail = " ".join(str(exc).split()) or type(exc).__name__
+            # transformers' GGUF reader and tokenizer conversion fail with whatever they meet first in
+            # metadata of the wrong type or content
+            detail = " ".join(str(exc).split())[:300] or type(exc).__name__
             raise BadGGUF(f"cannot read {gguf}: it is truncated or corrupt ({detail})") from None
     return target
 
 
-def unsupported_architecture(gguf: Path) -> str:
-    """The one line for a GGUF whose architecture transformers cannot build (the file reads)."""
+def buildable_architectures() -> set[str]:
+    """The GGUF architectures transformers configures and gguf-py names the tensors of, decoder-only."""
     from gguf import MODEL_ARCH_NAMES
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
+    return set(GGUF_CONFIG_MAPPING) & set(MODEL_ARCH_NAMES.values()) - {"t5", "t5encoder", "umt5"}
+
+
+def unsupported_architecture(gguf: Path) -> str:
+    """The one line for a GGUF whose architecture transformers cannot build (the file reads)."""
     try:
         arch = repr(read(gguf).arch)
     except (ValueError, KeyError, IndexError, EOFError, struct.error):
         arch = "(unnamed)"
-    # what transformers configures and gguf-py names the tensors of, decoder-only
-    known = ", ".join(sorted(set(GGUF_CONFIG_MAPPING) & set(MODEL_ARCH_NAMES.values()) - {"t5", "t5encoder", "umt5"}))
+    known = ", ".join(sorted(buildable_architectures()))
     return (f"{gguf.name} is a model of architecture {arch}, which ladechat cannot build from a GGUF "
             f"(it builds: {known})")
 
 
 def check_header(gguf: Path) -> None:
-    """BadGGUF unless the file starts with a whole GGUF header (checked before the slow conversion)."""
+    """BadGGUF (one line) unless the file holds a whole GGUF header that agrees with itself
+    (header.check): checked before transformers reads its metadata or a layer is built, so a
+    corrupt file costs a second and its header's memory, never minutes and gigabytes."""
+    from ladechat.engine.load.header import HeaderError, check
+
     with open(gguf, "rb") as fh:
         head = fh.read(HEADER_BYTES)
     if head[: len(GGUF_MAGIC)] != GGUF_MAGIC:
         raise BadGGUF(f"{gguf} is not a GGUF file (it does not start with the GGUF magic bytes)")
     if len(head) < HEADER_BYTES:
         raise BadGGUF(f"{gguf} is truncated: {len(head)} bytes, shorter than a GGUF header")
+    header = None
+    try:
+        header = read(gguf)
+        check(header)
+    except HeaderError as exc:
+        arch = header.fields.get("general.architecture") if header is not None else None
+        if isinstance(arch, str) and arch not in buildable_architectures():  # that says more than its header's faults
+            raise BadGGUF(unsupported_architecture(gguf)) from None
+        raise BadGGUF(f"cannot read {gguf}: {' '.join(str(exc).split())}") from None
+    except (RecursionError, MemoryError):
+        raise BadGGUF(f"cannot read {gguf}: its header does not read (a corrupt file)") from None
 
 
 def _prepare(gguf: Path, target: Path) -> None:
@@ -301,6 +326,7 @@ def tensor_index(model, gguf: Path, folder: Path) -> dict:
         tensors = {names[t.name]: {"name": t.name, "type": int(t.tensor_type), "offset": t.data_offset,
                                    "shape": list(t.shape), "dtype": np.dtype(t.dtype).str}
                    for t in file.tensors if t.name in names}
+        _check_sizes(model, file, names, gguf)
     except NotImplementedError:  # gguf-py names no tensors for the architecture
         raise BadGGUF(unsupported_architecture(gguf)) from None
     except (ValueError, KeyError, IndexError, EOFError, struct.error) as exc:
@@ -312,6 +338,27 @@ def tensor_index(model, gguf: Path, folder: Path) -> dict:
     except OSError:  # a read-only cache: found again next time
         pass
     return index
+
+
+def _check_sizes(model, file, names: dict[str, str], gguf: Path) -> None:
+    """BadGGUF unless each tensor of the file holds as many numbers as the parameter it fills, as
+    the file's own config sizes it (llama.cpp refuses such a file too): a shape the header got
+    wrong is one line here, not a failure deep in the weights' reading."""
+    from gguf import GGML_QUANT_SIZES
+
+    sizes = {name: tensor.numel() for name, tensor in (*model.named_parameters(), *model.named_buffers())}
+    filled = collections.Counter(names[t.name] for t in file.tensors if t.name in names)
+    for tensor in file.tensors:
+        if filled[names.get(tensor.name, "")] != 1:  # parts of one parameter (an MoE's gate and up): not one size
+            continue
+        want = sizes.get(names.get(tensor.name, ""))
+        if want is None:
+            continue
+        block, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
+        got = tensor.n_bytes // type_size * block
+        if got != want:
+            raise BadGGUF(f"cannot read {gguf}: its tensor {tensor.name} holds {got} numbers where its config "
+                          f"makes {want} (a corrupt header)")
 
 
 def weights_map(model, processor, arch: str) -> dict[str, str]:

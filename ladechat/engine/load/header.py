@@ -21,6 +21,9 @@ STRING, ARRAY = 8, 9
 DEFAULT_ALIGNMENT = 32
 # GGML types numpy holds as numbers of their own (as GGUFReader does); the rest as bytes
 NUMPY_TYPES = {0: "float32", 1: "float16", 24: "int8", 25: "int16", 26: "int32", 27: "int64", 28: "float64"}
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_NESTING = 4  # arrays of arrays in the metadata (the models made so far use one level)
+MAX_LAYERS = 1024  # past any model made; a count beyond is a corrupt field, not a model
 
 
 class HeaderError(ValueError):
@@ -52,10 +55,17 @@ class TensorInfo:
 class Header:
     fields: dict  # key -> value, for the single-valued metadata (strings, numbers, booleans)
     tensors: list[TensorInfo]
+    array_lengths: dict | None = None  # key -> how many items, for the metadata's arrays
+    size: int = 0  # of the file, bytes
+    alignment: int = DEFAULT_ALIGNMENT
 
     @property
     def arch(self) -> str:
         return str(self.fields["general.architecture"])
+
+
+class ArrayLength(int):
+    """What the header reader keeps of a metadata array: its length."""
 
 
 class _Cursor:
@@ -80,9 +90,11 @@ class _Cursor:
 
     def skip_string(self) -> None:
         size = self.take("<Q")
+        if self.at + size > self.end:
+            raise HeaderError(f"the header is cut short at byte {self.at} (a string of {size} bytes)")
         self.at += size
 
-    def value(self, kind: int, keep: bool):
+    def value(self, kind: int, keep: bool, depth: int = 0):
         if kind in SCALARS:
             return self.take(SCALARS[kind])
         if kind == STRING:
@@ -94,12 +106,16 @@ class _Cursor:
             item, count = self.take("<I"), self.take("<Q")
             if item in SCALARS:
                 self.at += count * struct.calcsize(SCALARS[item])
+            elif item in (STRING, ARRAY):
+                if item == ARRAY and depth >= MAX_NESTING:
+                    raise HeaderError(f"its metadata nests arrays more than {MAX_NESTING} deep")
+                for _ in range(count):  # each item takes 8 bytes at least: as many turns as the file holds
+                    self.value(item, keep=False, depth=depth + 1)
             else:
-                for _ in range(count):
-                    self.value(item, keep=False)
+                raise HeaderError(f"unknown metadata value type {item} in an array")
             if self.at > self.end:
                 raise HeaderError("the header is cut short inside an array")
-            return None
+            return ArrayLength(count)
         raise HeaderError(f"unknown metadata value type {kind}")
 
 
@@ -122,18 +138,25 @@ def read_header(path: Path) -> Header:
             if version not in (2, 3):
                 raise HeaderError(f"GGUF version {version} (ladechat reads 2 and 3)")
             count, kv_count = cursor.take("<Q"), cursor.take("<Q")
-            fields = {}
+            fields, lengths = {}, {}
             for _ in range(kv_count):
                 key = cursor.string()
                 value = cursor.value(cursor.take("<I"), keep=True)
-                if value is not None:
+                if isinstance(value, ArrayLength):
+                    lengths[key] = int(value)
+                elif value is not None:
                     fields[key] = value
             raw = []
             for _ in range(count):
                 name = cursor.string()
-                dims = [cursor.take("<Q") for _ in range(cursor.take("<I"))]
+                n_dims = cursor.take("<I")
+                if not 1 <= n_dims <= MAX_DIMS:
+                    raise HeaderError(f"tensor {name!r} has {n_dims} dimensions (a GGUF tensor has 1 to {MAX_DIMS})")
+                dims = [cursor.take("<Q") for _ in range(n_dims)]
                 raw.append((name, dims, cursor.take("<I"), cursor.take("<Q")))
-            alignment = int(fields.get("general.alignment", DEFAULT_ALIGNMENT))
+            alignment = fields.get("general.alignment", DEFAULT_ALIGNMENT)
+            if not _is_int(alignment) or not 0 < alignment <= 2**20 or alignment & (alignment - 1):
+                raise HeaderError(f"its alignment {alignment!r} is not a power of two")
             start = cursor.at + (-cursor.at % alignment)
     tensors = []
     for name, dims, kind, offset in raw:
@@ -142,14 +165,81 @@ def read_header(path: Path) -> Header:
             block, type_size = GGML_QUANT_SIZES[ggml_type]
         except (ValueError, KeyError):
             raise HeaderError(f"tensor {name} has an unknown type {kind}") from None
+        if any(dim < 1 for dim in dims) or dims[0] % block:
+            raise HeaderError(f"tensor {name} has the dimensions {dims}: each must be positive, the first a "
+                              f"multiple of its {ggml_type.name} blocks' {block}")
         shape = tuple(reversed(dims)) or (1,)
         elements = 1
         for dim in dims:
             elements *= dim
         n_bytes = elements // block * type_size
+        if offset % alignment or start + offset + n_bytes > size:
+            raise HeaderError(f"tensor {name}'s {n_bytes} bytes at offset {offset} lie "
+                              + ("off the alignment" if offset % alignment else f"past the file's end ({size} bytes)"))
         if kind in NUMPY_TYPES:
             dtype = NUMPY_TYPES[kind]
         else:  # bytes: a row's blocks in the last dimension, as GGUFReader gives them
             dtype, shape = "uint8", (*shape[:-1], shape[-1] // block * type_size)
         tensors.append(TensorInfo(path, name, ggml_type, start + offset, n_bytes, shape, dtype))
-    return Header(fields, tensors)
+    return Header(fields, tensors, lengths, size, alignment)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check(header: Header) -> None:
+    """HeaderError unless the header agrees with itself: a named architecture, its model's counts
+    and sizes positive and consistent (heads dividing the width, key/value heads dividing the
+    heads), every layer the count names present in the tensor table, one token embedding as wide as
+    the model, no tensor named twice. read_header has checked each tensor's shape and place."""
+    fields = header.fields
+    arch = fields.get("general.architecture")
+    if not isinstance(arch, str) or not arch:
+        raise HeaderError("it names no architecture (general.architecture)")
+    names = [t.name for t in header.tensors]
+    if len(set(names)) != len(names):
+        twice = next(name for name in names if names.count(name) > 1)
+        raise HeaderError(f"the tensor {twice} is in it twice")
+
+    def count(key: str, required: bool = True) -> int | None:
+        value = fields.get(f"{arch}.{key}")
+        if value is None and not required and f"{arch}.{key}" not in (header.array_lengths or {}):
+            return None
+        if value is None and f"{arch}.{key}" in (header.array_lengths or {}):
+            return None  # a per-layer list (some architectures): transformers checks it
+        if not _is_int(value) or value < 1:
+            raise HeaderError(f"its {arch}.{key} is {value!r}, not a positive whole number")
+        return value
+
+    layers, width = count("block_count"), count("embedding_length")
+    heads, kv_heads = count("attention.head_count"), count("attention.head_count_kv", required=False)
+    count("feed_forward_length", required=False)
+    count("context_length", required=False)
+    key_length = count("attention.key_length", required=False)
+    if heads is not None and key_length is None and width % heads:
+        raise HeaderError(f"its {heads} attention heads do not divide its width {width}")
+    if heads is not None and kv_heads is not None and heads % kv_heads:
+        raise HeaderError(f"its {kv_heads} key/value heads do not divide its {heads} attention heads")
+    if layers > MAX_LAYERS:
+        raise HeaderError(f"it claims {layers} layers")
+    present = {int(name.split(".")[1]) for name in names
+               if name.startswith("blk.") and name.count(".") >= 2 and name.split(".")[1].isdigit()}
+    if present and max(present) >= layers:
+        raise HeaderError(f"it holds tensors for layer {max(present)}, past the {layers} layers it claims")
+    missing = [i for i in range(layers) if i not in present]
+    if missing:
+        raise HeaderError(f"it claims {layers} layers but holds no tensors for layer {missing[0]}"
+                          + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    embedding = next((t for t in header.tensors if t.name == "token_embd.weight"), None)
+    if embedding is None:
+        raise HeaderError("it holds no token embedding (token_embd.weight)")
+    from gguf import GGML_QUANT_SIZES
+
+    block, type_size = GGML_QUANT_SIZES[embedding.tensor_type]
+    columns = embedding.shape[-1] if embedding.dtype != "uint8" else embedding.shape[-1] // type_size * block
+    if len(embedding.shape) != 2 or columns != width:
+        raise HeaderError(f"its token embedding is {'x'.join(map(str, embedding.shape))} ({columns} wide), "
+                          f"its model {width} wide")
+    if (header.array_lengths or {}).get("tokenizer.ggml.tokens") == 0:
+        raise HeaderError("its tokenizer has no tokens")

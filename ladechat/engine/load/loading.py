@@ -159,6 +159,10 @@ def _source(model: str | None, progress) -> tuple[str, str, Path | None]:
         return str(gguf.ensure_prepared(path, progress)), gguf.EMBEDDED_NAME, path
     path = Path(model).expanduser()
     if model.endswith(".gguf"):
+        if path.is_dir():
+            raise ModelNotFound(f"{model} is a folder, not a GGUF file")
+        if path.exists() and not path.is_file():
+            raise ModelNotFound(f"{model} is not a regular file (a GGUF file is read from disk)")
         if not path.is_file():
             raise ModelNotFound(f"GGUF file not found: {model}")
         try:
@@ -620,13 +624,20 @@ def _check_tree_mask(model, name: str, attn: str, folder: str | None, notices: l
     """The model to run, once it honours the step's 4D mask with explicit positions (LoadError
     where it does not): itself, or transformers' model switched to eager attention (with a notice)
     where only that does (a Llama's twin over its modules: its own steps do not run eager)."""
-    if honours_tree_mask(model, folder, model.config._attn_implementation):
-        return model
+    try:
+        if honours_tree_mask(model, folder, model.config._attn_implementation):
+            return model
+    except NotFinite as exc:
+        raise LoadError(f"{name}: {exc}") from None
     if isinstance(model, llama.Llama):
         model = model.transformers_twin()
     if attn != "eager":
         model.set_attn_implementation("eager")
-        if mask_probe(model):
+        try:
+            honoured = mask_probe(model)
+        except NotFinite as exc:
+            raise LoadError(f"{name} under eager attention: {exc}") from None
+        if honoured:
             notices.append(f"{name} ignores 4D masks under {attn}; switched to eager attention")
             return model
     raise LoadError(f"{name} does not honour a 4D attention mask with position ids, "
@@ -790,6 +801,10 @@ def honours_tree_mask(model, folder: str | None, attn: str) -> bool:
     return True
 
 
+class NotFinite(ValueError):
+    """mask_probe: the model's plain logits are not finite numbers."""
+
+
 def mask_probe(model) -> bool:
     """Does the model honour an explicit 4D mask + position ids? Runs three tiny forwards.
 
@@ -808,6 +823,9 @@ def mask_probe(model) -> bool:
         tree = model(input_ids=ids, position_ids=positions, attention_mask=mask).logits[0, 2].float()
         plain = model(input_ids=torch.tensor([[a, c]], device=device)).logits[0, 1].float()
         leak = model(input_ids=torch.tensor([[a, b, c]], device=device)).logits[0, 2].float()
+    if not torch.isfinite(plain).all():  # no mask in that pass: the weights themselves are at fault
+        raise NotFinite("its logits are NaN or infinite on a plain forward pass: the weights are not numbers "
+                        "(a corrupt or badly converted file)")
     # 4-bit Linear modules round their activations (to int8 codes, or bf16 on torch's kernel): their
     # rows are as close as bf16's
     rounded_products = any(type(m) in (int4.Int4Linear, q4.Q4Linear, q6.Q6Linear, q8.Q8Linear)

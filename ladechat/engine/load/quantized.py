@@ -241,7 +241,10 @@ def apply(model, gguf_path: Path, folder: Path, kernels: Path | None,
             else nullcontext()
         with status:
             try:
-                arrays, notices, kinds = read_gguf(Path(gguf_path), model, Path(folder))
+                # a corrupt block's NaN or inf scales are found and refused one by one (a notice
+                # each), not numpy's warnings on the way
+                with np.errstate(all="ignore"):
+                    arrays, notices, kinds = read_gguf(Path(gguf_path), model, Path(folder))
                 arrays = q4.join_in_place(arrays)  # q/k/v and gate/up kept together: one product each in a step
             except (ValueError, KeyError, IndexError, OSError, EOFError, gguf_files.BadGGUF) as exc:
                 detail = " ".join(str(exc).split()) or type(exc).__name__
