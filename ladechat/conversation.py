@@ -15,16 +15,63 @@ its current value when loaded, and keys this version does not know are ignored)
 from __future__ import annotations
 
 import json
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ladechat.errors import UserError
 
 FORMAT = "ladechat-conversation"
+# Far past any conversation a context holds (a few hundred thousand words): a larger file is not a
+# chat, and reading it whole would cost its size several times over in memory.
+MAX_FILE_BYTES = 64 * 2**20
 
 
 class ConversationError(UserError, ValueError):
-    pass
+    """A conversation file that cannot be read; `reason` says why without naming the file."""
+
+    def __init__(self, message: str, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason or message
+
+
+def read_json_file(path: Path) -> object:
+    """The JSON a conversation file holds. ConversationError (one line) for anything else: no file,
+    a folder, a pipe or device (never opened for reading: it may have no end), a file past
+    MAX_FILE_BYTES, text that is not UTF-8 or not JSON, JSON nested past what the parser takes."""
+    def refuse(reason: str) -> ConversationError:
+        return ConversationError(f"cannot read {path}: {reason}", reason)
+
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens at once, and is refused below
+    except FileNotFoundError:
+        raise ConversationError(f"no such file: {path}", "no such file") from None
+    except OSError as exc:
+        raise refuse(exc.strerror or str(exc)) from None
+    info = os.fstat(descriptor)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(descriptor)
+        raise refuse("it is a folder" if stat.S_ISDIR(info.st_mode) else "it is not a regular file")
+    with os.fdopen(descriptor, "rb") as file:
+        if info.st_size > MAX_FILE_BYTES:
+            raise refuse(f"it is larger than {MAX_FILE_BYTES // 2**20} MiB, too large for a conversation")
+        try:
+            data = file.read(MAX_FILE_BYTES + 1)
+        except OSError as exc:
+            raise refuse(exc.strerror or str(exc)) from None
+    if len(data) > MAX_FILE_BYTES:
+        raise refuse(f"it is larger than {MAX_FILE_BYTES // 2**20} MiB, too large for a conversation")
+    try:
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise refuse("it is not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        raise refuse(f"not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    except ValueError as exc:  # a number past Python's limits
+        raise refuse(f"not JSON Python reads ({' '.join(str(exc).split())[:200]})") from None
+    except (RecursionError, MemoryError):
+        raise refuse("its JSON is nested too deeply") from None
 
 
 def oldest_exchange(messages: list[dict]) -> int:
@@ -66,24 +113,69 @@ class Conversation:
         """Prompt ids that fit in `budget` tokens, dropping the oldest turns (never the system
         prompt, never the last user message). Returns (ids, turns dropped). The turns are dropped
         only once the rest fits: when even the last message alone does not, ConversationError
-        leaves the conversation as it was."""
+        leaves the conversation as it was.
+
+        Fewest turns dropped, found without encoding the whole transcript: each message alone,
+        newest first, until they outgrow the budget, bounds from below where the prompt can begin;
+        from there a binary search over the exchanges' starts (a prompt never grows as turns are
+        dropped). Time and memory follow the context, not the transcript: a chat of thousands of
+        exchanges reopens as fast as a short one."""
         from ladechat import templates  # jinja2: not needed by a client that sends messages (--api)
 
-        start = 0
-        while True:
+        encoded: dict[int, list[int]] = {}
+
+        def fits(start: int) -> bool:
+            if start in encoded:
+                return len(encoded[start]) <= budget
             try:
                 ids = templates.encode(tokenizer, self._chat_messages(start), template)
             except templates.TemplateError as exc:
                 raise ConversationError(str(exc)) from None
             if not ids:  # a tokenizer that knows none of the text's characters
                 raise ConversationError("the model's tokenizer turns this prompt into no tokens")
-            if len(ids) <= budget:
-                self.forget_oldest(start)
-                return ids, start
-            if len(self.messages) - start <= 1:
-                raise ConversationError(f"the prompt is {len(ids)} tokens, more than the {budget} that fit in the "
-                                        "model's context (after room for the answer)")
-            start += oldest_exchange(self.messages[start:])
+            encoded[start] = ids
+            return len(ids) <= budget
+
+        starts = self._exchange_starts()
+        floor = self._unreachable_before(tokenizer, budget)
+        candidates = [start for start in starts if start >= floor] or starts[-1:]
+        if not fits(candidates[-1]):
+            raise ConversationError(f"the prompt is {len(encoded[candidates[-1]])} tokens, more than the {budget} "
+                                    "that fit in the model's context (after room for the answer)")
+        low, high = 0, len(candidates) - 1
+        while low < high:
+            middle = (low + high) // 2
+            if fits(candidates[middle]):
+                high = middle
+            else:
+                low = middle + 1
+        at = starts.index(candidates[low])
+        while at > 0 and fits(starts[at - 1]):  # the bound was too cautious (a template that trims): step back
+            at -= 1
+        start = starts[at]
+        self.forget_oldest(start)
+        return encoded[start], start
+
+    def _exchange_starts(self) -> list[int]:
+        """Where the prompt may begin, in order: at 0, then after each oldest exchange in turn,
+        until only the last message is left."""
+        starts, start = [0], 0
+        while len(self.messages) - start > 1:
+            start += oldest_exchange(self.messages[start:start + 3])
+            starts.append(start)
+        return starts
+
+    def _unreachable_before(self, tokenizer, budget: int) -> int:
+        """A message index before which no prompt that fits can begin: the messages from it on,
+        each encoded alone (its text, less a token or two a template may merge away), already
+        hold more than `budget` tokens. 0 when they all fit."""
+        total = 0
+        for index in range(len(self.messages) - 1, -1, -1):
+            text = self.messages[index]["content"].strip()
+            total += max(0, len(tokenizer(text, add_special_tokens=False)["input_ids"]) - 2) if text else 0
+            if total > budget:
+                return index + 1
+        return 0
 
     def drop_oldest_exchange(self) -> int:
         """Drop the oldest exchange (never the system prompt); how many messages that was."""
@@ -108,21 +200,21 @@ class Conversation:
 
     @staticmethod
     def from_file(path: Path) -> tuple[Conversation, dict]:
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConversationError(f"no such file: {path}") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ConversationError(f"cannot read {path}: {exc}") from None
+        return Conversation.from_data(read_json_file(path), path)
+
+    @staticmethod
+    def from_data(data: object, path: Path) -> tuple[Conversation, dict]:
+        """The conversation and settings of a file's JSON (read_json_file); ConversationError
+        naming `path` when it is not a conversation file's."""
         if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise ConversationError(f"{path} is not a ladechat conversation file")
+            raise ConversationError(f"{path} is not a ladechat conversation file", "not a ladechat conversation file")
         messages = data.get("messages")
         system = data.get("system")
         ok = isinstance(messages, list) and all(
             isinstance(m, dict) and m.get("role") in ("user", "assistant") and isinstance(m.get("content"), str)
             for m in messages)
         if not ok or not (system is None or isinstance(system, str)):
-            raise ConversationError(f"{path} has a malformed message list")
+            raise ConversationError(f"{path} has a malformed message list", "a malformed message list")
         settings = data.get("settings") if isinstance(data.get("settings"), dict) else {}
         clean = [{"role": m["role"], "content": m["content"], "interrupted": bool(m.get("interrupted", False))}
                  for m in messages]

@@ -165,6 +165,67 @@ def test_encode_changes_nothing_when_the_last_message_alone_does_not_fit():
     assert dropped == 2 and conversation.messages == messages[2:] and len(ids) <= 130
 
 
+def fewest_dropped(conversation: Conversation, tokenizer, budget: int):
+    """What encode must return: the first start, exchange by exchange from the oldest, whose prompt fits."""
+    from ladechat import templates
+    from ladechat.conversation import oldest_exchange
+
+    start = 0
+    while True:
+        ids = templates.encode(tokenizer, conversation._chat_messages(start), None)
+        if len(ids) <= budget:
+            return ids, start
+        if len(conversation.messages) - start <= 1:
+            return None, None
+        start += oldest_exchange(conversation.messages[start:])
+
+
+def test_encode_drops_the_fewest_turns_without_encoding_the_whole_transcript(monkeypatch):
+    """Random conversations (exchanges, questions without answers, long and short messages), many
+    budgets: encode drops exactly the turns the exchange-by-exchange search drops, and never encodes
+    more than a context's worth of messages at once, nor more than a few dozen times."""
+    import random
+
+    from ladechat import templates
+
+    tokenizer = tiny_loaded().tokenizer
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "  padded  ", "<|im_end|>", "x" * 40]
+    real_encode, calls = templates.encode, []
+    monkeypatch.setattr(templates, "encode", lambda tok, messages, template: calls.append(len(messages))
+                        or real_encode(tok, messages, template))
+    for trial in range(60):
+        messages = []
+        for _ in range(rng.randint(1, 120)):
+            role = "user" if not messages or messages[-1]["role"] == "assistant" or rng.random() < 0.1 else "assistant"
+            messages.append({"role": role, "content": " ".join(rng.choices(words, k=rng.randint(1, 12)))})
+        if messages[-1]["role"] != "user":
+            messages.append({"role": "user", "content": "and?"})
+        budget = rng.choice([20, 60, 150, 400, 2000])
+        want_ids, want_start = fewest_dropped(Conversation(system="s", messages=list(messages)), tokenizer, budget)
+        conversation = Conversation(system="s", messages=list(messages))
+        calls.clear()
+        if want_ids is None:
+            with pytest.raises(ConversationError, match="that fit in the model's context"):
+                conversation.encode(tokenizer, None, budget)
+            assert conversation.messages == messages
+            continue
+        ids, dropped = conversation.encode(tokenizer, None, budget)
+        assert (ids, dropped) == (want_ids, want_start), trial
+        assert conversation.messages == messages[want_start:] and conversation.dropped == messages[:want_start]
+        assert len(calls) <= 2 * len(messages).bit_length() + 3, (trial, calls)
+        # no call encodes much past what fits: the messages kept, and the few just before them
+        assert max(calls) <= 2 * (len(messages) - want_start) + 12, (trial, calls, want_start)
+    # a transcript of thousands of exchanges: a handful of encodings of about what fits
+    long = [{"role": role, "content": f"message {i} " + "word " * (i % 7)}
+            for i, role in zip(range(6001), ["user", "assistant"] * 3001)]
+    conversation = Conversation(messages=list(long))
+    calls.clear()
+    ids, dropped = conversation.encode(tokenizer, None, 300)
+    assert len(ids) <= 300 and conversation.messages == long[dropped:] and len(calls) <= 30
+    assert max(calls) <= 2 * (len(long) - dropped) + 12
+
+
 def test_store_command_toggles_and_clears_the_store(tmp_path):
     """/store off: answers are neither drafted from nor added to the store; /store on adds them
     (to the file under the store folder); /store clear forgets them, on disk too."""

@@ -52,7 +52,8 @@ def test_every_question_and_answer_is_in_the_chat_file_as_it_goes(tmp_path):
     app.command("/undo")
     assert json.loads(path.read_text())["messages"] == []
     assert error_lines(err) == []
-    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left
+    # no temporary file left; beside the chat, the lock that says this chat writes it
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".{path.stem}.lock", path.name]
 
 
 def test_the_question_is_kept_before_its_answer_begins(tmp_path):
@@ -100,6 +101,7 @@ def test_reopened_chat_goes_on_in_its_file_with_its_settings(tmp_path):
     app.ask("remember me")
     app.command("/set n=4 temperature=0.5 seed=3")
     path = app.log.path
+    app.log.start_over()  # the first chat ends (else the second goes on in a file of its own: test_chat_twice)
     other, err = kept_chat(tmp_path)
     other.reopen(find_chat(tmp_path, "1"))
     assert other.log.path == path and other.bot.settings == app.bot.settings
@@ -108,7 +110,7 @@ def test_reopened_chat_goes_on_in_its_file_with_its_settings(tmp_path):
     assert f"reopened chat {path.stem}: 2 messages" in err.getvalue()
     other.ask("and now?")
     assert [m["role"] for m in json.loads(path.read_text())["messages"]] == ["user", "assistant"] * 2
-    assert len(list(tmp_path.iterdir())) == 1
+    assert len(list(tmp_path.glob("*.json"))) == 1
 
 
 def test_history_command_lists_and_opens_kept_chats(tmp_path):
@@ -151,16 +153,21 @@ def test_a_chat_that_cannot_be_written_says_so_once_and_goes_on(tmp_path):
     assert len(app.conversation.messages) == 4
 
 
-def test_listing_newest_first_with_titles_and_unreadable_files_left_out(tmp_path):
+def test_listing_newest_first_with_titles_and_unreadable_files_marked(tmp_path):
     chat_file(tmp_path, "20260101-000000-aaaa", [{"role": "user", "content": "old\nquestion"}], mtime=100)
     chat_file(tmp_path, "20260102-000000-bbbb", [{"role": "assistant", "content": "x"},
                                                    {"role": "user", "content": "q" * 100}], mtime=200)
     (tmp_path / "broken.json").write_text("{")
+    os.utime(tmp_path / "broken.json", (50, 50))
     chats = list_chats(tmp_path)
-    assert [c.id for c in chats] == ["20260102-000000-bbbb", "20260101-000000-aaaa"]
+    assert [c.id for c in chats] == ["20260102-000000-bbbb", "20260101-000000-aaaa", "broken"]
+    assert chats[2].problem == "not valid JSON (Expecting property name enclosed in double quotes at line 1)"
+    assert chats[2].line(3).endswith("  broken  unreadable: not valid JSON (Expecting property name enclosed in "
+                                     "double quotes at line 1)")
     assert chats[0].title == "q" * 59 + "…" and chats[1].title == "old question" and chats[0].messages == 2
     assert find_chat(tmp_path, "2").name == "20260101-000000-aaaa.json"
     assert find_chat(tmp_path, "20260102").name == "20260102-000000-bbbb.json"
+    assert find_chat(tmp_path, "broken").name == "broken.json"  # deletable by id
     with pytest.raises(HistoryError, match="2 kept chats have the id '202601'"):
         find_chat(tmp_path, "202601")
     with pytest.raises(HistoryError, match="no kept chat has the id 'zzz'"):

@@ -826,10 +826,12 @@ def test_a_prompt_the_tokenizer_turns_into_nothing_is_one_line(monkeypatch):
     from ladechat import templates
     from ladechat.conversation import Conversation, ConversationError
 
+    from tiny_models import tiny_tokenizer
+
     monkeypatch.setattr(templates, "encode", lambda tokenizer, messages, template: [])
     conversation = Conversation(messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(ConversationError, match="^the model's tokenizer turns this prompt into no tokens$"):
-        conversation.encode(object(), None, 100)
+        conversation.encode(tiny_tokenizer(), None, 100)
     assert conversation.messages == [{"role": "user", "content": "hi"}]
 
 

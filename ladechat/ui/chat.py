@@ -170,8 +170,8 @@ class ChatApp:
         self._start_over(conversation.system)
         self.conversation = conversation
         self.pending_settings = known
-        if self.log is not None:
-            self.log.path, self.log.settings = path, saved
+        if self.log is not None and (moved := self.log.open(path, saved)) is not None:
+            self.info(moved)
         if self.bot.ready:
             self._settings()
         self._recap(path)
@@ -469,11 +469,10 @@ def _chat_completer(commands_completer):
 def _prompt_session():
     from prompt_toolkit import PromptSession
     from prompt_toolkit.completion import WordCompleter
-    from prompt_toolkit.history import FileHistory
     from prompt_toolkit.key_binding import KeyBindings
 
-    folder = state_root()
-    folder.mkdir(parents=True, exist_ok=True)
+    from ladechat.ui.input_history import PrivateHistory
+
     bindings = KeyBindings()
 
     @bindings.add("escape", "enter")
@@ -481,7 +480,7 @@ def _prompt_session():
         event.current_buffer.insert_text("\n")
 
     completer = _chat_completer(WordCompleter(list(commands.COMMANDS), sentence=True, match_middle=False))
-    return PromptSession(history=FileHistory(str(folder / "history")), key_bindings=bindings, completer=completer,
+    return PromptSession(history=PrivateHistory(state_root() / "history"), key_bindings=bindings, completer=completer,
                          enable_open_in_editor=True,  # Ctrl-X Ctrl-E, as shells do
                          complete_while_typing=True)
 
@@ -561,12 +560,19 @@ def run_chat(bot: Backend, system: str | None, debug: bool, out: Console, err: C
                 return session.prompt(prompt, **_load_watch(bot))
             except EOFError:
                 return None
+            finally:
+                if (notice := session.history.take_notice()) is not None:
+                    err.print(f"notice: {notice}", style="yellow", highlight=False, markup=False, soft_wrap=True)
     else:
         def read_line(prompt: str) -> str | None:
             line = sys.stdin.readline()
             return line.rstrip("\n") if line else None
 
-    chat_loop(app, read_line)
+    try:
+        chat_loop(app, read_line)
+    finally:
+        if log is not None:
+            log.close()
     err.print("bye")
 
 

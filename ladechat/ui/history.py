@@ -10,7 +10,6 @@ and renamed over the old one, so a file is always a whole conversation.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import tempfile
@@ -18,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ladechat.conversation import Conversation
+from ladechat.conversation import Conversation, ConversationError, read_json_file
 from ladechat.errors import UserError
 from ladechat.paths import state_root
 
@@ -37,13 +36,15 @@ def chats_root() -> Path:
 
 @dataclass(frozen=True)
 class SavedChat:
-    """A kept chat as a listing shows it."""
+    """A kept chat as a listing shows it. `problem`: why the file does not read as a chat (it is
+    listed all the same, so that `ladechat history --delete` can remove it), else None."""
 
     path: Path
     updated: float  # the file's modification time (seconds since the epoch)
     model: str
     messages: int
     title: str  # the first question, on one line
+    problem: str | None = None
 
     @property
     def id(self) -> str:
@@ -51,26 +52,31 @@ class SavedChat:
 
     def line(self, number: int) -> str:
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.updated))
+        if self.problem is not None:
+            return f"{number:>3}  {when}  {self.id}  unreadable: {self.problem}"
         return f"{number:>3}  {when}  {self.id}  {self.messages} messages  {self.model}  {self.title}"
 
 
 def list_chats(root: Path) -> list[SavedChat]:
-    """The kept chats, newest first; a file that does not read as a conversation is left out."""
+    """The kept chats, newest first; a file that does not read as one is listed as unreadable."""
     found = []
     for path in root.glob(f"*{SUFFIX}"):
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            messages = data["messages"]
-            updated = path.stat().st_mtime
-        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+            updated = path.lstat().st_mtime
+        except OSError:  # gone since the listing
             continue
-        if not isinstance(messages, list):
+        try:
+            data = read_json_file(path)
+            conversation, _ = Conversation.from_data(data, path)
+        except ConversationError as exc:
+            found.append(SavedChat(path, updated, "?", 0, "", exc.reason))
             continue
-        first = next((m.get("content", "") for m in messages if isinstance(m, dict) and m.get("role") == "user"), "")
-        title = " ".join(str(first).split())
+        messages = conversation.transcript()
+        first = next((m["content"] for m in messages if m["role"] == "user"), "")
+        title = " ".join(first[: TITLE_CHARS * 4].split())
         if len(title) > TITLE_CHARS:
             title = title[: TITLE_CHARS - 1] + "…"
-        found.append(SavedChat(path, updated, str(data.get("model") or "?"), len(messages), title))
+        found.append(SavedChat(path, updated, " ".join(str(data.get("model") or "?").split()), len(messages), title))
     return sorted(found, key=lambda chat: (chat.updated, chat.id), reverse=True)
 
 
@@ -113,15 +119,76 @@ def write_private(path: Path, text: str) -> None:
         raise
 
 
+class Claim:
+    """A chat file claimed by this process for as long as the chat writes to it: an exclusive lock
+    (flock) on a hidden lock file beside it, released by release() or when the process ends, even
+    by a kill. take() gives None when another chat holds it."""
+
+    def __init__(self, handle, path: Path) -> None:
+        self.handle, self.path = handle, path
+
+    @staticmethod
+    def take(chat: Path) -> Claim | None:
+        import fcntl
+
+        path = chat.with_name(f".{chat.stem}.lock")
+        chat.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        while True:
+            handle = open(os.open(path, os.O_RDWR | os.O_CREAT, 0o600), "r+b", buffering=0)  # noqa: SIM115 (held)
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                # the lock file is still the one at `path` (not unlinked by a release meanwhile)
+                if os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino:
+                    return Claim(handle, path)
+            except (BlockingIOError, FileNotFoundError) as exc:
+                handle.close()
+                if isinstance(exc, BlockingIOError):
+                    return None
+                continue
+            except BaseException:
+                handle.close()
+                raise
+            handle.close()
+
+    def release(self) -> None:
+        try:
+            self.path.unlink(missing_ok=True)
+        finally:
+            self.handle.close()
+
+
 class ChatLog:
     """Where the chat in progress is kept: `path`, chosen when its first message is written (None
-    until then). `settings`: the last settings written (the chat's, once its model has loaded)."""
+    until then). `settings`: the last settings written (the chat's, once its model has loaded).
+
+    Each chat file has one writer: the chat that claimed it (Claim). A chat that reopens a file
+    another chat holds (the same chat continued in a second terminal) goes on in a new file, a copy
+    of it from then on, so neither chat's messages overwrite the other's."""
 
     def __init__(self, root: Path, path: Path | None = None, settings: dict | None = None) -> None:
         self.root = root
         self.path = path
         self.settings = settings or {}
         self.failed: str | None = None  # why the last write failed (said once)
+        self.claim: Claim | None = None
+
+    def open(self, path: Path, settings: dict) -> str | None:
+        """Write on to the kept chat at `path` from now on; when another chat holds it, to a new
+        file instead, and say so (the notice; else None)."""
+        self.start_over()
+        self.settings = settings
+        try:
+            self.claim = Claim.take(path)
+        except OSError:  # a folder that takes no lock file: write on as before
+            self.path = path
+            return None
+        if self.claim is not None:
+            self.path = path
+            return None
+        self.path = new_path(self.root)
+        self.claim = Claim.take(self.path)
+        return (f"chat {path.stem} is open in another ladechat: this one goes on in a new file, "
+                f"{self.path.stem} (nothing either chat says is lost)")
 
     def keep(self, conversation: Conversation, model: str, settings: dict | None) -> str | None:
         """Write the conversation (no file for one that has had no message yet); the reason when
@@ -132,6 +199,10 @@ class ChatLog:
             self.settings = settings
         if self.path is None:
             self.path = new_path(self.root)
+            try:
+                self.claim = Claim.take(self.path)
+            except OSError:
+                self.claim = None
         try:
             write_private(self.path, conversation.to_json(model, self.settings) + "\n")
         except OSError as exc:
@@ -141,15 +212,23 @@ class ChatLog:
         self.failed = None
         return None
 
+    def close(self) -> None:
+        """The chat ends: its file is free for another chat to write on."""
+        self.start_over()
+
     def start_over(self) -> None:
         """The next message begins a new chat file (the kept ones stay)."""
         self.path = None
+        if self.claim is not None:
+            self.claim.release()
+            self.claim = None
 
 
 def markdown(path: Path) -> str:
     """A kept (or saved) chat as Markdown: the model, the system prompt, each message under its role."""
-    conversation, _ = Conversation.from_file(path)
-    model = json.loads(path.read_text(encoding="utf-8")).get("model") or "?"
+    data = read_json_file(path)
+    conversation, _ = Conversation.from_data(data, path)
+    model = data.get("model") or "?"
     parts = [f"# Chat {path.stem}", f"Model: {model}"]
     if conversation.system:
         parts.append(f"**System:** {conversation.system}")
