@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -15,6 +16,7 @@ from rich.markup import escape
 from ladechat.backends.opener import compiles, flag_of, load_model, open_bot, quiet_libraries, settings_for
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.errors import UserError
+from ladechat.ui import terminal
 
 # The settings' defaults are the engine configs' (no pydantic at import: --help stays quick), and
 # max_new_tokens is each command's own: a chat's answers may run long; ask's is the settings'
@@ -83,11 +85,11 @@ LOCAL_ONLY = ("dtype", "device", "load_in_4bit", "load_in_8bit", "device_map", "
 
 
 def stdout_console() -> Console:
-    return Console(no_color=bool(os.environ.get("NO_COLOR")) or None, highlight=False)
+    return terminal.SafeConsole(no_color=bool(os.environ.get("NO_COLOR")) or None, highlight=False)
 
 
 def stderr_console() -> Console:
-    return Console(stderr=True, no_color=bool(os.environ.get("NO_COLOR")) or None, highlight=False)
+    return terminal.SafeConsole(stderr=True, no_color=bool(os.environ.get("NO_COLOR")) or None, highlight=False)
 
 
 def _setting_flags(params: dict, names: tuple[str, ...] | None = None) -> dict:
@@ -230,6 +232,10 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = LOOKAHE
 
     err = stderr_console()
     log, reopen = _chat_log(history, continue_, resume, err)
+    if reopen is not None:  # a kept chat that does not read is its one line, before the model loads
+        from ladechat.conversation import Conversation
+
+        Conversation.from_file(reopen)
     keep = _keep_alive(keep_alive)
     given = _setting_flags(ctx.params)
 
@@ -318,6 +324,7 @@ def history(chat: Annotated[Optional[str], typer.Argument(help="A kept chat: its
             as_json: Annotated[bool, typer.Option("--json", help="Print the chat as JSON (the /save format, which /load reads) instead of Markdown.")] = False,
             delete: Annotated[bool, typer.Option("--delete", help="Delete the chat instead of printing it.")] = False) -> None:
     """The chats kept as they went (newest first), or one of them as Markdown or JSON."""
+    from ladechat.conversation import Conversation, read_json_file
     from ladechat.ui.history import chats_root, find_chat, list_chats, markdown
 
     root = chats_root()
@@ -328,16 +335,22 @@ def history(chat: Annotated[Optional[str], typer.Argument(help="A kept chat: its
         if not chats:
             stderr_console().print(f"no chats kept yet (they are kept in {root})", highlight=False, markup=False)
         for number, saved in enumerate(chats, 1):
-            print(saved.line(number))
+            terminal.write(saved.line(number) + "\n")
         return
     path = find_chat(root, chat)
     if delete:
-        path.unlink()
+        try:
+            path.rmdir() if path.is_dir() and not path.is_symlink() else path.unlink()
+        except OSError as exc:
+            raise Fail(f"cannot delete {path}: {exc.strerror or exc}") from None
+        path.with_name(f".{path.stem}.lock").unlink(missing_ok=True)
         stderr_console().print(f"deleted chat {path.stem}", highlight=False, markup=False)
-    elif as_json:
-        sys.stdout.write(path.read_text(encoding="utf-8"))
+    elif as_json:  # as the chat wrote it (and /load reads it), once it reads as a chat
+        data = read_json_file(path)
+        Conversation.from_data(data, path)
+        sys.stdout.write(terminal.json_text(data, indent=2) + "\n")
     else:
-        sys.stdout.write(markdown(path))
+        terminal.write(markdown(path))
 
 
 @app.command()
@@ -412,7 +425,7 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
         record = {"text": answer, "token_ids": list(done.text_tokens), "model": bot.name, "stats": stats.as_dict()}
         if reasoning:
             record["reasoning"] = reasoning
-        sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
+        sys.stdout.write(terminal.json_text(record) + "\n")
     else:
         printer.finish(complete=stats.finish_reason != "interrupted")
         if debug and bot.stats_reported:
@@ -444,6 +457,22 @@ def _read_prompt(prompt: str | None, files_only: bool = False) -> str:
     return prompt.strip("\n")
 
 
+def _key_from(path: Path) -> str:
+    """The API key in the first line of `path` (one-line errors for a missing, unreadable or empty file)."""
+    if path.is_dir():
+        raise Fail(f"--api-key-file: {path} is a folder")
+    try:
+        with open(path, encoding="utf-8") as file:
+            key = file.readline(4096).strip()
+    except FileNotFoundError:
+        raise Fail(f"--api-key-file: no such file: {path}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise Fail(f"--api-key-file: cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    if not key:
+        raise Fail(f"--api-key-file: {path} holds no key on its first line")
+    return key
+
+
 @app.command()
 def serve(ctx: typer.Context, host: Annotated[str, typer.Option("--host", help="Address to listen on; anything but loopback needs --api-key.")] = "127.0.0.1",
           port: Annotated[int, typer.Option("--port", help="Port to listen on (0: a free one, printed at start).")] = 8000,
@@ -452,6 +481,8 @@ def serve(ctx: typer.Context, host: Annotated[str, typer.Option("--host", help="
           served_model_name: Annotated[str | None, typer.Option("--served-model-name", help="The model name clients ask for (default: the model's).")] = None,
           allow_origin: Annotated[Optional[list[str]], typer.Option("--allow-origin", help="A web origin (e.g. http://localhost:3000, or * for any) whose pages may use the server (repeatable); requests from other sites' pages get 403.")] = None,
           drain_timeout: Annotated[float, typer.Option("--drain-timeout", help="On SIGTERM or Ctrl-C: seconds the answers in progress get to finish; then each ends with an error (event).")] = 5.0,
+          request_timeout: Annotated[float, typer.Option("--request-timeout", help="Seconds a connection has to send a whole request; an idle or half-sent one is closed then.")] = 30.0,
+          api_key_file: Annotated[Optional[Path], typer.Option("--api-key-file", help="Read the API key from this file's first line (unlike --api-key, not shown in ps).")] = None,
           model: Model = None, lookahead: Lookahead = LOOKAHEAD.enabled, window: Window = None, ngram: Ngram = None,
           candidates: Cands = None, context_candidates: ContextCands = None, context_len: ContextLen = None,
           recycle: Recycle = None,
@@ -467,14 +498,21 @@ def serve(ctx: typer.Context, host: Annotated[str, typer.Option("--host", help="
     from ladechat.serve.guard import allowed_hosts, is_loopback, normal_origin
 
     err = stderr_console()
+    if api_key_file is not None:  # over LADECHAT_API_KEY (a client's too), not beside --api-key
+        if api_key is not None and ctx.get_parameter_source("api_key").name == "COMMANDLINE":
+            raise Fail("give the API key once: --api-key-file or --api-key")
+        api_key = _key_from(api_key_file)
     if not is_loopback(host) and not api_key:
-        raise Fail(f"--host {host} can be reached from other machines: give --api-key (or set LADECHAT_API_KEY)")
+        raise Fail(f"--host {host} can be reached from other machines: set LADECHAT_API_KEY or give --api-key-file "
+                   "(or --api-key)")
     if max_queue < 0:
         raise Fail(f"--max-queue must be >= 0, got {max_queue}")
     if api_key is not None and not api_key.strip():
         raise Fail("--api-key is empty")
     if not drain_timeout >= 0 or drain_timeout == float("inf"):
         raise Fail(f"--drain-timeout must be a finite number of seconds >= 0, got {drain_timeout}")
+    if not request_timeout > 0 or request_timeout == float("inf"):
+        raise Fail(f"--request-timeout must be a finite number of seconds > 0, got {request_timeout}")
     try:
         origins = frozenset(normal_origin(o) for o in allow_origin or [])
     except ValueError as exc:
@@ -495,11 +533,12 @@ def serve(ctx: typer.Context, host: Annotated[str, typer.Option("--host", help="
     bound_host, bound_port = sock.getsockname()[:2]
     config = server.ServeConfig(model_id=model_id, api_key=api_key, max_queue=max_queue,
                                 hosts=allowed_hosts(host, bound_host), origins=origins,
-                                drain_timeout=drain_timeout)
+                                drain_timeout=drain_timeout, request_timeout=request_timeout)
     api = server.Api(bot, bot.loaded.tokenizer, bot.loaded.context_length, settings, config,
                      log=lambda line: err.print(line, markup=False, highlight=False, soft_wrap=True),
                      model_thread=model_thread)
     url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
+    server.listen(sock)
     err.print(f"ladechat serve · {bot.describe()} as {model_id!r} · lookahead {'on' if settings.lookahead else 'off'} "
               f"(W={settings.window} N={settings.ngram} G={settings.candidates}) · http://{url_host}:{bound_port}/v1"
               f"{' · key required' if api_key else ''} · Ctrl-C stops", markup=False, highlight=False, soft_wrap=True)
@@ -724,7 +763,7 @@ def ps() -> None:
         stderr_console().print("no model is kept loaded")
         return
     for line in table(entries):
-        print(line)
+        terminal.write(line + "\n")
 
 
 @app.command()
@@ -757,7 +796,7 @@ def store_list() -> None:
     if not infos:
         stderr_console().print("no stores yet (answers are stored as the chat, ask and serve give them)")
     for info in infos:
-        print(f"{info.model}\t{info.answers} answers\t{info.tokens} tokens\t{info.bytes / 1e6:.2f} MB\t{info.path}")
+        terminal.write(f"{info.model}\t{info.answers} answers\t{info.tokens} tokens\t{info.bytes / 1e6:.2f} MB\t{info.path}\n")
 
 
 @store_app.command("clear")
@@ -798,5 +837,5 @@ def main(argv: list[str] | None = None) -> None:
 
 def _fail(message: str, status: int):
     # plain write: one line, never wrapped (messages from libraries may span lines)
-    sys.stderr.write("ladechat: error: " + " ".join(message.split()) + "\n")
+    sys.stderr.write("ladechat: error: " + terminal.visible(" ".join(message.split())) + "\n")
     sys.exit(status)

@@ -162,8 +162,12 @@ def test_every_error_status(server, client):
     auth = {"Authorization": f"Bearer {KEY}"}
     ok = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     # 401: no key, a wrong key (the openai client raises AuthenticationError)
-    assert error_of(httpx.post(url, json=ok))["code"] == "invalid_api_key"
-    assert httpx.post(url, json=ok, headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert error_of(httpx.post(url, json=ok))["message"] == "no API key given (Authorization: Bearer KEY)"
+    assert error_of(httpx.post(url, json=ok, headers={"Authorization": "Bearer nope"}))["message"] == "wrong API key"
+    for header in (KEY, f"Token {KEY}", "Bearer"):  # the key without its scheme is not "no key"
+        refused = error_of(httpx.post(url, json=ok, headers={"Authorization": header}))
+        assert refused == {**refused, "code": "invalid_api_key",
+                           "message": "the Authorization header wants the Bearer scheme: Authorization: Bearer KEY"}
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url, api_key="wrong", max_retries=0).models.list()
     # 400: bad parameters
@@ -203,7 +207,8 @@ def test_every_error_status(server, client):
 def test_serve_refuses_bad_setups():
     r = ladechat("serve", "--host", "0.0.0.0")
     assert r.returncode == 1 and r.stderr.strip() == (
-        "ladechat: error: --host 0.0.0.0 can be reached from other machines: give --api-key (or set LADECHAT_API_KEY)")
+        "ladechat: error: --host 0.0.0.0 can be reached from other machines: set LADECHAT_API_KEY or give "
+        "--api-key-file (or --api-key)")
     r = ladechat("serve", "--max-queue", "-1")
     assert r.returncode == 1 and r.stderr.strip() == "ladechat: error: --max-queue must be >= 0, got -1"
     r = ladechat("serve", "--allow-origin", "localhost:3000")

@@ -424,7 +424,10 @@ class WarmBot(RemoteBot):
                 # Before the answer began: the server may be gone (expired, stopped, killed) or
                 # replaced; found or started again (ensure), it is asked once more.
                 events.close()
-                self.warm = ensure(self.warm.spec, self.keep_alive, self.warm.paths.root, self.progress, self.client)
+                try:
+                    self.warm = ensure(self.warm.spec, self.keep_alive, self.warm.paths.root, self.progress, self.client)
+                except WarmError as exc:  # stopped or failed while loading: the question waits for /retry
+                    raise ServerFailure(str(exc)) from None
                 self.notices.extend(self.warm.said)
                 while self.notices:
                     yield Notice(self.notices.pop(0))
@@ -453,14 +456,22 @@ def table(entries: list[Entry], now: float | None = None) -> list[str]:
             elif info.get("idle_until") is None:
                 until = "forever"
             else:
-                left = max(0.0, info["idle_until"] - now)
-                until = f"{format_duration(round(left))} from now ({time.strftime('%H:%M:%S', time.localtime(info['idle_until']))})"
+                until = _until(info["idle_until"], now)
             memory = _size(info.get("memory") or 0) + (f" + {_size(info['gpu_memory'])} GPU" if info.get("gpu_memory") else "")
             device = info.get("device") or "?"
         options = info.get("options_text") or Spec.from_options(e.record.get("options") or {}).describe_options()
         rows.append((e.model, device, options, memory, until, str(info.get("pid") or e.record.get("pid") or "?")))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+
+
+def _until(idle_until, now: float) -> str:
+    """When a server unloads, as `ps` shows it ("forever" past what a clock can say)."""
+    try:
+        left = max(0.0, float(idle_until) - now)
+        return f"{format_duration(round(left))} from now ({time.strftime('%H:%M:%S', time.localtime(idle_until))})"
+    except (OverflowError, ValueError, OSError, TypeError):
+        return "forever"
 
 
 def _size(n: int) -> str:

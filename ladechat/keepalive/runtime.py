@@ -47,19 +47,24 @@ class WarmError(UserError):
 
 
 # -- durations --------------------------------------------------------------------------------
+LONGEST = 10 * 365 * 86400  # a duration past ten years is forever (a clock cannot say when it ends)
+
+
 def parse_duration(text: str) -> float:
     """--keep-alive / LADECHAT_KEEP_ALIVE, as ollama's keep_alive: '5m', '30s', '1h30m', '300'
-    (seconds), '0' (keep nothing), '-1' or any negative duration (forever). Seconds; FOREVER < 0."""
+    (seconds), '0' (keep nothing), '-1' or any negative duration, or one past LONGEST (forever).
+    Seconds; FOREVER < 0."""
     t = text.strip().lower()
     if re.fullmatch(r"-\d+(\.\d+)?(ms|s|m|h|d)?", t):
         return FOREVER
     if re.fullmatch(r"\d+(\.\d+)?", t):
-        return float(t)
+        return FOREVER if float(t) > LONGEST else float(t)
     parts = re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)", t)
     if not parts or "".join(a + b for a, b in parts) != t:
         raise WarmError(f"--keep-alive wants a duration such as 5m, 30s, 1h30m, 0 (load in this command, keep "
                         f"nothing) or -1 (forever), got {text!r}")
-    return sum(float(amount) * UNITS[unit] for amount, unit in parts)
+    seconds = sum(float(amount) * UNITS[unit] for amount, unit in parts)
+    return FOREVER if seconds > LONGEST else seconds
 
 
 def format_duration(seconds: float) -> str:

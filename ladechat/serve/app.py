@@ -42,7 +42,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ladechat import __version__, templates
@@ -50,7 +50,7 @@ from ladechat.backends.events import Notice, Piece
 from ladechat.conversation import Conversation, prompt_budget
 from ladechat.engine.config import ConfigError
 from ladechat.engine.events import Done, OutOfMemory
-from ladechat.serve.guard import Guard, read_body
+from ladechat.serve.guard import ClientGone, Guard, read_body
 from ladechat.serve.wire import (
     FINISH,
     ApiError,
@@ -78,6 +78,7 @@ class ServeConfig:
     hosts: frozenset[str] | None = None  # Host header names taken (None: any); see allowed_hosts
     origins: frozenset[str] = frozenset()  # cross-site origins allowed besides the server's own ("*": any)
     drain_timeout: float = 5.0  # seconds answers in progress get to finish once the server is told to stop
+    request_timeout: float = 30.0  # seconds a connection has to send a whole request (its head and body)
 
 
 class Api:
@@ -111,7 +112,7 @@ class Api:
     def app(self) -> Starlette:
         routes = [Route("/health", self.health), Route("/v1/models", self.models),
                   Route("/v1/models/{model:path}", self.model), Route("/v1/chat/completions", self.chat, methods=["POST"])]
-        handlers = {HTTPException: self.http_error, ApiError: self.api_error}
+        handlers = {HTTPException: self.http_error, ApiError: self.api_error, ClientGone: self.client_gone}
         middleware = [Middleware(Guard, hosts=self.config.hosts, origins=self.config.origins)]
         if self.config.origins:  # the allowed cross-site origins may read the answers (CORS)
             middleware.append(Middleware(CORSMiddleware, allow_origins=sorted(self.config.origins),
@@ -121,6 +122,9 @@ class Api:
     async def api_error(self, request: Request, exc: ApiError) -> JSONResponse:
         return exc.response()
 
+    async def client_gone(self, request: Request, exc: Exception) -> Response:
+        return Response(status_code=400)  # sent nowhere: the connection is closed
+
     async def http_error(self, request: Request, exc: HTTPException) -> JSONResponse:
         if exc.status_code == 404:
             return ApiError(404, f"no route {request.method} {request.url.path}", code="unknown_url").response()
@@ -129,10 +133,17 @@ class Api:
     def check_key(self, request: Request) -> None:
         if self.config.api_key is None:
             return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.config.api_key.encode()):
-            raise ApiError(401, "no API key given (Authorization: Bearer KEY)" if not given else "wrong API key",
-                           code="invalid_api_key")
+        header = request.headers.get("authorization", "").strip()
+        scheme, _, given = header.partition(" ")
+        if not header:
+            why = "no API key given (Authorization: Bearer KEY)"
+        elif scheme.lower() != "bearer" or not given.strip():
+            why = "the Authorization header wants the Bearer scheme: Authorization: Bearer KEY"
+        elif not hmac.compare_digest(given.strip().encode(), self.config.api_key.encode()):
+            why = "wrong API key"
+        else:
+            return
+        raise ApiError(401, why, code="invalid_api_key")
 
     async def health(self, request: Request) -> JSONResponse:
         unfinished = self.worker.unfinished
@@ -162,7 +173,7 @@ class Api:
         self.check_key(request)
         if self.draining:
             raise shutting_down()
-        body = await read_body(request)
+        body = await read_body(request, self.config.request_timeout)
         # Parsing and tokenizing a large request takes a while: in a thread, so the event loop
         # (other clients' streams, /health, refusals) goes on meanwhile.
         base = self.request_base(request)
@@ -347,7 +358,8 @@ def _json(obj) -> str:
 
 
 def bind(host: str, port: int):
-    """A bound socket (port 0: a free one); OSError when the address is taken or not ours."""
+    """A bound socket (port 0: a free one); OSError when the address is taken or not ours. It listens
+    from listen() on: while the model loads a client is refused at once, not left waiting."""
     import socket
 
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
@@ -361,6 +373,12 @@ def bind(host: str, port: int):
     return sock
 
 
+def listen(sock) -> None:
+    """Take connections on `sock` from now on (before the banner: a client that connects once it
+    is out waits for uvicorn, never refused)."""
+    sock.listen(2048)
+
+
 def run(api: Api, sock) -> None:
     """Serve `api` on `sock` until SIGTERM or Ctrl-C, then drain (Api.drain): uvicorn stops taking
     connections and waits for the open ones, which drain() ends in time (a second Ctrl-C: at once)."""
@@ -372,9 +390,61 @@ def run(api: Api, sock) -> None:
             await super().shutdown(sockets)
 
     config = uvicorn.Config(api.app(), log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=api.config.drain_timeout + 10)
+                            timeout_graceful_shutdown=api.config.drain_timeout + 10,
+                            http=deadline_protocol(api.config.request_timeout))
     try:
         Server(config).run(sockets=[sock])
     finally:
         api.tokenizing.shutdown(wait=False, cancel_futures=True)
         api.worker.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def deadline_protocol(seconds: float):
+    """uvicorn's HTTP/1.1 protocol with a deadline for each request's head: a connection that opens
+    and sends nothing, or half a request line or headers, and one kept alive that starts a request
+    and stalls, is closed `seconds` after it opened or its last response ended (uvicorn itself
+    closes only idle kept-alive connections, and only once a response has been sent). The body has
+    the same time (guard.read_body)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class DeadlineH11(H11Protocol):
+        _deadline = None
+        _armed_for = None  # the request cycle the deadline was set after (None: the connection's first)
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._armed_for = self.cycle
+            self._deadline = self.loop.call_later(seconds, self._expired)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _expired(self) -> None:
+            self._deadline = None
+            if self.cycle is self._armed_for and not self.transport.is_closing():  # no request has begun since
+                self.transport.close()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not self._armed_for:  # a request's head arrived: its body has read_body's deadline
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            # armed for the cycle that just ended, before uvicorn starts a pipelined next one (its
+            # handle_events then disarms: that request's head is whole)
+            self._arm()
+            super().on_response_complete()
+            if self.transport.is_closing():
+                self._disarm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return DeadlineH11

@@ -12,18 +12,34 @@ from ladechat.serve.wire import ApiError
 MAX_BODY = 8 * 1024 * 1024  # bytes of JSON in one request
 
 
-async def read_body(request: Request) -> bytes:
+async def read_body(request: Request, timeout: float | None = None) -> bytes:
     """The request's body, refused (413) as soon as it is known to be over MAX_BODY: a Content-Length
-    before any of it is read, a body without one (chunked) once that much has come."""
+    before any of it is read, a body without one (chunked) once that much has come; 408 when it has
+    not all come within `timeout` seconds. A client that leaves before it is whole gets no answer
+    and leaves no trace in the log (ClientGone)."""
+    import anyio
+    from starlette.requests import ClientDisconnect
+
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > MAX_BODY:
         raise too_large(int(length))
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY:
-            raise too_large(len(body), more=True)
+    try:
+        with anyio.fail_after(timeout):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > MAX_BODY:
+                    raise too_large(len(body), more=True)
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not all arrive within {timeout:g} s",
+                       headers={"Connection": "close"}) from None
+    except ClientDisconnect:
+        raise ClientGone() from None
     return bytes(body)
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its request was whole: nothing to answer."""
 
 
 def too_large(size: int, more: bool = False) -> ApiError:
