@@ -142,6 +142,18 @@ def _remote_bot(ctx: typer.Context, api: str, api_key: str | None, defaults: dic
     return RemoteBot(Endpoint.of(api, api_key), ctx.params["model"], values, chosen)
 
 
+class _ContextCopy:
+    """A command's context with parameters of its own (`changes` applied), their sources the
+    command's."""
+
+    def __init__(self, ctx: typer.Context, **changes) -> None:
+        self.params = {**ctx.params, **changes}
+        self._ctx = ctx
+
+    def get_parameter_source(self, name: str):
+        return self._ctx.get_parameter_source(name)
+
+
 def _given(ctx: typer.Context) -> set[str]:
     """The parameters the user gave (on the command line or through an environment variable)."""
     # typer vendors its own click: its ParameterSource is compared by name
@@ -240,17 +252,14 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = LOOKAHE
     given = _setting_flags(ctx.params)
 
     def switch(name: str):
-        """/model NAME: the bot of another model, opened as this chat's was (--api, keep-alive or here)."""
-        before = ctx.params["model"]
-        ctx.params["model"] = name
-        try:
-            if api is not None:
-                return _remote_bot(ctx, api, api_key)
-            if keep != 0:
-                return _warm_bot(ctx, keep, err, _spinner(err), print_notices=True)
-            return open_bot(ctx.params, given, _spinner(err))[1]
-        finally:
-            ctx.params["model"] = before
+        """/model NAME: the bot of another model, opened as this chat's was (--api, keep-alive or here),
+        from a copy of the command's parameters: the first model may still be loading from them."""
+        other = _ContextCopy(ctx, model=name)
+        if api is not None:
+            return _remote_bot(other, api, api_key)
+        if keep != 0:
+            return _warm_bot(other, keep, err, _spinner(err), print_notices=True)
+        return open_bot(other.params, given, _spinner(err))[1]
 
     run_chat = partial(run_chat, log=log, reopen=reopen, switch=switch)
     if api is not None:

@@ -171,3 +171,34 @@ def test_opening_mutants_answers_or_says_one_line(tiny, tmp_path):
         assert done.returncode == 1 and done.stderr.count("\n") == 1, (what, done.stderr[-3000:])
         assert done.stderr.startswith("ladechat: error: ") and "Traceback" not in done.stderr, (what, done.stderr)
         assert path.name in done.stderr, (what, done.stderr)
+
+
+@pytest.mark.slow
+def test_the_chat_goes_on_after_model_of_corrupt_files(tiny, tmp_path):
+    """/model of corrupt GGUFs in the real chat: one error line each, the chat and its model go on."""
+    import pexpect
+    from conftest import ladechat_bin as chat_bin
+
+    made = dict(mutants(tiny, random.Random(2)))
+    picks = ["llama.block_count = 2000 ", "general.architecture length = 5000 ", "llama.attention.head_count = 0 ",
+             "tensor count = 20 "]
+    paths = []
+    for i, prefix in enumerate(picks):
+        paths.append(tmp_path / f"bad{i}.gguf")
+        paths[-1].write_bytes(made[next(what for what in made if what.startswith(prefix))])
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state"), "TERM": "xterm", "PROMPT_TOOLKIT_NO_CPR": "1",
+           "NO_COLOR": "1"}
+    chat = pexpect.spawn(chat_bin(), ["--dtype", "float32", "--max-new-tokens", "8", "--no-history"], env=env,
+                         encoding="utf-8", timeout=300, dimensions=(40, 300))
+    chat.expect(">>>")
+    for path in paths:
+        chat.sendline(f"/model {path}")
+        chat.expect(f"error: /model {path}: ")
+        chat.expect("; the chat goes on with ")
+        chat.expect(">>>")
+        assert "Traceback" not in chat.before
+    chat.sendline("Hi!")
+    chat.expect("tokens/step")
+    chat.expect(">>>")
+    chat.sendline("/exit")
+    chat.expect(pexpect.EOF)

@@ -342,8 +342,10 @@ class ChatApp:
             raise commands.CommandError("/model: this chat cannot open another model")
         try:
             bot = self.switch(name)
-        except (UserError, MemoryError) as exc:
-            why = str(exc) if isinstance(exc, UserError) else "not enough memory to load it"
+            if isinstance(bot, PendingBot):  # loaded now: one that fails leaves this one answering, the chat on
+                bot = bot.bot()
+        except (UserError, MemoryError, LoadFailed) as exc:
+            why = "not enough memory to load it" if isinstance(exc, MemoryError) else str(exc)
             raise commands.CommandError(f"/model {name}: {why}; the chat goes on with {self.bot.describe()}") from None
         self.bot, self.last_stats = bot, None  # the old model goes with its last reference
         self.info(f"now answering with {bot.describe()}; the conversation ({len(self.conversation.messages)} "
