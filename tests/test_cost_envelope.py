@@ -250,6 +250,26 @@ def test_a_probe_in_a_busy_spell_settles_nothing_and_a_quiet_one_corrects_it():
     assert not envelope.in_doubt
 
 
+def test_a_noisy_machine_is_not_probed_for_ever():
+    """Every step up to 35% dearer than its cost, at random (another program's bursts): a quiet
+    curve is never probed, a loaded one a few times early and then left alone, never below what
+    the steps cost."""
+    import random
+
+    ref = CONTEXTS[0]
+    for start, most in ((QUIET_15, 0), (LOADED, 6)):
+        envelope, rng, probes = CostEnvelope(start), random.Random(0), []
+        for step in range(4000):
+            probe = envelope.probe_size(largest=12)
+            size = probe or rng.choice([1, 1, 2, 2, 3, 4])
+            envelope.observe(size, ref, QUIET_15.cost(size, ref) * rng.uniform(1.0, 1.35), probe)
+            probes += [step] if probe else []
+        assert len(probes) <= most and all(step < 1000 for step in probes), probes
+        for size, cost in at_reference(envelope).items():
+            if size <= 12:
+                assert QUIET_15.cost(size, ref) * (1 - 1e-9) <= cost <= start.cost(size, ref) * (1 + 1e-9), size
+
+
 def test_probes_come_every_few_steps_while_in_doubt_and_widen():
     envelope = CostEnvelope(BUSY)
     sizes = []

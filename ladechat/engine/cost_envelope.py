@@ -60,7 +60,7 @@ class CostEnvelope:
     measured: CostModel
     path: Path | None = None
     best: dict[int, float] = field(default_factory=dict)  # size -> lowest seconds seen, at the reference cache length
-    basis: dict[int, float] = field(default_factory=dict)  # size -> the one-row cost when a step of that size last ran (or was measured)
+    basis: dict[int, float] = field(default_factory=dict)  # size -> the one-row cost, times how busy, when that size last ran (or was measured)
     wait: dict[int, int] = field(default_factory=dict)  # size -> steps it last had to wait for its probe
     due: dict[int, int] = field(default_factory=dict)  # size -> the step count from which it may be probed
     steps: int = 0  # steps observed
@@ -164,12 +164,12 @@ class CostEnvelope:
 
     def could_cost(self) -> dict[int, float]:
         """Per measured size, the least the evidence allows it to cost at the reference cache
-        length: its kept cost scaled by the one-row step's fall since it last ran, and no more than
-        two narrower sizes together (see the module's docstring)."""
-        one, best = self.best[self.one_row], self.best
+        length: its kept cost scaled by how much quieter the machine is now than when it last ran,
+        and no more than two narrower sizes together (see the module's docstring)."""
+        now, best = self.best[self.one_row] * self.busy, self.best
         could: dict[int, float] = {}
         for size in sorted(best):
-            least = best[size] * min(1.0, one / self.basis[size])
+            least = best[size] * min(1.0, now / self.basis[size])
             for part in could:  # kept costs, not what they could be: a doubt rests on evidence
                 if size - part in best:
                     least = min(least, best[part] + best[size - part])
