@@ -15,12 +15,11 @@ its current value when loaded, and keys this version does not know are ignored)
 from __future__ import annotations
 
 import json
-import os
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ladechat.errors import UserError
+from ladechat.paths import Unreadable, read_bounded
 
 FORMAT = "ladechat-conversation"
 # Far past any conversation a context holds (a few hundred thousand words): a larger file is not a
@@ -44,24 +43,13 @@ def read_json_file(path: Path) -> object:
         return ConversationError(f"cannot read {path}: {reason}", reason)
 
     try:
-        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens at once, and is refused below
-    except FileNotFoundError:
-        raise ConversationError(f"no such file: {path}", "no such file") from None
-    except OSError as exc:
-        raise refuse(exc.strerror or str(exc)) from None
-    info = os.fstat(descriptor)
-    if not stat.S_ISREG(info.st_mode):
-        os.close(descriptor)
-        raise refuse("it is a folder" if stat.S_ISDIR(info.st_mode) else "it is not a regular file")
-    with os.fdopen(descriptor, "rb") as file:
-        if info.st_size > MAX_FILE_BYTES:
-            raise refuse(f"it is larger than {MAX_FILE_BYTES // 2**20} MiB, too large for a conversation")
-        try:
-            data = file.read(MAX_FILE_BYTES + 1)
-        except OSError as exc:
-            raise refuse(exc.strerror or str(exc)) from None
-    if len(data) > MAX_FILE_BYTES:
-        raise refuse(f"it is larger than {MAX_FILE_BYTES // 2**20} MiB, too large for a conversation")
+        data = read_bounded(path, MAX_FILE_BYTES)
+    except Unreadable as why:
+        if why.kind == "missing":
+            raise ConversationError(f"no such file: {path}", "no such file") from None
+        words = {"folder": "it is a folder", "special": "it is not a regular file",
+                 "too large": f"it is larger than {MAX_FILE_BYTES // 2**20} MiB, too large for a conversation"}
+        raise refuse(words.get(why.kind, why.detail)) from None
     try:
         return json.loads(data.decode("utf-8"))
     except UnicodeDecodeError:

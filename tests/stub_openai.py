@@ -46,6 +46,15 @@ class StubHandler(BaseHTTPRequestHandler):
             self.wfile.write(f"data: {event if isinstance(event, str) else json.dumps(event)}\n\n".encode())
             self.wfile.flush()
 
+    def send_answer(self, pieces: list[str]) -> None:
+        """A streamed answer of these pieces of text: a chunk each, a chunk that ends it, [DONE]."""
+        events = [self.chunk({"content": piece}) for piece in pieces]
+        self.send_events([*events, self.chunk({}, "stop"), "[DONE]"])
+
+    def chunk(self, delta: dict, finish: str | None = None) -> dict:
+        return {"id": "chatcmpl-stub", "object": "chat.completion.chunk", "model": self.model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
 
 def serve(handler: type[StubHandler]) -> tuple[ThreadingHTTPServer, str]:
     """The server, answering on a thread of its own, and its base URL (http://127.0.0.1:PORT/v1)."""

@@ -15,9 +15,7 @@ class Echo(StubHandler):
 
     def do_POST(self) -> None:
         question = self.read_request()["messages"][-1]["content"]
-        self.send_events([{"id": "x", "object": "chat.completion.chunk", "model": self.model,
-                           "choices": [{"index": 0, "delta": {"content": f"answer to {question}"},
-                                        "finish_reason": "stop"}]}, "[DONE]"])
+        self.send_answer([f"answer to {question}"])
 
 
 def spawn(env, url, *args):

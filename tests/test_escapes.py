@@ -84,16 +84,9 @@ def test_a_pipe_gets_the_text_as_it_is():
 
 
 class Payload(StubHandler):
-    model = "stub"
-
     def do_POST(self) -> None:
         self.read_request()
-        chunks = [ANSWER[i:i + 7] for i in range(0, len(ANSWER), 7)]
-        events = [{"id": "x", "object": "chat.completion.chunk", "model": self.model,
-                   "choices": [{"index": 0, "delta": {"content": c}, "finish_reason": None}]} for c in chunks]
-        events.append({"id": "x", "object": "chat.completion.chunk", "model": self.model,
-                       "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
-        self.send_events([*events, "[DONE]"])
+        self.send_answer([ANSWER[i:i + 7] for i in range(0, len(ANSWER), 7)])
 
 
 @pytest.fixture(scope="module")

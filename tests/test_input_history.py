@@ -55,8 +55,7 @@ def test_a_history_that_cannot_be_kept_is_one_notice(tmp_path, blocked):
 class Echo(StubHandler):
     def do_POST(self) -> None:
         self.read_request()
-        self.send_events([{"id": "x", "object": "chat.completion.chunk", "model": self.model,
-                           "choices": [{"index": 0, "delta": {"content": "fine"}, "finish_reason": "stop"}]}, "[DONE]"])
+        self.send_answer(["fine"])
 
 
 def test_the_chat_goes_on_when_its_history_cannot_be_written(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ladechat.errors import UserError
+from ladechat.paths import Unreadable, read_bounded
 
 MAX_BYTES = 4 * 1024 * 1024  # far past any context: a larger file is a mistake, not a document
 
@@ -19,20 +20,12 @@ def read_text(path: str) -> tuple[str, str]:
     binary or oversized one."""
     file = Path(path).expanduser()
     try:
-        if not file.exists():
-            raise FileError(f"no such file: {path}")
-        if file.is_dir():
-            raise FileError(f"{path} is a folder, not a file")
-        if not file.is_file():  # a device or a pipe: no size to judge it by, and maybe no end
-            raise FileError(f"{path} is not a regular file")
-        with open(file, "rb") as fh:
-            data = fh.read(MAX_BYTES + 1)
-    except PermissionError:
-        raise FileError(f"cannot read {path}: permission denied") from None
-    except OSError as exc:
-        raise FileError(f"cannot read {path}: {exc.strerror or exc}") from None
-    if len(data) > MAX_BYTES:
-        raise FileError(f"{path} is larger than {MAX_BYTES // 2**20} MiB, too large for a message")
+        data = read_bounded(file, MAX_BYTES)
+    except Unreadable as why:
+        words = {"missing": f"no such file: {path}", "folder": f"{path} is a folder, not a file",
+                 "special": f"{path} is not a regular file", "denied": f"cannot read {path}: permission denied",
+                 "too large": f"{path} is larger than {MAX_BYTES // 2**20} MiB, too large for a message"}
+        raise FileError(words.get(why.kind, f"cannot read {path}: {why.detail}")) from None
     if b"\x00" in data:
         raise FileError(f"{path} looks binary (it contains NUL bytes); only text files go into a message")
     try:

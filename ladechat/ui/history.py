@@ -137,14 +137,14 @@ class Claim:
             handle = open(os.open(path, os.O_RDWR | os.O_CREAT, 0o600), "r+b", buffering=0)  # noqa: SIM115 (held)
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                # the lock file is still the one at `path` (not unlinked by a release meanwhile)
+                # the lock file is still the one at `path` (a release meanwhile unlinks it: take the next)
                 if os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino:
                     return Claim(handle, path)
-            except (BlockingIOError, FileNotFoundError) as exc:
+            except BlockingIOError:  # another chat holds it
                 handle.close()
-                if isinstance(exc, BlockingIOError):
-                    return None
-                continue
+                return None
+            except FileNotFoundError:
+                pass
             except BaseException:
                 handle.close()
                 raise

@@ -344,8 +344,6 @@ def _check_sizes(model, file, names: dict[str, str], gguf: Path) -> None:
     """BadGGUF unless each tensor of the file holds as many numbers as the parameter it fills, as
     the file's own config sizes it (llama.cpp refuses such a file too): a shape the header got
     wrong is one line here, not a failure deep in the weights' reading."""
-    from gguf import GGML_QUANT_SIZES
-
     sizes = {name: tensor.numel() for name, tensor in (*model.named_parameters(), *model.named_buffers())}
     filled = collections.Counter(names[t.name] for t in file.tensors if t.name in names)
     for tensor in file.tensors:
@@ -354,11 +352,9 @@ def _check_sizes(model, file, names: dict[str, str], gguf: Path) -> None:
         want = sizes.get(names.get(tensor.name, ""))
         if want is None:
             continue
-        block, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
-        got = tensor.n_bytes // type_size * block
-        if got != want:
-            raise BadGGUF(f"cannot read {gguf}: its tensor {tensor.name} holds {got} numbers where its config "
-                          f"makes {want} (a corrupt header)")
+        if tensor.elements != want:
+            raise BadGGUF(f"cannot read {gguf}: its tensor {tensor.name} holds {tensor.elements} numbers where its "
+                          f"config makes {want} (a corrupt header)")
 
 
 def weights_map(model, processor, arch: str) -> dict[str, str]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mmap
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 MAGIC = b"GGUF"
@@ -42,6 +42,7 @@ class TensorInfo:
     n_bytes: int
     shape: tuple[int, ...]
     dtype: str
+    elements: int  # the numbers it holds
 
     @property
     def data(self):
@@ -55,9 +56,7 @@ class TensorInfo:
 class Header:
     fields: dict  # key -> value, for the single-valued metadata (strings, numbers, booleans)
     tensors: list[TensorInfo]
-    array_lengths: dict | None = None  # key -> how many items, for the metadata's arrays
-    size: int = 0  # of the file, bytes
-    alignment: int = DEFAULT_ALIGNMENT
+    array_lengths: dict = field(default_factory=dict)  # key -> how many items, for the metadata's arrays
 
     @property
     def arch(self) -> str:
@@ -180,8 +179,8 @@ def read_header(path: Path) -> Header:
             dtype = NUMPY_TYPES[kind]
         else:  # bytes: a row's blocks in the last dimension, as GGUFReader gives them
             dtype, shape = "uint8", (*shape[:-1], shape[-1] // block * type_size)
-        tensors.append(TensorInfo(path, name, ggml_type, start + offset, n_bytes, shape, dtype))
-    return Header(fields, tensors, lengths, size, alignment)
+        tensors.append(TensorInfo(path, name, ggml_type, start + offset, n_bytes, shape, dtype, elements))
+    return Header(fields, tensors, lengths)
 
 
 def _is_int(value) -> bool:
@@ -203,11 +202,11 @@ def check(header: Header) -> None:
         raise HeaderError(f"the tensor {twice} is in it twice")
 
     def count(key: str, required: bool = True) -> int | None:
-        value = fields.get(f"{arch}.{key}")
-        if value is None and not required and f"{arch}.{key}" not in (header.array_lengths or {}):
-            return None
-        if value is None and f"{arch}.{key}" in (header.array_lengths or {}):
+        if f"{arch}.{key}" in header.array_lengths:
             return None  # a per-layer list (some architectures): transformers checks it
+        value = fields.get(f"{arch}.{key}")
+        if value is None and not required:
+            return None
         if not _is_int(value) or value < 1:
             raise HeaderError(f"its {arch}.{key} is {value!r}, not a positive whole number")
         return value
@@ -234,12 +233,9 @@ def check(header: Header) -> None:
     embedding = next((t for t in header.tensors if t.name == "token_embd.weight"), None)
     if embedding is None:
         raise HeaderError("it holds no token embedding (token_embd.weight)")
-    from gguf import GGML_QUANT_SIZES
-
-    block, type_size = GGML_QUANT_SIZES[embedding.tensor_type]
-    columns = embedding.shape[-1] if embedding.dtype != "uint8" else embedding.shape[-1] // type_size * block
+    columns = embedding.elements // embedding.shape[0]
     if len(embedding.shape) != 2 or columns != width:
         raise HeaderError(f"its token embedding is {'x'.join(map(str, embedding.shape))} ({columns} wide), "
                           f"its model {width} wide")
-    if (header.array_lengths or {}).get("tokenizer.ggml.tokens") == 0:
+    if header.array_lengths.get("tokenizer.ggml.tokens") == 0:
         raise HeaderError("its tokenizer has no tokens")
