@@ -286,3 +286,34 @@ def test_model_command_keeps_the_old_model_when_the_new_one_cannot_be_opened():
     app.switch = None
     app.command("/model x")
     assert error_lines(err)[-1] == "error: /model: this chat cannot open another model"
+
+
+def test_every_command_is_one_entry_of_the_table_with_its_help_and_completion(tmp_path):
+    """The table is the one place a command is named: /help has a line per entry, Tab offers
+    every name (aliases too) and a file's path after a command that takes one, an unknown name is
+    refused, and each name runs its own handler (/quit leaves as /exit does)."""
+    from prompt_toolkit.completion import CompleteEvent, WordCompleter
+    from prompt_toolkit.document import Document
+
+    from ladechat.ui.chat import COMMANDS, _chat_completer
+
+    app, err = tiny_chat()
+    app.command("/help")
+    shown = err.getvalue().splitlines()
+    for entry in COMMANDS.entries:
+        assert any(line.startswith(f"{entry.name} {entry.args}".rstrip() + " ") for line in shown), entry.name
+    assert len({e.name for e in COMMANDS.entries}) == len(COMMANDS.entries)
+    assert app.command("/QUIT") is False and app.command("/exit") is False
+    app.command("/frobnicate now")
+    assert error_lines(err)[-1] == "error: unknown command /frobnicate (try /help)"
+
+    (tmp_path / "notes.txt").write_text("x")
+    completer = _chat_completer(WordCompleter(COMMANDS.names(), sentence=True, match_middle=False))
+
+    def offered(text):
+        return {c.text for c in completer.get_completions(Document(text, len(text)), CompleteEvent())}
+
+    assert offered("/qu") == {"/quit"} and offered("/s") == {"/store", "/set", "/show", "/stats", "/system", "/save"}
+    for name in ("/read", "/model", "/save", "/load"):
+        assert offered(f"{name} {tmp_path}/no") == {"tes.txt"}, name
+    assert offered(f"/system {tmp_path}/no") == set()

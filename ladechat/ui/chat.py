@@ -261,8 +261,8 @@ class ChatApp:
         """Run a slash command; False means leave the chat. The chat is kept after it (a command
         may change the conversation or its settings)."""
         try:
-            cmd = commands.parse(line)
-            return self._run(cmd)
+            entry, arg = COMMANDS.find(line)
+            return entry.run(self, arg) is not False
         except UserError as exc:
             self.error(str(exc))
         except OSError as exc:
@@ -271,66 +271,66 @@ class ChatApp:
             self.keep()
         return True
 
-    def _run(self, cmd: commands.Command) -> bool:
-        if cmd.name == "/exit":
-            return False
-        if cmd.name == "/help":
-            self.info(commands.HELP)
-        elif cmd.name == "/lookahead":
-            self._configure(self._settings().updated({"lookahead": commands.on_off(cmd.arg, "/lookahead")}))
-            self.info(f"lookahead {'on' if self.bot.settings.lookahead else 'off'} from the next answer")
-        elif cmd.name == "/store":
-            self._store(cmd.arg)
-        elif cmd.name == "/set":
-            self._configure(self._settings().updated(commands.parse_set(cmd.arg), strict=False))
-            self.info(self._show())
-        elif cmd.name == "/show":
-            self.info(self._show())
-        elif cmd.name == "/stats":
-            self._need_stats("/stats")
-            self.info("\n".join(self.totals.lines()))
-        elif cmd.name == "/debug":
-            if commands.on_off(cmd.arg, "/debug"):
-                self._need_stats("/debug")
-            self.debug = commands.on_off(cmd.arg, "/debug")
-            self.info(f"debug {'on' if self.debug else 'off'}")
-        elif cmd.name == "/markdown":
-            self.markdown = commands.on_off(cmd.arg, "/markdown")
-            self.info(f"markdown rendering of finished answers {'on' if self.markdown else 'off'}")
-        elif cmd.name == "/read":
-            self._read(cmd.arg)
-        elif cmd.name == "/copy":
-            self._copy()
-        elif cmd.name == "/edit":
-            text = outside.edit(cmd.arg)
-            if not text:
-                self.info("the editor left the message empty: nothing sent")
-            else:
-                self.ask(text)
-        elif cmd.name == "/context":
-            self.info(context_line(self.last_stats))
-        elif cmd.name == "/thinking":
-            if not self.last_thinking:
-                raise commands.CommandError("the last answer had no thinking (<think>...</think>) to show")
-            self.out.print(Text(self.last_thinking, style="dim"), highlight=False, soft_wrap=True)
-        elif cmd.name == "/system":
-            self._start_over(cmd.arg or None)
-            self.info("system prompt set; new conversation" if cmd.arg else "system prompt removed; new conversation")
-        elif cmd.name == "/clear":
-            self._start_over(self.conversation.system)
-            self.info("new conversation")
-        elif cmd.name in ("/undo", "/retry"):
-            self._undo_or_retry(cmd.name)
-        elif cmd.name == "/save":
-            self._save(cmd.arg)
-        elif cmd.name == "/load":
-            self._load(cmd.arg)
-            self.last_stats = None
-        elif cmd.name == "/history":
-            self._history(cmd.arg)
-        elif cmd.name == "/model":
-            self._model(cmd.arg)
-        return True
+    # -- the commands (COMMANDS below names them) -----------------------------------------------
+    def _help(self, arg: str) -> None:
+        self.info(COMMANDS.help())
+
+    def _lookahead(self, arg: str) -> None:
+        self._configure(self._settings().updated({"lookahead": commands.on_off(arg, "/lookahead")}))
+        self.info(f"lookahead {'on' if self.bot.settings.lookahead else 'off'} from the next answer")
+
+    def _set(self, arg: str) -> None:
+        self._configure(self._settings().updated(commands.parse_set(arg), strict=False))
+        self.info(self._show())
+
+    def _print_settings(self, arg: str) -> None:
+        self.info(self._show())
+
+    def _stats(self, arg: str) -> None:
+        self._need_stats("/stats")
+        self.info("\n".join(self.totals.lines()))
+
+    def _context(self, arg: str) -> None:
+        self.info(context_line(self.last_stats))
+
+    def _thinking(self, arg: str) -> None:
+        if not self.last_thinking:
+            raise commands.CommandError("the last answer had no thinking (<think>...</think>) to show")
+        self.out.print(Text(self.last_thinking, style="dim"), highlight=False, soft_wrap=True)
+
+    def _debug(self, arg: str) -> None:
+        if commands.on_off(arg, "/debug"):
+            self._need_stats("/debug")
+        self.debug = commands.on_off(arg, "/debug")
+        self.info(f"debug {'on' if self.debug else 'off'}")
+
+    def _markdown(self, arg: str) -> None:
+        self.markdown = commands.on_off(arg, "/markdown")
+        self.info(f"markdown rendering of finished answers {'on' if self.markdown else 'off'}")
+
+    def _edit(self, arg: str) -> None:
+        text = outside.edit(arg)
+        if not text:
+            self.info("the editor left the message empty: nothing sent")
+        else:
+            self.ask(text)
+
+    def _system(self, arg: str) -> None:
+        self._start_over(arg or None)
+        self.info("system prompt set; new conversation" if arg else "system prompt removed; new conversation")
+
+    def _clear(self, arg: str) -> None:
+        self._start_over(self.conversation.system)
+        self.info("new conversation")
+
+    def _undo(self, arg: str) -> None:
+        self._undo_or_retry("/undo")
+
+    def _retry(self, arg: str) -> None:
+        self._undo_or_retry("/retry")
+
+    def _exit(self, arg: str) -> bool:
+        return False
 
     def _model(self, name: str) -> None:
         """/model: the model answering; /model NAME|PATH: another one answers from now on, the
@@ -410,7 +410,7 @@ class ChatApp:
         if self.log is not None:
             self.log.start_over()
 
-    def _copy(self) -> None:
+    def _copy(self, arg: str = "") -> None:
         """/copy: the last answer onto the clipboard, through the terminal (OSC 52)."""
         answers = [m["content"] for m in self.conversation.messages if m["role"] == "assistant" and m["content"]]
         if not answers:
@@ -444,13 +444,49 @@ class ChatApp:
         self._start_over(conversation.system)  # a chat file of its own
         self.conversation = conversation
         self.info(f"loaded {len(conversation.messages)} messages from {arg}")
+        self.last_stats = None
+
+
+Entry = commands.Entry
+COMMANDS = commands.Table([
+    Entry("/help", "", "this list", ChatApp._help),
+    Entry("/lookahead", "on|off", "lookahead decoding on or off (from the next answer)", ChatApp._lookahead),
+    Entry("/store", "on|off|clear", "draft from this model's store of past answers (and add to it); clear: forget them",
+          ChatApp._store),
+    Entry("/set", "KEY=VALUE ...", "change settings, e.g. /set w=3 temperature=0.7 (seed=none: random); keys:",
+          ChatApp._set, more=commands.set_keys_help()),
+    Entry("/show", "", "current settings", ChatApp._print_settings),
+    Entry("/model", "[NAME|PATH]", "the model answering; with a name, id, folder or .gguf: another answers from now on",
+          ChatApp._model, takes_path=True),
+    Entry("/stats", "", "session totals per mode: tokens, steps, tokens/step, tok/s", ChatApp._stats),
+    Entry("/context", "", "how much of the model's context the conversation holds (--ctx sets it)", ChatApp._context),
+    Entry("/thinking", "", "the last answer's reasoning (<think>...</think>), folded to one line once the answer ends",
+          ChatApp._thinking),
+    Entry("/debug", "on|off", "per-step acceptance and a per-turn statistics panel", ChatApp._debug),
+    Entry("/markdown", "on|off", "redraw finished answers with code blocks, lists or headings as Markdown",
+          ChatApp._markdown),
+    Entry("/read", "PATH [TEXT]", "put a text file into the next message, or with TEXT into this one (Tab completes paths)",
+          ChatApp._read, takes_path=True),
+    Entry("/edit", "[TEXT]", "write the message in $VISUAL or $EDITOR (Ctrl-X Ctrl-E too); it is sent when the editor "
+          "closes", ChatApp._edit),
+    Entry("/copy", "", "the last answer onto the clipboard (through the terminal: OSC 52)", ChatApp._copy),
+    Entry("/system", "TEXT", "set the system prompt (empty: remove it); starts a new conversation", ChatApp._system),
+    Entry("/clear", "", "start a new conversation (settings are kept)", ChatApp._clear),
+    Entry("/undo", "", "drop the last question and its answer", ChatApp._undo),
+    Entry("/retry", "", "answer the last question again", ChatApp._retry),
+    Entry("/save", "PATH", "save the conversation and settings as JSON", ChatApp._save, takes_path=True),
+    Entry("/load", "PATH", "load a conversation saved with /save", ChatApp._load, takes_path=True),
+    Entry("/history", "[N]", "the chats kept so far (newest first); /history N opens chat N (ladechat --continue: "
+          "the last)", ChatApp._history),
+    Entry("/exit", "", "leave (Ctrl-D works too)", ChatApp._exit, aliases=("/quit",)),
+])
 
 
 HISTORY_SHOWN = 20  # kept chats /history lists
 
 
 def _chat_completer(commands_completer):
-    """The commands' names, and after `/read ` and `/model ` the paths of files."""
+    """The commands' names, and the paths of files after a command that takes one."""
     from prompt_toolkit.completion import Completer, PathCompleter
     from prompt_toolkit.document import Document
 
@@ -460,7 +496,7 @@ def _chat_completer(commands_completer):
         def get_completions(self, document, complete_event):
             before = document.text_before_cursor
             command, _, typed = before.partition(" ")
-            if command in ("/read", "/model") and _ and " " not in typed:
+            if command in COMMANDS.path_names() and _ and " " not in typed:
                 yield from paths.get_completions(Document(typed, len(typed)), complete_event)
             else:
                 yield from commands_completer.get_completions(document, complete_event)
@@ -481,7 +517,7 @@ def _prompt_session():
     def _newline(event) -> None:
         event.current_buffer.insert_text("\n")
 
-    completer = _chat_completer(WordCompleter(list(commands.COMMANDS), sentence=True, match_middle=False))
+    completer = _chat_completer(WordCompleter(COMMANDS.names(), sentence=True, match_middle=False))
     return PromptSession(history=PrivateHistory(state_root() / "history"), key_bindings=bindings, completer=completer,
                          enable_open_in_editor=True,  # Ctrl-X Ctrl-E, as shells do
                          complete_while_typing=True)

@@ -1,50 +1,29 @@
-"""Slash commands of the chat: parsing and help text (no I/O here)."""
+"""Slash commands of the chat: the table that names them (each with its handler, help and
+completion; ui/chat.py fills it), parsing and help text (no I/O here)."""
 
 from __future__ import annotations
 
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ladechat import settings
 from ladechat.errors import UserError
 
 
-def _set_keys() -> str:
+def set_keys_help() -> str:
     """The keys /set takes (settings.set_keys), W, N and G with their meaning, wrapped under /set."""
     named = [settings.LABELS[settings.keys()[k]].lower() if settings.keys()[k] in settings.LABELS else k
              for k in settings.set_keys()]
-    return textwrap.fill(", ".join(named), width=100, initial_indent=" " * 22, subsequent_indent=" " * 22)
+    return textwrap.fill(", ".join(named), width=100, initial_indent=" " * HELP_WIDTH,
+                         subsequent_indent=" " * HELP_WIDTH)
 
 
-HELP = f"""\
-/help                 this list
-/lookahead on|off     lookahead decoding on or off (from the next answer)
-/store on|off|clear   draft from this model's store of past answers (and add to it); clear: forget them
-/set KEY=VALUE ...    change settings, e.g. /set w=3 temperature=0.7 (seed=none: random); keys:
-{_set_keys()}
-/show                 current settings
-/model [NAME|PATH]    the model answering; with a name, id, folder or .gguf: another answers from now on
-/stats                session totals per mode: tokens, steps, tokens/step, tok/s
-/context              how much of the model's context the conversation holds (--ctx sets it)
-/thinking             the last answer's reasoning (<think>...</think>), folded to one line once the answer ends
-/debug on|off         per-step acceptance and a per-turn statistics panel
-/markdown on|off      redraw finished answers with code blocks, lists or headings as Markdown
-/read PATH [TEXT]     put a text file into the next message, or with TEXT into this one (Tab completes paths)
-/edit [TEXT]          write the message in $VISUAL or $EDITOR (Ctrl-X Ctrl-E too); it is sent when the editor closes
-/copy                 the last answer onto the clipboard (through the terminal: OSC 52)
-/system TEXT          set the system prompt (empty: remove it); starts a new conversation
-/clear                start a new conversation (settings are kept)
-/undo                 drop the last question and its answer
-/retry                answer the last question again
-/save PATH            save the conversation and settings as JSON
-/load PATH            load a conversation saved with /save
-/history [N]          the chats kept so far (newest first); /history N opens chat N (ladechat --continue: the last)
-/exit                 leave (Ctrl-D works too)
+USAGE = """\
 Input: Enter sends; Alt+Enter (or Esc then Enter) adds a new line; a message that starts with
 \"\"\" continues until a line that ends with \"\"\". Ctrl-C stops an answer or clears the line."""
-
-COMMANDS = ("/help", "/lookahead", "/store", "/set", "/show", "/model", "/stats", "/context", "/thinking", "/read", "/edit", "/copy", "/debug", "/markdown", "/system", "/clear",
-            "/undo", "/retry", "/save", "/load", "/history", "/exit", "/quit")
+HELP_WIDTH = 22  # /help's column of descriptions
 
 NULLABLE = {"seed": ("none", "random"), "template": ("none",)}  # what `/set KEY=...` takes for unset
 
@@ -54,17 +33,48 @@ class CommandError(UserError, ValueError):
 
 
 @dataclass(frozen=True)
-class Command:
+class Entry:
+    """One slash command: its name, what it takes, its line of /help, and what runs it."""
     name: str
-    arg: str
+    args: str
+    help: str
+    run: Callable[[Any, str], bool | None]  # (the chat, the argument); False leaves the chat
+    aliases: tuple[str, ...] = ()
+    takes_path: bool = False  # Tab completes its argument as a file's path
+    more: str = ""  # lines under its help line, already indented
 
 
-def parse(line: str) -> Command:
-    head, _, rest = line.strip().partition(" ")
-    name = head.lower()
-    if name not in COMMANDS:
-        raise CommandError(f"unknown command {head} (try /help)")
-    return Command(name="/exit" if name == "/quit" else name, arg=rest.strip())
+class Table:
+    """The chat's commands, in /help's order: the one place a command is named."""
+
+    def __init__(self, entries: list[Entry]) -> None:
+        self.entries = entries
+        self._by_name = {name: entry for entry in entries for name in (entry.name, *entry.aliases)}
+
+    def names(self) -> list[str]:
+        """Every name a command answers to, for completion."""
+        return list(self._by_name)
+
+    def path_names(self) -> set[str]:
+        return {name for name, entry in self._by_name.items() if entry.takes_path}
+
+    def find(self, line: str) -> tuple[Entry, str]:
+        """The command a line names, and its argument; an unknown name is a CommandError."""
+        head, _, rest = line.strip().partition(" ")
+        entry = self._by_name.get(head.lower())
+        if entry is None:
+            raise CommandError(f"unknown command {head} (try /help)")
+        return entry, rest.strip()
+
+    def help(self) -> str:
+        lines = []
+        for entry in self.entries:
+            usage = f"{entry.name} {entry.args}".rstrip()
+            lines.append(f"{usage:<{HELP_WIDTH - 1}} {entry.help}".rstrip() if len(usage) < HELP_WIDTH
+                         else f"{usage} {entry.help}")
+            if entry.more:
+                lines.append(entry.more)
+        return "\n".join(lines + [USAGE])
 
 
 def on_off(arg: str, name: str) -> bool:
