@@ -7,3 +7,7 @@ from __future__ import annotations
 
 class UserError(Exception):
     """Something the user gave cannot be used; str(error) says what, on one line."""
+
+
+class ModelNotFound(UserError):
+    """A model the user asked for is not there; the message says what to do."""

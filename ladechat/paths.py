@@ -7,6 +7,8 @@ judged on the file it opened (no check-then-open race); each caller words the re
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import os
 import stat
 from collections.abc import Mapping
@@ -61,3 +63,17 @@ def read_bounded(path: Path | str, limit: int) -> bytes:
     if len(data) > limit:
         raise Unreadable("too large")
     return data
+
+
+# -- our own code's identity, for cache keys ---------------------------------------------------
+def source_digest(*files: str) -> str:
+    """A short digest of these source files (modules' __file__), for the key of a cached verdict or
+    measurement that depends on what our own code does: after an upgrade (or an edit) of that code
+    it is asked or measured again instead of trusted from the old code."""
+    digest = hashlib.sha256()
+    try:
+        for file in files:
+            digest.update(Path(file).read_bytes())
+    except OSError:  # no source files to read (a zip import, a frozen build): the release says it
+        digest.update(importlib.metadata.version("ladechat").encode())
+    return digest.hexdigest()[:16]

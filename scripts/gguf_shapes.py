@@ -52,7 +52,7 @@ def tokenizer_fields(reader) -> list:
 def tokenizer_source(path: Path | None) -> Path:
     if path is not None:
         return path
-    from ladechat.engine.load.gguf import embedded_gguf
+    from ladechat.engine.load.gguf.files import embedded_gguf
 
     return embedded_gguf()
 

@@ -46,7 +46,7 @@ def write(shape: str, folder: Path, seed: int = 0) -> None:
     from safetensors.torch import save_file
     from transformers import AutoTokenizer, LlamaConfig
 
-    from ladechat.engine.load.gguf import embedded_gguf
+    from ladechat.engine.load.gguf.files import embedded_gguf
 
     source = embedded_gguf()
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)

@@ -30,7 +30,7 @@ import statistics
 
 import torch
 
-from ladechat.engine.load import quantized
+from ladechat.engine.load.gguf import quantized
 from ladechat.engine.load.loading import LoadSpec, load
 from ladechat.engine.runner import DynamicRunner
 from ladechat.engine.step_cost import chain, prefill_random, time_step

@@ -22,7 +22,7 @@ if [[ ! -x $BIN/llama-server ]]; then
     echo "peer_bench.sh: no $BIN/llama-server: build it with scripts/llama_cpp.sh" >&2
     exit 1
 fi
-GGUF=${GGUF:-$("$PY" -c 'from ladechat.engine.load.gguf import embedded_gguf; print(embedded_gguf())')}
+GGUF=${GGUF:-$("$PY" -c 'from ladechat.engine.load.gguf.files import embedded_gguf; print(embedded_gguf())')}
 LOGS=$(mktemp -d)
 PIDS=()
 

@@ -20,7 +20,8 @@ def _test_cache_home() -> Path:
     it rather than the user's; what is slow to rebuild and never changes an answer (the converted
     embedded model, step-cost curves, mask-probe verdicts, compiled kernels) is linked from the
     user's cache."""
-    from ladechat.engine.load import gguf
+    from ladechat.engine.load.gguf import files as gguf_files
+    from ladechat.errors import ModelNotFound
 
     user = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ladechat"
     home = Path(tempfile.mkdtemp(prefix="ladechat-test-cache-"))
@@ -31,8 +32,8 @@ def _test_cache_home() -> Path:
     # of the models' folders, only the embedded model's: the GGUF files tests write have folders of
     # their own, which would pile up in the user's cache run after run
     try:
-        embedded = gguf.prepared_dir(gguf.embedded_gguf())  # the user's, XDG_CACHE_HOME not yet changed
-    except gguf.ModelNotFound:
+        embedded = gguf_files.prepared_dir(gguf_files.embedded_gguf())  # the user's, XDG_CACHE_HOME not yet changed
+    except ModelNotFound:
         embedded = None
     if embedded is not None and (embedded / "complete").is_file():
         (home / "ladechat" / "models" / embedded.name).symlink_to(embedded)

@@ -365,10 +365,10 @@ def test_model_switches_the_model_and_keeps_the_conversation(tmp_path):
     from test_cli import tiny_model_folder
     from transformers import AutoTokenizer
 
-    from ladechat.engine.load import gguf
+    from ladechat.engine.load.gguf import files as gguf_files
 
     folder = tmp_path / "tiny"
-    tiny_model_folder(folder, AutoTokenizer.from_pretrained(gguf.ensure_prepared(gguf.embedded_gguf())))
+    tiny_model_folder(folder, AutoTokenizer.from_pretrained(gguf_files.ensure_prepared(gguf_files.embedded_gguf())))
     child = spawn(tmp_path)
     say(child, "What is the capital of France?", "tokens/step")
     say(child, "/model /no/such/folder", r"error: /model /no/such/folder: model folder not found: /no/such/folder; "

@@ -175,7 +175,7 @@ def test_chat_template_that_refuses_the_conversation(tmp_path, embedded_fp32):
 
 
 def test_gguf_file_model():
-    from ladechat.engine.load.gguf import embedded_gguf
+    from ladechat.engine.load.gguf.files import embedded_gguf
 
     path = embedded_gguf()
     r = ladechat("ask", "--model", str(path), "--max-new-tokens", "8", "--json", "Say hello.")

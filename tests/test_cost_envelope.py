@@ -5,7 +5,6 @@ known cost per step, so what the envelope learns does not depend on this machine
 
 import json
 import random
-from dataclasses import replace
 
 import pytest
 import torch
@@ -17,7 +16,6 @@ from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.cost_envelope import CostEnvelope
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.events import Done, Step
-from ladechat.engine.runner import max_step_size
 from ladechat.engine.step_cost import CONTEXTS, SIZES, CostModel
 
 # The embedded model in fp32 on a quiet 2-core AVX2 EPYC (ms, 192 cached tokens), the larger sizes

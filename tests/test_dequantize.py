@@ -1,4 +1,4 @@
-"""engine/load/dequantize.py: every GGML type it takes gives gguf-py's weights bit for bit, on the
+"""engine/load/gguf/dequantize.py: every GGML type it takes gives gguf-py's weights bit for bit, on the
 CPU and, where the machine has one, on a CUDA GPU (scripts/gpu/gguf_sizes.sh runs this file there)."""
 
 import numpy as np
@@ -7,7 +7,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import dequantize as gguf_dequantize
 
-from ladechat.engine.load import dequantize
+from ladechat.engine.load.gguf import dequantize
 
 T = GGMLQuantizationType
 # the byte offsets of each block's fp16 fields (scales, mins), set to finite numbers: random bytes

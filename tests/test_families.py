@@ -17,7 +17,7 @@ from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.events import Done
 from ladechat.engine.kernels import int4
-from ladechat.engine.load.gguf import embedded_gguf
+from ladechat.engine.load.gguf.files import embedded_gguf
 from ladechat.engine.load.loading import LoadError, LoadSpec, load
 from ladechat.engine.models import llama, transformers_model
 
@@ -177,7 +177,7 @@ def test_the_weights_map_is_transformers_own(arch, tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
-    from ladechat.engine.load import gguf as gguf_files
+    from ladechat.engine.load.gguf import files as gguf_files
 
     path = gguf_files.embedded_gguf() if arch == "llama" else write_family(arch, tmp_path / f"{arch}.gguf", False)
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
@@ -195,7 +195,7 @@ def test_config_and_tokenizer_are_transformers_own_from_one_parse(arch, tmp_path
     writes when it parses the file for the config and again for the tokenizer; it parsed it once."""
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
-    from ladechat.engine.load import gguf as gguf_files
+    from ladechat.engine.load.gguf import files as gguf_files
 
     path = gguf_files.embedded_gguf() if arch == "llama" else write_family(arch, tmp_path / f"{arch}.gguf", False)
     gguf_files._prepare(path, tmp_path / "once")
@@ -222,7 +222,7 @@ def test_a_gguf_whose_dense_tensors_do_not_fit_is_one_line_before_it_is_read(tmp
 
     path = write_family("qwen2", tmp_path / "big.gguf", False)
     monkeypatch.setattr(loading, "available_memory", lambda: 1 << 20)
-    monkeypatch.setattr(loading.gguf, "read_tensors", lambda *a, **k: pytest.fail("read before the check"))
+    monkeypatch.setattr(loading.gguf_files, "read_tensors", lambda *a, **k: pytest.fail("read before the check"))
     with pytest.raises(LoadError) as caught:
         load(LoadSpec(model=str(path), dtype="float32", device="cpu"))
     message = str(caught.value)

@@ -15,8 +15,8 @@ import pytest
 from conftest import ladechat_bin
 from test_int4 import write_tiny_gguf
 
-from ladechat.engine.load import gguf
-from ladechat.engine.load.header import SCALARS, STRING
+from ladechat.engine.load.gguf import files as gguf_files
+from ladechat.engine.load.gguf.header import SCALARS, STRING
 
 MEMORY_CAP = 8 * 2**30  # address space of each `ladechat ask` (2 threads, no GPU): torch's own mappings, the tiny model
 
@@ -107,10 +107,10 @@ def test_every_mutated_header_field_is_refused_in_one_line_or_reads(tiny, tmp_pa
     target, passed = tmp_path / "mutant.gguf", []
     for what, data in made:
         target.write_bytes(data)
-        gguf.reader.cache_clear()
+        gguf_files.reader.cache_clear()
         try:
-            gguf.check_header(target)
-        except gguf.BadGGUF as exc:
+            gguf_files.check_header(target)
+        except gguf_files.BadGGUF as exc:
             message = str(exc)
             assert "\n" not in message and str(target) in message, (what, message)
             continue
@@ -130,8 +130,8 @@ def test_arrays_nested_past_any_model_are_one_line(tmp_path):
     data += struct.pack("<IQ", 9, 1) * 10_000 + struct.pack("<IQ", 4, 0) + b"\0" * 64
     path = tmp_path / "nested.gguf"
     path.write_bytes(data)
-    with pytest.raises(gguf.BadGGUF, match=f"^cannot read {path}: its metadata nests arrays more than 4 deep$"):
-        gguf.check_header(path)
+    with pytest.raises(gguf_files.BadGGUF, match=f"^cannot read {path}: its metadata nests arrays more than 4 deep$"):
+        gguf_files.check_header(path)
 
 
 def ask(path: Path, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -82,7 +82,7 @@ def test_prepare_fits_each_call_in_what_one_call_carries(staged):
     wheels1 = {p.name.split("-")[0] for p in (repo / ".gpu/call1/wheels").glob("*.whl")}
     assert {"transformers", "typer", "pydantic", "gguf", "openai", "uvicorn"} <= wheels1
     assert not (repo / ".gpu/call2/wheels").exists() and (repo / ".gpu/call2/data/mtbench-dev.jsonl").is_file()
-    from ladechat.engine.load.gguf import embedded_gguf
+    from ladechat.engine.load.gguf.files import embedded_gguf
 
     parts = (repo / ".gpu/call1/gguf.part1", repo / ".gpu/call2/gguf.part2")
     whole = hashlib.sha256(b"".join(part.read_bytes() for part in parts))

@@ -1,4 +1,4 @@
-"""A GGUF's header read by ladechat (engine/load/header.py) as gguf-py reads it."""
+"""A GGUF's header read by ladechat (engine/load/gguf/header.py) as gguf-py reads it."""
 
 import numpy as np
 import pytest
@@ -6,14 +6,14 @@ from gguf import GGMLQuantizationType
 
 
 def test_the_header_reader_describes_every_tensor_as_gguf_py_does(tmp_path):
-    """engine/load/header.py (a first load's tensor table, without gguf-py's seconds of parsing):
+    """engine/load/gguf/header.py (a first load's tensor table, without gguf-py's seconds of parsing):
     the same tensors, types, offsets, sizes and arrays, and the same single-valued metadata, as
     gguf-py's GGUFReader, for the embedded model and a file of every block type; a file cut in its
     header is one HeaderError."""
     import gguf
 
-    from ladechat.engine.load.gguf import embedded_gguf
-    from ladechat.engine.load.header import HeaderError, read_header
+    from ladechat.engine.load.gguf.files import embedded_gguf
+    from ladechat.engine.load.gguf.header import HeaderError, read_header
 
     writer = gguf.GGUFWriter(tmp_path / "all.gguf", "llama")
     writer.add_array("tokenizer.ggml.tokens", ["a", "b", "c"])

@@ -1,4 +1,4 @@
-"""A GGUF's 4-bit blocks run at 4 bits (engine/load/quantized.py, engine/kernels/q4.py and int4.py): the exact 4-bit form of Q4_0, Q4_1
+"""A GGUF's 4-bit blocks run at 4 bits (engine/load/gguf/quantized.py, engine/kernels/q4.py and int4.py): the exact 4-bit form of Q4_0, Q4_1
 and Q4_K blocks, on ladechat's kernel (q4.py; tests/kernels/test_q4.py tests the kernel itself) or torch's
 int4 kernel where none is built, products within int8 / bf16 rounding of the dense weights `gguf`
 dequantizes, rows independent of the step's size (so lookahead answers equal plain decoding's on
@@ -22,7 +22,8 @@ from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.defaults import default_lookahead
 from ladechat.engine.kernels import attention, int4, native, q4
-from ladechat.engine.load import packing, quantized
+from ladechat.engine.load import packing
+from ladechat.engine.load.gguf import quantized
 from ladechat.engine.load.loading import LoadError, LoadSpec, load
 from ladechat.engine.models import transformers_model
 from ladechat.paths import cache_root
@@ -255,11 +256,7 @@ def test_every_4bit_kind_of_a_gguf_runs_at_4_bits_and_the_rest_stays_dense(tiny_
     with torch.no_grad():
         ours, theirs = model(ids).logits, dense(ids).logits
     assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()
-    # the 4-bit form was kept (written in a thread of its own, joined by finish_keeping): a second
-    # model reads it without the GGUF
-    from ladechat.engine.load.gguf import finish_keeping
-
-    finish_keeping()
+    # the 4-bit form was kept (outside a load, written at once): a second model reads it without the GGUF
     cached = list(tmp_path.glob("int4-*.safetensors"))
     assert len(cached) == 1
     again = dense_from_gguf(tiny_gguf)
@@ -274,7 +271,7 @@ def test_without_a_compiler_the_4bit_weights_run_on_torchs_kernel(tiny_gguf, tmp
         "from pathlib import Path\n"
         "import torch\n"
         "from transformers import AutoModelForCausalLM\n"
-        "from ladechat.engine.load import quantized\n"
+        "from ladechat.engine.load.gguf import quantized\n"
         f"gguf = Path({str(tiny_gguf)!r})\n"
         "model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)\n"
         f"tmp = Path({str(tmp_path)!r})\n"
@@ -293,7 +290,7 @@ def test_a_gguf_is_built_from_its_blocks_with_no_dense_copy_kept(tiny_gguf, tmp_
     transformers' own GGUF load (every tensor dequantized) then quantized.apply; the cache holds its config,
     tokenizer, where its tensors lie and the kernels' layout, never a dense copy of the weights; a
     second load, from what is kept, gives the same logits."""
-    from ladechat.engine.load import gguf as gguf_files
+    from ladechat.engine.load.gguf import files as gguf_files
 
     copy = tmp_path / "tiny.gguf"  # a file of its own: its own cache folder
     shutil.copyfile(tiny_gguf, copy)
@@ -395,7 +392,7 @@ def test_the_embedded_model_is_built_with_the_weights_of_transformers_own_gguf_l
     """load() builds the embedded model from its file's blocks (the fixture's load): every tensor
     transformers' own GGUF load (every tensor dequantized) then quantized.apply gives, bit for bit, its
     output layer on the Q8_0 kernel; a second load, from what is kept, the same logits."""
-    from ladechat.engine.load import gguf as gguf_files
+    from ladechat.engine.load.gguf import files as gguf_files
 
     folder = gguf_files.prepared_dir(gguf_path())
     full = dense_from_gguf(gguf_path())
@@ -435,7 +432,7 @@ def test_embedded_int4_products_match_gguf_dequantize(embedded_int4):
 
 
 def gguf_path() -> Path:
-    from ladechat.engine.load.gguf import embedded_gguf
+    from ladechat.engine.load.gguf.files import embedded_gguf
 
     return embedded_gguf()
 
@@ -521,7 +518,7 @@ def test_dense_and_packed_stay_as_they_were():
 @pytest.fixture
 def own_cache(tmp_path, monkeypatch) -> Path:
     """A copy of the embedded GGUF and a cache folder of its own (the suite's compiled kernels linked)."""
-    from ladechat.engine.load import gguf as gguf_files
+    from ladechat.engine.load.gguf import files as gguf_files
 
     user_kernels = cache_root() / "kernels"
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -536,14 +533,15 @@ def test_a_ggufs_verdicts_are_kept_once_though_its_blocks_are_written_meanwhile(
     """The first load of a GGUF writes its kept blocks in a thread while the mask and thread probes
     run; those files are the GGUF's own, so the verdicts' keys leave them out: the second load
     (the blocks now there) finds the first's verdicts rather than probing again."""
-    from ladechat.engine.load import gguf as gguf_files
+    from ladechat.engine.load.gguf import files as gguf_files
+    from ladechat.engine.load.gguf import kept
 
     copy = own_cache
     # the blocks written only once both probes have run, as a 7B's are: deterministic here
     from ladechat.engine.load import loading
 
-    probed, keep, governed = threading.Event(), gguf_files.keep_beside, loading._governed
-    monkeypatch.setattr(gguf_files, "keep_beside",  # (head.py keeps its small file at once, as before)
+    probed, keep, governed = threading.Event(), kept.keep_beside, loading._governed
+    monkeypatch.setattr(kept, "keep_beside",  # (head.py keeps its small file at once, as before)
                         lambda *a: (threading.current_thread() is threading.main_thread() or probed.wait()) and keep(*a))
     monkeypatch.setattr(loading, "_governed", lambda *a: (governed(*a), probed.set())[0])
     from ladechat.engine import thread_probe
@@ -562,8 +560,8 @@ def test_blocks_that_cannot_be_kept_are_one_notice_and_the_model_runs(own_cache,
     leaves no part of the file behind, and the model answers as the GGUF's own."""
     import errno
 
-    from ladechat.engine.load import gguf as gguf_files
-    from ladechat.engine.load import kept
+    from ladechat.engine.load.gguf import files as gguf_files
+    from ladechat.engine.load.gguf import kept
 
     copy = own_cache
     write = kept.write

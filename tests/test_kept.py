@@ -1,10 +1,11 @@
-"""The kernels' layout kept in a GGUF's cache folder (engine/load/kept.py): safetensors' format,
+"""The kernels' layout kept in a GGUF's cache folder (engine/load/gguf/kept.py): safetensors' format,
 written and read a tensor at a time; a file cut short is not taken for a whole one."""
 
+import pytest
 import torch
 from safetensors import safe_open
 
-from ladechat.engine.load import kept
+from ladechat.engine.load.gguf import kept
 
 
 def tensors() -> dict[str, torch.Tensor]:
@@ -44,3 +45,24 @@ def test_a_file_cut_short_or_not_of_this_format_is_not_whole(tmp_path):
     path.write_bytes(b"\xff" * 8 + data[8:])  # a header length past the file's end
     assert not kept.whole(path)
     assert not kept.whole(tmp_path / "missing.safetensors")
+
+
+def test_a_loads_kept_files_are_written_by_its_end_also_when_it_fails(tmp_path):
+    """keep_beside_meanwhile's writers belong to the load that started them (writes_joined): joined
+    when it ends, also by an error, each file whole; a file not kept is a notice of that load only."""
+    import threading
+
+    tensors = {"x": torch.arange(4096, dtype=torch.int32)}
+    first: list[str] = []
+    with pytest.raises(RuntimeError, match="the load failed"), kept.writes_joined(first):
+        kept.keep_beside_meanwhile(tmp_path / "a.safetensors", tensors, {}, "none-*")
+        raise RuntimeError("the load failed")
+    assert not [t for t in threading.enumerate() if t.name == "ladechat-keep"]
+    assert kept.whole(tmp_path / "a.safetensors") and first == []
+    second: list[str] = []
+    with kept.writes_joined(second):
+        kept.keep_beside_meanwhile(tmp_path / "gone" / "b.safetensors", tensors, {}, "none-*")
+    assert len(second) == 1 and second[0].startswith(f"cannot keep the kernels' layout in {tmp_path / 'gone'} (")
+    assert first == []
+    kept.keep_beside_meanwhile(tmp_path / "c.safetensors", tensors, {}, "none-*")  # outside a load: at once
+    assert kept.whole(tmp_path / "c.safetensors")

@@ -20,7 +20,8 @@ from ladechat.engine.decode import Session, generate
 from ladechat.engine.kernels import attention, int4, native, q4, step_ops
 from ladechat.engine.kernels.attention import use_grouped_sdpa
 from ladechat.engine.layout import build_layout
-from ladechat.engine.load import packing, quantized
+from ladechat.engine.load import packing
+from ladechat.engine.load.gguf import quantized
 from ladechat.engine.load.loading import LoadSpec, load
 from ladechat.engine.models import llama, transformers_model
 from ladechat.engine.runner import DynamicRunner, ModelRunner, default_runner

@@ -5,7 +5,8 @@ import torch
 
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
-from ladechat.engine.load import gguf, packing
+from ladechat.engine.load import packing
+from ladechat.engine.load.gguf import files as gguf_files
 from ladechat.engine.load.loading import LoadSpec, load
 
 pytestmark = pytest.mark.slow
@@ -20,7 +21,7 @@ def folder(tmp_path_factory):
     a GGUF's blocks): transformers' own GGUF load, saved."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path, target = gguf.embedded_gguf(), tmp_path_factory.mktemp("embedded-hf")
+    path, target = gguf_files.embedded_gguf(), tmp_path_factory.mktemp("embedded-hf")
     loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     config = loaded.config.to_dict()
     config.pop("quantization_config", None)  # transformers saves no model it calls quantized with gguf

@@ -17,9 +17,9 @@ def embedded_tokenizer():
     """The embedded SmolLM2's tokenizer alone (its ChatML template and 17 special tokens)."""
     from transformers import AutoTokenizer
 
-    from ladechat.engine.load import gguf
+    from ladechat.engine.load.gguf import files as gguf_files
 
-    return AutoTokenizer.from_pretrained(str(gguf.ensure_prepared(gguf.embedded_gguf(), None)))
+    return AutoTokenizer.from_pretrained(str(gguf_files.ensure_prepared(gguf_files.embedded_gguf(), None)))
 
 
 def specials(tokenizer) -> dict[int, str]:

@@ -644,14 +644,14 @@ def test_mask_probe_verdict_is_remembered_per_folder(tmp_path, monkeypatch):
     # our mask and attention code is part of every kept verdict: an upgraded ladechat asks again
     from ladechat.engine import layout
     from ladechat.engine.kernels import attention
-    from ladechat.engine.load.gguf import source_digest
+    from ladechat.paths import source_digest
 
     ours = source_digest(attention.__file__, layout.__file__)
     assert all(ours in verdict.read_text() for verdict in verdicts.iterdir())
 
 
 def test_source_digest_follows_the_files_content(tmp_path):
-    from ladechat.engine.load.gguf import source_digest
+    from ladechat.paths import source_digest
 
     a, b = tmp_path / "a.py", tmp_path / "b.py"
     a.write_text("x = 1\n")
@@ -823,10 +823,10 @@ def test_the_settings_before_a_load_import_neither_torch_nor_transformers():
 
 
 def test_a_prompt_the_tokenizer_turns_into_nothing_is_one_line(monkeypatch):
+    from tiny_models import tiny_tokenizer
+
     from ladechat import templates
     from ladechat.conversation import Conversation, ConversationError
-
-    from tiny_models import tiny_tokenizer
 
     monkeypatch.setattr(templates, "encode", lambda tokenizer, messages, template: [])
     conversation = Conversation(messages=[{"role": "user", "content": "hi"}])

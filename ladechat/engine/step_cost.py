@@ -22,11 +22,11 @@ from ladechat.engine import kv, layout
 from ladechat.engine import runner as runners
 from ladechat.engine.kernels import attention, int4, linear, norms, q4, q6, q8, step_ops
 from ladechat.engine.layout import StepLayout, build_layout
-from ladechat.engine.load import packing, quantized
-from ladechat.engine.load.gguf import source_digest
+from ladechat.engine.load import packing
+from ladechat.engine.load.gguf import quantized
 from ladechat.engine.models import llama
 from ladechat.engine.runner import default_runner, top_k
-from ladechat.paths import cache_root
+from ladechat.paths import cache_root, source_digest
 
 SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 CONTEXTS = (192, 1536)  # cached tokens: a fresh question, and a conversation a few turns in

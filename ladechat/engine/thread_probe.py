@@ -139,10 +139,11 @@ def cached_verdict(model, what: list, ceiling: int, cache: Path | None) -> Verdi
 
         from ladechat.engine import runner
         from ladechat.engine.kernels import attention, linear, norms, q4, q6, q8, step_ops
-        from ladechat.engine.load import gguf, packing
+        from ladechat.engine.load import packing
         from ladechat.engine.models import llama
+        from ladechat.paths import source_digest
 
-        code = gguf.source_digest(attention.__file__, llama.__file__, runner.__file__, packing.__file__, norms.__file__,
+        code = source_digest(attention.__file__, llama.__file__, runner.__file__, packing.__file__, norms.__file__,
                                   q4.SOURCE, q4.__file__, q6.__file__, q8.__file__, linear.__file__, step_ops.SOURCE,
                                   __file__)
         key = json.dumps(["v2", what, machine_key(), ceiling, str(model.dtype), torch.__version__,

@@ -9,7 +9,7 @@
 #   B. a 1B-shape Hugging Face folder (random weights, its config and tokenizer read from a GGUF by
 #      ladechat), asked with --load-in-4bit (bitsandbytes) and with --device-map auto, lookahead on and
 #      off each: the same figures
-#   C. the GGUF's dense tensors dequantized on the GPU (engine/load/dequantize.py): tests/test_dequantize.py
+#   C. the GGUF's dense tensors dequantized on the GPU (engine/load/gguf/dequantize.py): tests/test_dequantize.py
 #      there (every type's bits on CUDA, a dense load on CUDA equal to transformers'), a 1B-shape Q4_K_M
 #      read onto the GPU by gguf-py then by torch in one process (scripts/gpu/load_time.py: seconds,
 #      the same weights), then the 8B-shape Q4_K_M asked as in A, lookahead then plain. The steps
@@ -121,7 +121,7 @@ import torch
 sys.path.insert(0, "scripts")
 import gguf_shapes
 from transformers import AutoConfig, AutoModelForCausalLM
-from ladechat.engine.load.gguf import ensure_prepared
+from ladechat.engine.load.gguf.files import ensure_prepared
 shape, folder, vocab, device = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
 with tempfile.TemporaryDirectory() as tmp:
     gguf_shapes.write_f16("tiny", Path(tmp) / "tiny.gguf", tokenizer=vocab)  # its config and tokenizer

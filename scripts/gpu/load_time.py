@@ -1,12 +1,12 @@
 """How long a GGUF takes to read onto a device, its dense tensors dequantized by torch where they go
-(engine/load/dequantize.py) against gguf-py's numpy on the host, in one process, and whether both
+(engine/load/gguf/dequantize.py) against gguf-py's numpy on the host, in one process, and whether both
 give the same weights bit for bit.
 
     python3 scripts/gpu/load_time.py RESULTS NAME GGUF [--device cuda] [--dtype bfloat16]
 
 Loads the file twice with ladechat's load(): gguf-py first (which also writes the file's prepared
 folder, so its `load_s` includes the metadata's one parse), then torch. Appends one JSON line to
-RESULTS: each load's seconds, the part spent in gguf.read_tensors, the GPU's peak allocation, and
+RESULTS: each load's seconds, the part spent in gguf_files.read_tensors, the GPU's peak allocation, and
 `same_weights`."""
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 def timed_load(path: str, device: str, dtype: str, by_torch: bool) -> tuple[object, dict]:
     import torch
 
-    from ladechat.engine.load import dequantize, gguf
+    from ladechat.engine.load.gguf import dequantize
+    from ladechat.engine.load.gguf import files as gguf_files
     from ladechat.engine.load.loading import LoadSpec, load
 
     spent = {"read_tensors_s": 0.0}
-    read_tensors, supported = gguf.read_tensors, dequantize.supported
+    read_tensors, supported = gguf_files.read_tensors, dequantize.supported
 
     def timed(*args, **kwargs):
         start = time.perf_counter()
@@ -38,7 +39,7 @@ def timed_load(path: str, device: str, dtype: str, by_torch: bool) -> tuple[obje
                 torch.cuda.synchronize()
             spent["read_tensors_s"] += time.perf_counter() - start
 
-    gguf.read_tensors = timed
+    gguf_files.read_tensors = timed
     if not by_torch:
         dequantize.supported = lambda kind: False
     if device.startswith("cuda"):
@@ -47,7 +48,7 @@ def timed_load(path: str, device: str, dtype: str, by_torch: bool) -> tuple[obje
     try:
         loaded = load(LoadSpec(model=path, device=device, dtype=dtype, pack_weights=False))
     finally:
-        gguf.read_tensors, dequantize.supported = read_tensors, supported
+        gguf_files.read_tensors, dequantize.supported = read_tensors, supported
     spent["load_s"] = time.perf_counter() - start
     if device.startswith("cuda"):
         spent["gpu_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30

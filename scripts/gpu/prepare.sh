@@ -37,7 +37,7 @@ EOF
 python3 -m pip download -q --no-deps $("$PY" scripts/gpu/stage.py pip-target) -d .gpu/call1/wheels $pins
 
 # The embedded model's GGUF: as much as fits beside the wheels in call 1, the rest in call 2.
-gguf=$("$PY" -c "from ladechat.engine.load.gguf import embedded_gguf; print(embedded_gguf())")
+gguf=$("$PY" -c "from ladechat.engine.load.gguf.files import embedded_gguf; print(embedded_gguf())")
 tree=$("$PY" -c "import sys; sys.path.insert(0, 'scripts/gpu'); import stage; print(stage.tree_bytes())")
 wheels=$(du -sb .gpu/call1/wheels | cut -f1)
 part=$((LIMIT - MARGIN - tree - wheels))

@@ -407,7 +407,7 @@ def _staged_path(run: Run, step: Step, code: str, key: str, complaint: str) -> i
 
 FIND_MODEL = r"""
 import json, os
-from ladechat.engine.load.gguf import embedded_gguf, ensure_prepared
+from ladechat.engine.load.gguf.files import embedded_gguf, ensure_prepared
 found = {"embedded_gguf": str(embedded_gguf())}
 if os.environ.get("LADECHAT_GPU_DRY_RUN") != "1":  # reading its metadata takes a while on a busy 2-core CPU
     found["prepared"] = str(ensure_prepared(embedded_gguf()))

@@ -12,7 +12,7 @@ from gguf_files import HIDDEN, VOCAB, assert_lookahead_answers_as_plain, write_l
 from test_q4 import paths
 
 from ladechat.engine.kernels import half, int4
-from ladechat.engine.load import quantized
+from ladechat.engine.load.gguf import quantized
 from ladechat.engine.load.loading import LoadSpec, load
 from ladechat.engine.models import transformers_model
 

@@ -15,7 +15,7 @@ from conftest import PATIENCE_S
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from ladechat.engine.kernels import int4, native, norms
-from ladechat.engine.load import quantized
+from ladechat.engine.load.gguf import quantized
 from ladechat.engine.load.loading import LoadSpec, load
 
 HAS_COMPILER = shutil.which(native.COMPILER) is not None
@@ -111,7 +111,7 @@ def test_without_a_compiler_everything_runs_on_torchs_ops(tmp_path):
         "from ladechat.engine import runner\n"
         "from ladechat.engine.models import llama\n"
         "from ladechat.engine.kernels import norms, step_ops\n"
-        "from ladechat.engine.load.gguf import embedded_gguf\n"
+        "from ladechat.engine.load.gguf.files import embedded_gguf\n"
         "from transformers import AutoModelForCausalLM\n"
         "from ladechat.engine.kernels.attention import use_grouped_sdpa\n"
         "gguf = embedded_gguf()\n"

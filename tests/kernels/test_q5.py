@@ -13,7 +13,7 @@ from gguf_files import HIDDEN, LAYERS, VOCAB, assert_lookahead_answers_as_plain,
 from test_q4 import paths
 
 from ladechat.engine.kernels import int4, q4, q6
-from ladechat.engine.load import quantized
+from ladechat.engine.load.gguf import quantized
 from ladechat.engine.load.loading import LoadSpec, load
 from ladechat.engine.models import transformers_model
 

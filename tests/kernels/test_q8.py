@@ -14,7 +14,7 @@ import torch
 from conftest import PATIENCE_S
 
 from ladechat.engine.kernels import int4, native, q4, q8
-from ladechat.engine.load import head, quantized
+from ladechat.engine.load.gguf import head, quantized
 from ladechat.engine.load.loading import LoadSpec, load
 from ladechat.paths import cache_root
 
@@ -166,8 +166,8 @@ def test_without_a_compiler_the_output_layer_stays_as_it_was(tmp_path):
     script = (
         "from pathlib import Path\n"
         "import torch\n"
-        "from ladechat.engine.load import head\n"
-        "from ladechat.engine.load.gguf import embedded_gguf\n"
+        "from ladechat.engine.load.gguf import head\n"
+        "from ladechat.engine.load.gguf.files import embedded_gguf\n"
         "from transformers import AutoModelForCausalLM\n"
         "gguf = embedded_gguf()\n"
         "model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)\n"

@@ -13,12 +13,13 @@ import torch
 
 from ladechat.engine.kernels import int4, native, norms, q4, q6, q8, step_ops
 from ladechat.engine.kernels.attention import use_grouped_sdpa
-from ladechat.engine.load import checkpoint, gguf, head, packing, quantized, requantize
-from ladechat.engine.load.gguf import ModelNotFound
+from ladechat.engine.load import checkpoint, packing, requantize
+from ladechat.engine.load.gguf import files as gguf_files
+from ladechat.engine.load.gguf import head, kept, quantized
 from ladechat.engine.models import llama, transformers_model
 from ladechat.engine.threads import CpuThreads
-from ladechat.errors import UserError
-from ladechat.paths import cache_root
+from ladechat.errors import ModelNotFound, UserError
+from ladechat.paths import cache_root, source_digest
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -153,10 +154,10 @@ def placement(spec: LoadSpec, device: torch.device) -> dict:
 
 def _source(model: str | None, progress) -> tuple[str, str, Path | None]:
     """(folder or hub id to load, display name, the GGUF file or None); a GGUF's folder holds its
-    config and tokenizer (gguf.ensure_prepared)."""
+    config and tokenizer (gguf_files.ensure_prepared)."""
     if model is None:
-        path = gguf.embedded_gguf()
-        return str(gguf.ensure_prepared(path, progress)), gguf.EMBEDDED_NAME, path
+        path = gguf_files.embedded_gguf()
+        return str(gguf_files.ensure_prepared(path, progress)), gguf_files.EMBEDDED_NAME, path
     path = Path(model).expanduser()
     if model.endswith(".gguf"):
         if path.is_dir():
@@ -166,8 +167,8 @@ def _source(model: str | None, progress) -> tuple[str, str, Path | None]:
         if not path.is_file():
             raise ModelNotFound(f"GGUF file not found: {model}")
         try:
-            return str(gguf.ensure_prepared(path, progress)), path.name, path
-        except gguf.BadGGUF as exc:
+            return str(gguf_files.ensure_prepared(path, progress)), path.name, path
+        except gguf_files.BadGGUF as exc:
             raise LoadError(str(exc)) from None
     if path.exists():
         if not path.is_dir() or not (path / "config.json").is_file():
@@ -213,9 +214,17 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
     front ends' opener passes it), whose verdict lets the steps' thread count follow the machine's
     load; None: the steps keep the full count. LoadError (or ModelNotFound) with one line for
     whatever the user can fix."""
+    kept_notices: list[str] = []
+    with kept.writes_joined(kept_notices):  # the kernels' layouts a first load keeps, written meanwhile
+        loaded = _load(spec, progress, probe)
+    return replace(loaded, notices=loaded.notices + tuple(kept_notices))
+
+
+def _load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | None, probe: Callable | None
+          ) -> LoadedModel:
     device, dtype = _checked(spec)
     if (spec.load_in_4bit or spec.load_in_8bit or spec.quantize) and (spec.model is None or spec.model.endswith(".gguf")):
-        name = Path(spec.model).name if spec.model else gguf.EMBEDDED_NAME
+        name = Path(spec.model).name if spec.model else gguf_files.EMBEDDED_NAME
         flags = "--quantize takes" if spec.quantize else "--load-in-4bit and --load-in-8bit take"
         raise LoadError(f"{name} is a GGUF file, already quantized: {flags} a Hugging Face model (its own blocks run "
                         "at their bits here)")
@@ -273,10 +282,7 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
     if spec.own_forward and not isinstance(model, llama.Llama) and llama.accepts(model) is None:
         model = llama.Llama.adopt(model)  # transformers' wrapper dropped: its modules are the Llama's
     cap = context_cap(context_length(model.config), spec.context_size)
-    try:
-        governed = _governed(threads, model, name, source, gguf_file, progress, probe)
-    finally:
-        notices.extend(gguf.finish_keeping())  # the blocks kept for later loads, written while the probe ran
+    governed = _governed(threads, model, name, source, gguf_file, progress, probe)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, device=model.device, dtype=model.dtype,
                        eos_ids=eos_ids(model, tokenizer), context_length=cap,
                        notices=tuple(notices), weights=quantized.describe(model), threads=governed)
@@ -446,7 +452,7 @@ def _read(asked: str, source: str, name: str, device: torch.device, kwargs: dict
             model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
         if "device_map" not in kwargs:  # on the CPU, where it was loaded
             model = model.to(device)
-    except gguf.BadGGUF as exc:
+    except gguf_files.BadGGUF as exc:
         raise LoadError(str(exc)) from None
     except (OSError, ValueError, SafetensorError) as exc:  # SafetensorError: a file that does not parse
         raise LoadError(_not_found(asked, exc) if not local else f"cannot load model {name}: {_one_line(exc)}") from None
@@ -514,14 +520,14 @@ def _from_gguf(folder: Path, gguf_file: Path, config, kwargs: dict, device: torc
     quantized.Applied or None). Built empty (parameters on the meta device); with `kernels` (a CPU that
     runs them), its Q4_0/Q4_1/Q4_K Linear weights and its Q8_0 output layer go into the kernels'
     layout first (quantized.py, head.py: read from the file once and kept in `folder`); then every other
-    tensor is dequantized on its own into the model's dtype on `device` (gguf.read_tensors). No
+    tensor is dequantized on its own into the model's dtype on `device` (gguf_files.read_tensors). No
     dense copy of the weights is made at any point. own_forward: a family ladechat runs itself is
     built as its own model (engine/models/) on a CPU, not as transformers'."""
     try:
         return _build_from_gguf(folder, gguf_file, config, kwargs, device, kernels, progress, blocks_embedding,
                                 own_forward)
     finally:
-        gguf.reader.cache_clear()  # the first load's parsed metadata: not kept with the model
+        gguf_files.reader.cache_clear()  # the first load's parsed metadata: not kept with the model
 
 
 def _build_from_gguf(folder: Path, gguf_file: Path, config, kwargs: dict, device: torch.device, kernels: Path | None,
@@ -537,7 +543,7 @@ def _build_from_gguf(folder: Path, gguf_file: Path, config, kwargs: dict, device
         with init_empty_weights(include_buffers=False):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype,
                                                      attn_implementation=kwargs["attn_implementation"])
-    index = gguf.tensor_index(model, gguf_file, folder)  # before any module is replaced
+    index = gguf_files.tensor_index(model, gguf_file, folder)  # before any module is replaced
     applied = None
     if kernels is not None:
         four_bit = quantized.apply(model, gguf_file, folder, kernels, progress)
@@ -545,13 +551,13 @@ def _build_from_gguf(folder: Path, gguf_file: Path, config, kwargs: dict, device
         applied = quantized.Applied(four_bit.replaced, four_bit.kinds,
                                four_bit.notices + head.apply(model, gguf_file, folder, kernels, progress).notices)
     if device.type == "cpu" and blocks_embedding:  # not for --compile: graphs cannot trace gguf-py's lookup
-        gguf.keep_embedding_as_blocks(model, gguf_file, index, dtype)
+        gguf_files.keep_embedding_as_blocks(model, gguf_file, index, dtype)
     empty = {name for name, tensor in (*model.named_parameters(), *model.named_buffers()) if tensor.is_meta}
     if device.type == "cpu":
         _check_dense_fits(model, gguf_file, index, empty, available_memory())
     if applied is not None:
         applied = replace(applied, notices=applied.notices + _no_kernel_notices(model, gguf_file, index, empty))
-    state = gguf.read_tensors(model, gguf_file, index, dtype, device, empty, progress)
+    state = gguf_files.read_tensors(model, gguf_file, index, dtype, device, empty, progress)
     loaded = model.load_state_dict(state, strict=False, assign=True)
     # a kernel's output module computes .weight dense on each read: ask for the Parameter itself
     output = model.get_output_embeddings()
@@ -725,7 +731,7 @@ def context_length(config) -> int:
 def model_files(folder: Path) -> list[tuple[str, int, int]]:
     """(name, size, mtime) of the files of a model folder, which key the verdicts kept for it; not
     the blocks a GGUF's folder keeps for later loads: they are the GGUF's, named by its folder, and
-    are still being written while a first load's probes run (gguf.keep_beside_meanwhile)."""
+    are still being written while a first load's probes run (kept.keep_beside_meanwhile)."""
     derived = (quantized.CACHE_PREFIX, head.CACHE_PREFIX)
     return sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.iterdir()
                   if f.is_file() and not (f.name.startswith(derived) and f.name.endswith((".safetensors", ".partial"))))
@@ -787,7 +793,7 @@ def honours_tree_mask(model, folder: str | None, attn: str) -> bool:
 
     files = model_files(Path(folder))
     key = json.dumps(["v1", str(Path(folder).resolve()), files, str(model.dtype), model.device.type, attn,
-                      torch.__version__, transformers.__version__, gguf.source_digest(attention.__file__, layout.__file__)])
+                      torch.__version__, transformers.__version__, source_digest(attention.__file__, layout.__file__)])
     path = cache_root() / "mask-probe" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     if path.is_file():
         return True

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import replace
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +27,7 @@ import torch
 
 from ladechat.engine.kernels import q4, q8
 from ladechat.engine.kernels.linear import BlockLinear
-from ladechat.engine.load import quantized
+from ladechat.engine.load.gguf import quantized
 from ladechat.errors import UserError
 from ladechat.paths import cache_root
 
@@ -63,7 +63,7 @@ def cache_file(checkpoint: tuple[str, str], kind: str) -> Path:
     that read and quantize it (a change to any is quantized afresh, replacing the file before)."""
     from importlib.metadata import version
 
-    from ladechat.engine.load.gguf import source_digest
+    from ladechat.paths import source_digest
 
     folder, files = checkpoint
     where = hashlib.sha256(folder.encode()).hexdigest()[:12]
@@ -125,7 +125,7 @@ def apply(model, kind: str, checkpoint: tuple[str, str] | None, kernels: Path, d
     from gguf import GGMLQuantizationType
 
     from ladechat.engine.kernels.embedding import BlockEmbedding
-    from ladechat.engine.load import kept
+    from ladechat.engine.load.gguf import kept
 
     unbuilt = q4.load(kernels, progress)
     if unbuilt or q4.best_path() < 1:
@@ -156,16 +156,16 @@ def apply(model, kind: str, checkpoint: tuple[str, str] | None, kernels: Path, d
 
 
 def _keep(path: Path, arrays: dict, kinds: dict, notices: list[str], kind: str) -> str | None:
-    """Keep the layout at `path` (written meanwhile, gguf.keep_beside_meanwhile); why not, where the
+    """Keep the layout at `path` (written meanwhile, kept.keep_beside_meanwhile); why not, where the
     cache folder cannot be made."""
-    from ladechat.engine.load import gguf as gguf_files
+    from ladechat.engine.load.gguf import kept
 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         return exc.strerror or type(exc).__name__
-    gguf_files.keep_beside_meanwhile(path, arrays, {"kinds": json.dumps(kinds), "notices": json.dumps(notices)},
-                                     f"{PREFIX}{kind}-*.safetensors")
+    kept.keep_beside_meanwhile(path, arrays, {"kinds": json.dumps(kinds), "notices": json.dumps(notices)},
+                               f"{PREFIX}{kind}-*.safetensors")
     return None
 
 

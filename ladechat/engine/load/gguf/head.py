@@ -34,7 +34,7 @@ CACHE_PREFIX = "q8-"
 def read_gguf(gguf_path: Path, model) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The kernel's codes and scales of the output layer of `gguf_path` (`model`: built from the
     file's config), None when it is not Q8_0 blocks. Q8Error when they cannot run."""
-    from ladechat.engine.load import gguf as gguf_files
+    from ladechat.engine.load.gguf import files as gguf_files
 
     reader = gguf_files.read(gguf_path)
     tensor = gguf_files.output_tensor(reader, model.config)
@@ -55,7 +55,7 @@ def read_gguf(gguf_path: Path, model) -> tuple[torch.Tensor, torch.Tensor] | Non
 def cache_path(folder: Path) -> Path:
     """The file of a GGUF's Q8_0 output layer in the kernel's layout (in its cache folder), named for this
     module's code (a change to how blocks are read is read afresh)."""
-    from ladechat.engine.load.gguf import source_digest
+    from ladechat.paths import source_digest
 
     return Path(folder) / f"{CACHE_PREFIX}{source_digest(__file__, q8.__file__)}.safetensors"
 
@@ -71,8 +71,8 @@ def apply(model, gguf_path: Path, folder: Path, kernels: Path,
     """Replace the output layer of `model` (built from `gguf_path`'s config; `folder`: its cache
     folder) by a Q8Linear of its Q8_0 blocks, the kernel compiled into `kernels` if not yet.
     The first time reads the GGUF and keeps the blocks in `folder`."""
-    from ladechat.engine.load import kept
-    from ladechat.engine.load.gguf import keep_beside
+    from ladechat.engine.load.gguf import kept
+    from ladechat.engine.load.gguf.kept import keep_beside
 
     name = Path(gguf_path).name
     path = cache_path(folder)
