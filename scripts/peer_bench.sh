@@ -7,8 +7,9 @@
 # so the servers do not slow ladechat's methods.
 #     scripts/peer_bench.sh -d mtbench --limit 3 --single-turn
 # Settings by environment: THREADS (2), CTX (4096), PLAIN_PORT (8089), NGRAM_PORT (8090),
-# NGRAM_ARGS ("--spec-type ngram-simple"), METHODS (plain,lookahead), GGUF (the embedded model),
-# LLAMA_CPP_BIN (.llama.cpp/bin).
+# NGRAM_ARGS ("--spec-type ngram-simple"), SERVER_ARGS (both servers, e.g. "--no-repack" where
+# llama.cpp's repacked AMX path crashes: Xeon, 2026-12-05), METHODS (plain,lookahead), GGUF (the
+# embedded model), LLAMA_CPP_BIN (.llama.cpp/bin).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${LLAMA_CPP_BIN:-$PWD/.llama.cpp/bin}
@@ -18,6 +19,7 @@ CTX=${CTX:-4096}
 PLAIN_PORT=${PLAIN_PORT:-8089}
 NGRAM_PORT=${NGRAM_PORT:-8090}
 read -r -a NGRAM_ARGS <<<"${NGRAM_ARGS:---spec-type ngram-simple}"
+read -r -a SERVER_ARGS <<<"${SERVER_ARGS:-}"
 if [[ ! -x $BIN/llama-server ]]; then
     echo "peer_bench.sh: no $BIN/llama-server: build it with scripts/llama_cpp.sh" >&2
     exit 1
@@ -44,7 +46,7 @@ start() {  # NAME PORT [llama-server args...]
         echo "peer_bench.sh: port $port is in use (set ${name^^}_PORT to another)" >&2
         exit 1
     fi
-    "$BIN/llama-server" -m "$GGUF" -t "$THREADS" -c "$CTX" -np 1 --host 127.0.0.1 --port "$port" "$@" \
+    "$BIN/llama-server" -m "$GGUF" -t "$THREADS" -c "$CTX" -np 1 --host 127.0.0.1 --port "$port" ${SERVER_ARGS[@]+"${SERVER_ARGS[@]}"} "$@" \
         >"$LOGS/$name.log" 2>&1 &
     PIDS+=($!)
 }
@@ -70,7 +72,7 @@ start ngram "$NGRAM_PORT" "${NGRAM_ARGS[@]}"
 healthy plain "$PLAIN_PORT" "${PIDS[0]}"
 healthy ngram "$NGRAM_PORT" "${PIDS[1]}"
 echo "peer_bench.sh: llama-server on $GGUF (-t $THREADS): plain at :$PLAIN_PORT, ${NGRAM_ARGS[*]} at :$NGRAM_PORT" >&2
-# --weights auto: ladechat as a user runs it (the GGUF's 4-bit blocks on the int4 kernel); the
-# bench's own default is packed, the layout its HF comparisons were made on (a later flag wins)
+# --weights auto: ladechat as a user runs it (a GGUF's blocks on ladechat's kernels), also the
+# bench's default; said here so the command line shows it (a later flag wins)
 "$PY" -m ladechat bench --methods "${METHODS:-plain,lookahead}" --weights auto \
     --peer "llama.cpp=http://127.0.0.1:$PLAIN_PORT/v1" --peer "llama.cpp-ngram=http://127.0.0.1:$NGRAM_PORT/v1" "$@"

@@ -171,7 +171,7 @@ def test_a_family_that_cannot_be_built_is_one_line_naming_it(tmp_path, arch):
 
 @pytest.mark.parametrize("arch", sorted(CLASSES) + ["llama"])
 def test_the_weights_map_is_transformers_own(arch, tmp_path):
-    """gguf.weights_map (one name map, milliseconds) maps every tensor as transformers'
+    """files.weights_map (one name map, milliseconds) maps every tensor as transformers'
     get_gguf_hf_weights_map (a name map per module, seconds at 7B) does."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -64,5 +64,6 @@ def test_a_loads_kept_files_are_written_by_its_end_also_when_it_fails(tmp_path):
         kept.keep_beside_meanwhile(tmp_path / "gone" / "b.safetensors", tensors, {}, "none-*")
     assert len(second) == 1 and second[0].startswith(f"cannot keep the kernels' layout in {tmp_path / 'gone'} (")
     assert first == []
-    kept.keep_beside_meanwhile(tmp_path / "c.safetensors", tensors, {}, "none-*")  # outside a load: at once
+    assert kept.keep_beside_meanwhile(tmp_path / "c.safetensors", tensors, {}, "none-*") is None  # outside: at once
     assert kept.whole(tmp_path / "c.safetensors")
+    assert kept.keep_beside_meanwhile(tmp_path / "gone" / "d.safetensors", tensors, {}, "none-*")  # and why not

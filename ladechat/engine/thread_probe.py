@@ -144,8 +144,8 @@ def cached_verdict(model, what: list, ceiling: int, cache: Path | None) -> Verdi
         from ladechat.paths import source_digest
 
         code = source_digest(attention.__file__, llama.__file__, runner.__file__, packing.__file__, norms.__file__,
-                                  q4.SOURCE, q4.__file__, q6.__file__, q8.__file__, linear.__file__, step_ops.SOURCE,
-                                  __file__)
+                             q4.SOURCE, q4.__file__, q6.__file__, q8.__file__, linear.__file__, step_ops.SOURCE,
+                             __file__)
         key = json.dumps(["v2", what, machine_key(), ceiling, str(model.dtype), torch.__version__,
                           transformers.__version__, code])
         path = cache / hashlib.sha256(key.encode()).hexdigest()[:16]

@@ -444,7 +444,6 @@ class ChatApp:
         self._start_over(conversation.system)  # a chat file of its own
         self.conversation = conversation
         self.info(f"loaded {len(conversation.messages)} messages from {arg}")
-        self.last_stats = None
 
 
 Entry = commands.Entry

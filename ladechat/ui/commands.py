@@ -74,7 +74,8 @@ class Table:
                          else f"{usage} {entry.help}")
             if entry.more:
                 lines.append(entry.more)
-        return "\n".join(lines + [USAGE])
+        paths = ", ".join(entry.name for entry in self.entries if entry.takes_path)
+        return "\n".join(lines + [USAGE, f"Tab completes the commands, and a file's path after {paths}."])
 
 
 def on_off(arg: str, name: str) -> bool:

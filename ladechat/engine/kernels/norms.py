@@ -5,7 +5,7 @@ with a few rows of 576 that is a noticeable share of a step, all framework work.
 computes the same steps in the same precision with the sum of squares in another (fixed) order:
 in bf16 its results are nearly always the module's bits, in fp32 they differ in the last bit or
 so. So it replaces the norms only where the weights are already not the checkpoint's own floats
-(a GGUF's 4-bit blocks, load/quantized.py), never on the dense path, which must stay token-identical to
+(a GGUF's 4-bit blocks, load/gguf/quantized.py), never on the dense path, which must stay token-identical to
 transformers' greedy decoding. A row's result does not depend on the step's other rows or the
 thread count, so lookahead still computes what plain decoding does.
 

@@ -1,7 +1,7 @@
 """A GGUF file's 4-bit and 5-bit Linear weights multiplied by ladechat's own kernel (blocks.cpp), with
 the activations quantized to int8 per 32 inputs, as llama.cpp multiplies these blocks.
 
-load/quantized.py reads the blocks (Q4_0, Q4_1, Q4_K, and Q5_0, Q5_1, Q5_K: w = scale * q + low per
+load/gguf/quantized.py reads the blocks (Q4_0, Q4_1, Q4_K, and Q5_0, Q5_1, Q5_K: w = scale * q + low per
 32 weights, q in 0..15 or 0..31) and keeps them in this kernel's layout; this module makes the
 layout and the Linear module that runs it. A 5-bit code is a 4-bit one and a top bit kept in a
 plane of its own beside the tile, so a step streams the file's 5.5 bits a weight, not a byte. A step reads

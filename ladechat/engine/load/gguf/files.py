@@ -421,7 +421,7 @@ def _rows_kept(processor, name: str, rows: int) -> bool:
 def _dequantized_by_rows(blocks, kind, dtype, device, order):
     """A 2-D tensor's blocks (rows, bytes a row) -> its weights in `dtype` on `device`, the model's
     row i from the file's row order[i], dequantized a slice of rows at a time: by torch where the
-    bytes go (load/dequantize.py: on a GPU, the blocks cross the bus, not the weights), by gguf-py
+    bytes go (dequantize.py: on a GPU, the blocks cross the bus, not the weights), by gguf-py
     for the types it does not take."""
     import numpy as np
     import torch

@@ -72,7 +72,6 @@ def apply(model, gguf_path: Path, folder: Path, kernels: Path,
     folder) by a Q8Linear of its Q8_0 blocks, the kernel compiled into `kernels` if not yet.
     The first time reads the GGUF and keeps the blocks in `folder`."""
     from ladechat.engine.load.gguf import kept
-    from ladechat.engine.load.gguf.kept import keep_beside
 
     name = Path(gguf_path).name
     path = cache_path(folder)
@@ -92,8 +91,8 @@ def apply(model, gguf_path: Path, folder: Path, kernels: Path,
                 detail = " ".join(str(exc).split()) or type(exc).__name__
                 return Applied(False, (f"cannot read the output layer of {name} ({detail}); running it dense",))
         arrays = dict(zip(BUFFERS, found, strict=True)) if found else {"none": torch.zeros(1)}
-        keep_beside(path, arrays, {"q8_0": "yes" if found else "no", "notices": json.dumps(notices)},
-                    f"{CACHE_PREFIX}*.safetensors")  # a read-only cache: read again next time
+        kept.keep_beside(path, arrays, {"q8_0": "yes" if found else "no", "notices": json.dumps(notices)},
+                         f"{CACHE_PREFIX}*.safetensors")  # a read-only cache: read again next time
     if found is None:
         return Applied(False, tuple(notices))
     unbuilt = native.why_not_loaded(SOURCE, kernels, compiler, progress)

@@ -132,20 +132,21 @@ def keep_beside(path: Path, arrays: dict, metadata: dict[str, str], earlier: str
 _writes: ContextVar[list | None] = ContextVar("ladechat_kept_writes", default=None)
 
 
-def keep_beside_meanwhile(path: Path, arrays: dict, metadata: dict[str, str], earlier: str) -> None:
+def keep_beside_meanwhile(path: Path, arrays: dict, metadata: dict[str, str], earlier: str) -> str | None:
     """keep_beside in a thread of its own, joined at the end of the load that started it
     (writes_joined): a 7B's blocks take seconds to write, which the rest of its first load (the
     thread probe's steps) hides. The arrays must not change until then; the thread is not a daemon,
-    so an exit waits for the file (written whole or not at all). Outside a load: written now."""
+    so an exit waits for the file (written whole or not at all). Outside a load: written now, and
+    why not (keep_beside's answer) returned."""
     writes = _writes.get()
     if writes is None:
-        keep_beside(path, arrays, metadata, earlier)
-        return
+        return keep_beside(path, arrays, metadata, earlier)
     outcome: dict = {}
     thread = threading.Thread(target=lambda: outcome.update(why=keep_beside(path, arrays, metadata, earlier)),
                               name="ladechat-keep")
     thread.start()
     writes.append((thread, path, outcome))
+    return None
 
 
 @contextmanager
