@@ -490,12 +490,13 @@ def _chat_completer(commands_completer):
     from prompt_toolkit.document import Document
 
     paths = PathCompleter(expanduser=True)
+    takes_path = COMMANDS.path_names()
 
     class ChatCompleter(Completer):
         def get_completions(self, document, complete_event):
             before = document.text_before_cursor
             command, _, typed = before.partition(" ")
-            if command in COMMANDS.path_names() and _ and " " not in typed:
+            if command in takes_path and _ and " " not in typed:
                 yield from paths.get_completions(Document(typed, len(typed)), complete_event)
             else:
                 yield from commands_completer.get_completions(document, complete_event)

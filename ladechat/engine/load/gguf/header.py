@@ -79,19 +79,20 @@ class _Cursor:
         self.at += size
         return value
 
-    def string(self) -> str:
-        size = self.take("<Q")
-        if self.at + size > self.end:
-            raise HeaderError(f"the header is cut short at byte {self.at}")
-        text = bytes(self.buffer[self.at : self.at + size]).decode("utf-8", errors="replace")
-        self.at += size
-        return text
-
-    def skip_string(self) -> None:
+    def _string_span(self) -> tuple[int, int]:
+        """Where the next string's bytes lie (after its length), the cursor moved past them."""
         size = self.take("<Q")
         if self.at + size > self.end:
             raise HeaderError(f"the header is cut short at byte {self.at} (a string of {size} bytes)")
-        self.at += size
+        start, self.at = self.at, self.at + size
+        return start, self.at
+
+    def string(self) -> str:
+        start, stop = self._string_span()
+        return bytes(self.buffer[start:stop]).decode("utf-8", errors="replace")
+
+    def skip_string(self) -> None:
+        self._string_span()
 
     def value(self, kind: int, keep: bool, depth: int = 0):
         if kind in SCALARS:
