@@ -512,16 +512,37 @@ def test_a_curve_stops_at_the_first_size_past_three_one_row_steps(monkeypatch):
     assert timed[-6:] == [2, 4, 8, 2, 4, 8]  # a warm-up step each (nothing to decide from it), then the rep
 
 
-def test_the_longer_context_is_measured_at_the_sizes_of_the_shorter(tmp_path, monkeypatch):
+def test_the_longer_context_is_the_shorter_curve_plus_a_line_through_two_steps(tmp_path, monkeypatch):
+    """After a long cache only the narrowest and the widest step are timed: the curve there is the
+    shorter one (its sizes, its shape) plus the attention the longer cache adds, a line in the rows
+    through those two; never below the shorter curve."""
     from tiny_models import tiny_model
 
-    from ladechat.engine.step_cost import CONTEXTS, cached_cost_model
+    from ladechat.engine import step_cost
+    from ladechat.engine.step_cost import CONTEXTS, cached_cost_model, measure_beside
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     model = tiny_model("llama")
-    fake_steps(monkeypatch, lambda rows: 0.001 * rows)  # dearer than 3x one row from 4 rows on
+    short, long = CONTEXTS
+
+    def weights(rows):  # a kernel that tiles rows by 4: a step within a tile costs one tile's pass
+        return 0.001 * (1 + 0.5 * -(-rows // 4))
+
+    def attention(rows, past):
+        return 0.0 if past == short else 2e-4 + 5e-5 * rows
+
+    timed = []
+    monkeypatch.setattr(step_cost, "time_step", lambda runner, layout, past: timed.append((layout.size, past))
+                        or weights(layout.size) + attention(layout.size, past))
+    monkeypatch.setattr(step_cost, "prefill_random", lambda runner, context: None)
     costs = cached_cost_model(model, "tiny-llama")
-    assert [list(costs.curves[context]) for context in CONTEXTS] == [[1, 2, 4]] * len(CONTEXTS)
+    sizes = list(costs.curves[short])
+    assert sizes == [1, 2, 4, 8, 12, 16, 24, 32] and list(costs.curves[long]) == sizes  # 32: past 3x one row
+    assert {size for size, past in timed if past == long} == {1, 32}
+    for size in sizes:
+        assert costs.curves[long][size] == pytest.approx(weights(size) + attention(size, long))
+    # a longer cache measured as cheaper (a quiet spell): the shorter curve, not below it
+    assert measure_beside(model, {1: 0.01, 4: 0.012, 8: 0.02}, long) == {1: 0.01, 4: 0.012, 8: 0.02}
 
 
 @pytest.mark.parametrize("forward", ["transformers", "llama"])
