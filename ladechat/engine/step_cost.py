@@ -80,8 +80,8 @@ def measure(model, sizes=SIZES, context: int = 192, reps: int = 5, affordable: f
             ) -> dict[int, float]:
     """Median seconds of one step feeding `s` tokens after `context` cached tokens, per size s: the
     sizes up to the first that costs `affordable` times the first (None: every size), found in a
-    warm-up round (the faster of two steps of each size, one where every size is measured); SLOW_REPS
-    repetitions where a one-row step is slower than SLOW_STEP_S.
+    warm-up round (the faster of two steps of each size, one where every size is measured, and one
+    after a step slower than SLOW_STEP_S); SLOW_REPS repetitions where a one-row step is that slow.
 
     The sizes take turns (1, 2, 4, ..., then 1, 2, 4, ... again) rather than running each size's
     repetitions back to back: a busy spell of the machine then inflates one repetition of every
@@ -96,6 +96,8 @@ def measure(model, sizes=SIZES, context: int = 192, reps: int = 5, affordable: f
         warm[size] = min(time_step(runner, layouts[size], context) for _ in range(trials))
         if affordable is not None and size > sizes[0] and warm[size] > affordable * warm[sizes[0]]:
             break
+        if warm[size] > SLOW_STEP_S:  # a spell that spares one of two such steps back to back is rare
+            trials = 1
     if warm[sizes[0]] > SLOW_STEP_S:
         reps = min(reps, SLOW_REPS)
     times: dict[int, list[float]] = {size: [] for size in warm}
