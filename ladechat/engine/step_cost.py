@@ -34,10 +34,11 @@ GPU_SIZES = (1, 8, 16, 32, 64, 96, 128, 160, 192, 256)  # a GPU's curve stays fl
 # A step that costs this many one-row steps would need that many tokens accepted to pay: the curve
 # stops at the first size past it (the planner extrapolates beyond, proportionally).
 AFFORDABLE = 3.0
-# A step this slow (a 7B on a few cores) is timed fewer times: its median is steady, and every
-# repetition of every size costs seconds at a model's first use.
+# A step this slow (a 7B on a few cores) is timed fewer times: a spell of load is seldom shorter
+# than such a step, every repetition of every size costs seconds at a model's first use, and what
+# a spell overprices the envelope lowers as real steps run (cost_envelope.py).
 SLOW_STEP_S = 0.05
-SLOW_REPS = 3
+SLOW_REPS = 2
 # tokens prefill_random computes; a longer context repeats their keys and values (a step's time
 # depends on how many keys it attends to, not on what they hold, and each computed token costs a
 # 7B's prefill a fraction of a second on 2 cores)
