@@ -1,6 +1,8 @@
 """The kernels' layout kept in a GGUF's cache folder (engine/load/gguf/kept.py): safetensors' format,
 written and read a tensor at a time; a file cut short is not taken for a whole one."""
 
+import os
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -67,3 +69,59 @@ def test_a_loads_kept_files_are_written_by_its_end_also_when_it_fails(tmp_path):
     assert kept.keep_beside_meanwhile(tmp_path / "c.safetensors", tensors, {}, "none-*") is None  # outside: at once
     assert kept.whole(tmp_path / "c.safetensors")
     assert kept.keep_beside_meanwhile(tmp_path / "gone" / "d.safetensors", tensors, {}, "none-*")  # and why not
+
+
+def test_the_data_starts_aligned_and_reads_the_same_direct_or_not(tmp_path, monkeypatch):
+    """write() pads the header so the data starts on ALIGN (a direct read's offset); through the
+    aligned buffer in small pieces, with direct I/O or where the file system refuses it, the file
+    has the same bytes and reads back the same tensors, into memory that starts on ALIGN."""
+    monkeypatch.setattr(kept, "BOUNCE", 2 * kept.ALIGN)  # many pieces: a tensor spans several
+    monkeypatch.setattr(kept, "READ_CHUNK", 3 * kept.ALIGN)
+    many = tensors() | {"big": torch.arange(9000, dtype=torch.int32)}  # 36000 bytes: not a whole block
+    direct, buffered = tmp_path / "direct.safetensors", tmp_path / "buffered.safetensors"
+    kept.write(direct, many, {"m": "1"})
+    header = int.from_bytes(direct.read_bytes()[:8], "little")
+    assert (8 + header) % kept.ALIGN == 0 and kept.whole(direct)
+    with monkeypatch.context() as refused:
+        refused.setattr(kept, "_open_direct", lambda path, flags: None)
+        kept.write(buffered, many, {"m": "1"})
+        assert buffered.read_bytes() == direct.read_bytes()
+        _, _, get = kept.read(direct)
+        assert all(torch.equal(get(name), tensor) for name, tensor in many.items())
+    _, _, get = kept.read(direct)
+    assert all(torch.equal(get(name), tensor) for name, tensor in many.items())
+    data = direct.read_bytes()[8 + header :]
+    into = memoryview(kept.weights_memory(len(data)).numpy())
+    done = kept._read_direct(direct, 8 + header, into)  # every whole block, or none where refused
+    assert done in (0, len(data) // kept.ALIGN * kept.ALIGN) and bytes(into[:done]) == data[:done]
+    assert kept.weights_memory(100).data_ptr() % kept.ALIGN == 0
+
+
+def test_the_aligned_writer_pads_the_last_block_and_cuts_the_file_back(tmp_path, monkeypatch):
+    """_write_direct on any descriptor: the parts in order, the file exactly their length."""
+    monkeypatch.setattr(kept, "BOUNCE", kept.ALIGN)
+    parts = [memoryview(b"x" * 10), memoryview(bytes(range(256)) * 20), memoryview(b"")]
+    path = tmp_path / "out"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        kept._write_direct(fd, parts)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"x" * 10 + bytes(range(256)) * 20
+
+
+def test_a_file_safetensors_wrote_is_read_and_one_cut_short_is_refused(tmp_path):
+    """A file whose data does not start on ALIGN (as safetensors and earlier versions wrote them)
+    is read the buffered way; a cut file is an error, not a model of zeros."""
+    from safetensors.torch import save_file
+
+    theirs = tmp_path / "theirs.safetensors"
+    written = {name: tensor for name, tensor in tensors().items() if tensor.numel()}
+    save_file(written, str(theirs), metadata={"m": "2"})
+    metadata, _, get = kept.read(theirs)
+    assert metadata == {"m": "2"} and all(torch.equal(get(name), tensor) for name, tensor in written.items())
+    ours = tmp_path / "ours.safetensors"
+    kept.write(ours, tensors() | {"big": torch.arange(9000, dtype=torch.int32)}, {})
+    ours.write_bytes(ours.read_bytes()[:-100])
+    with pytest.raises(OSError, match="cut short"):
+        kept.read(ours)

@@ -6,11 +6,19 @@ file while get_tensor copies out of it: each holds the weights twice for a while
 The format is small (an 8-byte little-endian header size, a JSON header of dtype, shape and byte
 range per tensor plus string metadata, then the data), so this writes and reads it with plain file
 I/O; the files stay readable by safetensors itself.
+
+The data goes past the page cache where the file system allows (O_DIRECT): a buffered write of a
+7B's 4 GB costs a core seconds of page-cache copying (on a VM, where the page cache's pages are
+new to the host, a quarter of a minute), which a first load's probes running meanwhile feel at
+every thread barrier; and a buffered read of a file no longer cached is slower than a direct one.
+The header is padded with spaces (as safetensors pads it) so that the data starts on ALIGN.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import mmap
 import os
 import tempfile
 import threading
@@ -24,6 +32,9 @@ import torch
 DTYPES = {"U8": torch.uint8, "I8": torch.int8, "I32": torch.int32, "I64": torch.int64, "F16": torch.float16,
           "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
+ALIGN = 4096  # what direct I/O asks of a buffer's address, a file offset and a length (a disk block at most)
+BOUNCE = 8 << 20  # the aligned buffer a direct write copies through
+READ_CHUNK = 64 << 20  # bytes a direct read asks for at once
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
@@ -34,7 +45,8 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
 def write(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     """`tensors` (CPU, of the DTYPES) and `metadata` to `path` in the safetensors format; the data
     of the widest elements first, so that every tensor starts aligned for its dtype (read() would
-    copy one that does not: a tensor of an odd number of bytes before it would misalign the rest)."""
+    copy one that does not: a tensor of an odd number of bytes before it would misalign the rest),
+    from a file offset of a multiple of ALIGN (read() reads it directly)."""
     offsets, offset = {}, 0
     in_file = sorted(tensors.items(), key=lambda item: -item[1].element_size())
     for name, tensor in in_file:
@@ -45,37 +57,100 @@ def write(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
     for name, tensor in tensors.items():  # the names in the order given
         header[name] = {"dtype": NAMES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": offsets[name]}
     encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    encoded += b" " * (-(8 + len(encoded)) % ALIGN)
+    parts = [memoryview(len(encoded).to_bytes(8, "little") + encoded), *(_bytes_of(t) for _, t in in_file)]
+    fd = _open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    if fd is not None:
+        try:
+            _write_direct(fd, parts)
+            return
+        except OSError as exc:  # a file system that opens for direct I/O and then refuses a write
+            if exc.errno != errno.EINVAL:
+                raise
+        finally:
+            os.close(fd)
     with open(path, "wb") as fh:
-        fh.write(len(encoded).to_bytes(8, "little"))
-        fh.write(encoded)
-        for _, tensor in in_file:
-            fh.write(_bytes_of(tensor))
+        for part in parts:
+            fh.write(part)
+
+
+def _open_direct(path: Path, flags: int) -> int | None:
+    """A descriptor of `path` for I/O past the page cache, or None where there is none (no O_DIRECT
+    on the system, or a file system without it: tmpfs, some network ones)."""
+    direct = getattr(os, "O_DIRECT", 0)
+    if not direct:
+        return None
+    try:
+        return os.open(path, flags | direct, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return None
+        raise
+
+
+def _write_direct(fd: int, parts: list[memoryview]) -> None:
+    """The bytes of `parts`, one after another, to `fd` (opened for direct I/O) through an aligned
+    buffer; the last block padded to ALIGN for the write, and the file cut back to its length."""
+    bounce = mmap.mmap(-1, BOUNCE)  # page-aligned
+    buffer = memoryview(bounce)
+    filled = length = 0
+    try:
+        for part in parts:
+            taken = 0
+            while taken < len(part):
+                count = min(BOUNCE - filled, len(part) - taken)
+                buffer[filled : filled + count] = part[taken : taken + count]
+                filled, taken = filled + count, taken + count
+                if filled == BOUNCE:
+                    _write_all(fd, buffer)
+                    length, filled = length + filled, 0
+        if filled:
+            padded = filled + -filled % ALIGN
+            buffer[filled:padded] = bytes(padded - filled)
+            _write_all(fd, buffer[:padded])
+            length += filled
+            os.ftruncate(fd, length)
+    finally:
+        buffer.release()
+        bounce.close()
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    written = 0
+    while written < len(data):
+        written += os.write(fd, data[written:])
 
 
 def weights_memory(size: int) -> torch.Tensor:
-    """`size` bytes (uint8) for weights the kernels stream on every step: numpy's allocation, which
-    asks the kernel for huge pages (a step on 4 KiB pages is slower), every page touched first on
-    every thread (writing into huge pages not yet touched faults them in one at a time: a read()
-    into them was several times slower, docs/lab/benchmarks-log.md)."""
+    """`size` bytes (uint8) for weights the kernels stream on every step, starting on ALIGN (a
+    direct read's destination; the kernels' loads never straddle a cache line): numpy's
+    allocation, which asks the kernel for huge pages (a step on 4 KiB pages is slower), every page
+    touched first on every thread (writing into huge pages not yet touched faults them in one at a
+    time: a read() into them was several times slower, docs/lab/benchmarks-log.md)."""
     import numpy as np
 
-    memory = torch.from_numpy(np.empty(size, dtype=np.uint8))
+    memory = torch.from_numpy(np.empty(size + ALIGN, dtype=np.uint8))
+    skip = -memory.data_ptr() % ALIGN
+    memory = memory[skip : skip + size]
     memory.zero_()
     return memory
 
 
 def read(path: Path) -> tuple[dict[str, str], list[str], Callable[[str], torch.Tensor]]:
     """(metadata, tensor names, get(name) -> the tensor). The file's data is read whole into one
-    allocation (weights_memory) and every tensor is a view of it: one read, no copy. OSError or
-    ValueError for a file that is not whole."""
+    allocation (weights_memory), directly where write() aligned it, and every tensor is a view of
+    it: one read, no copy. OSError or ValueError for a file that is not whole."""
     with open(path, "rb") as fh:
         size = int.from_bytes(fh.read(8), "little")
         header = json.loads(fh.read(size))
         metadata = header.pop("__metadata__", {}) or {}
         end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
         whole = weights_memory(end)
-        if fh.readinto(memoryview(whole.numpy())) != end:
+        view = memoryview(whole.numpy())
+        start = 8 + size
+        done = _read_direct(path, start, view) if start % ALIGN == 0 else 0
+        fh.seek(start + done)
+        if fh.readinto(view[done:]) != end - done:
             raise OSError(f"{Path(path).name} is cut short")
 
     def get(name: str) -> torch.Tensor:
@@ -88,6 +163,28 @@ def read(path: Path) -> tuple[dict[str, str], list[str], Callable[[str], torch.T
         return part.view(dtype).reshape(entry["shape"])
 
     return metadata, list(header), get
+
+
+def _read_direct(path: Path, start: int, into: memoryview) -> int:
+    """How many bytes of `into` (aligned) were read directly from `path` at `start` (aligned): all
+    its whole ALIGN blocks, or none where direct I/O is refused; the rest is the caller's."""
+    blocks = len(into) // ALIGN * ALIGN
+    fd = _open_direct(path, os.O_RDONLY) if blocks else None
+    if fd is None:
+        return 0
+    done = 0
+    try:
+        while done < blocks:
+            count = os.preadv(fd, [into[done : min(blocks, done + READ_CHUNK)]], start + done)
+            done += count - count % ALIGN
+            if count == 0 or count % ALIGN:  # the file's end: the caller's read finds it cut short
+                break
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+    finally:
+        os.close(fd)
+    return done
 
 
 def whole(path: Path) -> bool:
