@@ -100,12 +100,11 @@ def model_steps(model) -> Steps:
 
         with torch.inference_mode():
             prefill_random(runner, PROMPT_TOKENS, computed=PROMPT_TOKENS)  # a prompt's rows, every one computed
-            # A one-row step is timed again before each size and the fastest kept: a first step's
-            # one-time costs, or a spell of load that ends (the kept blocks being written), would
-            # otherwise stretch the probe to sizes no plan affords.
+            # The one-row cost the probe stops by is the faster of two: a first step's one-time
+            # costs would otherwise stretch the probe to sizes no plan affords.
+            if sizes is None:
+                one_row = min(timed(1)[1], timed(1)[1])
             for size in sizes or STEP_SIZES:
-                if sizes is None:
-                    one_row = min(one_row, timed(1)[1])
                 out, seconds = timed(size)
                 logits.append(out)
                 ran.append(size)
