@@ -82,7 +82,8 @@ def measure(model, sizes=SIZES, context: int = 192, reps: int = 5, affordable: f
     """Median seconds of one step feeding `s` tokens after `context` cached tokens, per size s: the
     sizes up to the first that costs `affordable` times the first (None: every size), found in a
     warm-up round (the faster of two steps of each size, one where every size is measured, and one
-    after a step slower than SLOW_STEP_S); SLOW_REPS repetitions where a one-row step is that slow.
+    after a step slower than SLOW_STEP_S); SLOW_REPS repetitions where a one-row step is that slow,
+    the warm-up's among them.
 
     The sizes take turns (1, 2, 4, ..., then 1, 2, 4, ... again) rather than running each size's
     repetitions back to back: a busy spell of the machine then inflates one repetition of every
@@ -99,10 +100,11 @@ def measure(model, sizes=SIZES, context: int = 192, reps: int = 5, affordable: f
             break
         if warm[size] > SLOW_STEP_S:  # a spell that spares one of two such steps back to back is rare
             trials = 1
-    if warm[sizes[0]] > SLOW_STEP_S:
+    slow = warm[sizes[0]] > SLOW_STEP_S
+    if slow:  # the warm-up is one of the repetitions: a first step's one-time costs are small beside such a step
         reps = min(reps, SLOW_REPS)
-    times: dict[int, list[float]] = {size: [] for size in warm}
-    for _ in range(reps):
+    times: dict[int, list[float]] = {size: [warm[size]] if slow else [] for size in warm}
+    for _ in range(reps - slow):
         for size in warm:
             times[size].append(time_step(runner, layouts[size], context))
     return {size: statistics.median(times[size]) for size in warm}
