@@ -151,6 +151,22 @@ def test_a_row_does_not_depend_on_how_many_rows_its_step_has():
             assert torch.equal(module(x[-rows:]), whole[-rows:]), rows
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_product_a_step_calls_is_the_forward(with_bias):
+    """Int4Linear.product(dtype), what a Llama step binds once and calls per row block: the forward's
+    bits in an fp32 and a bf16 model, the bf16 one without a bias calling the kernel directly."""
+    data = blocks_of("Q4_1", 64, 256, seed=3)
+    q, scale, low = q4.decode("Q4_1", data, 64, 256)
+    with torch.no_grad():
+        for dtype in (torch.float32, torch.bfloat16):  # a model's bias is of its dtype
+            bias = torch.randn(64).to(dtype) if with_bias else None
+            module = int4.Int4Linear.from_codes(torch.from_numpy(int4.pack_codes(q)), torch.from_numpy(scale),
+                                                torch.from_numpy(low), bias)
+            x = torch.randn(5, 256).to(dtype)
+            y = module.product(dtype)(x)
+            assert y.dtype == dtype and torch.equal(y, module(x)), dtype
+
+
 def test_shapes_the_kernel_cannot_take_are_refused():
     with pytest.raises(int4.Int4Error, match="does not fit the int4 kernel"):
         int4.check_shape(40, 64)

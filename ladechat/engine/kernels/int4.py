@@ -10,6 +10,7 @@ whatever the step's size.
 from __future__ import annotations
 
 import platform
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -105,6 +106,20 @@ class Int4Linear(FixedLinear):
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed_weight, GROUP, self.scales_and_zeros)
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+    def product(self, dtype: torch.dtype | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """FixedLinear.product: in a bf16 model without a bias, the kernel called directly (~400
+        calls a step fewer); else the rows cast to bf16 and the result back."""
+        packed, scales, bias = self.packed_weight, self.scales_and_zeros, self.bias
+        mm = getattr(torch.ops.aten, KERNEL)
+        if dtype == torch.bfloat16 and bias is None:
+            return lambda x: mm(x, packed, GROUP, scales)
+
+        def int4_product(x: torch.Tensor) -> torch.Tensor:
+            y = mm(x.to(torch.bfloat16), packed, GROUP, scales).to(x.dtype)
+            return y if bias is None else y + bias
+
+        return int4_product
 
     def dense_weight(self) -> torch.Tensor:
         """W (out, in) in fp32 exactly as the kernel sees it: its scalar fp32 path over an identity

@@ -19,6 +19,12 @@ class FixedLinear(torch.nn.Module):
     def dense_weight(self) -> torch.Tensor:
         raise NotImplementedError
 
+    def product(self, dtype: torch.dtype | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """x (rows, in) contiguous, in a model of `dtype` (None: fp32) -> x W^T (+ b) in x's dtype:
+        what a step calls, hundreds of times; here the forward, where a subclass has nothing
+        leaner."""
+        return self.forward
+
     @property
     def weight(self) -> torch.Tensor:
         """W (out, in) in fp32: a dense copy per read."""
@@ -60,9 +66,11 @@ class BlockLinear(FixedLinear):
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
-    def product(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """x (rows, in) contiguous, fp32 or bf16 -> x W^T (+ b) in x's dtype: the kernel called
-        directly, without the forward's reshapes (a Llama step calls it hundreds of times)."""
+    def product(self, dtype: torch.dtype | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """FixedLinear.product: for fp32 or bf16 rows the kernel called directly, without the
+        forward's reshapes and casts (which do nothing to a step's rows, each contiguous)."""
+        if dtype not in (None, torch.float32, torch.bfloat16):
+            return self.forward
         op, buffers, path, bias = getattr(torch.ops.ladechat_blocks, self.OP).default, self._buffers_in_order(), \
             self.path, self.bias
         if bias is None:

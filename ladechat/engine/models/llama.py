@@ -33,14 +33,15 @@ under a causal mask, as transformers' forward does.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 
 from ladechat.engine import kv
-from ladechat.engine.kernels import attention, int4, norms, q4, step_ops
-from ladechat.engine.kernels.linear import BlockLinear
+from ladechat.engine.kernels import attention, norms, q4, step_ops
+from ladechat.engine.kernels.linear import BlockLinear, FixedLinear
 from ladechat.engine.layout import StepLayout, step_inputs
 
 FAMILIES = frozenset({"llama", "mistral", "qwen2"})
@@ -293,23 +294,9 @@ class Llama(torch.nn.Module):
 
 
 def _product(module: torch.nn.Module, dtype: torch.dtype):
-    """x (rows, in) -> x W^T (+ b) of one Linear module in a model of `dtype`: a block module's
-    kernel called directly (its forward's reshapes, and in a bf16 model its casts, do nothing to a
-    step's rows, each contiguous), any other module's own forward."""
-    if isinstance(module, BlockLinear) and dtype in (torch.float32, torch.bfloat16):
-        return module.product()
-    if type(module) is not int4.Int4Linear:
-        return module.forward
-    packed, scales, bias = module.packed_weight, module.scales_and_zeros, module.bias
-    mm = getattr(torch.ops.aten, int4.KERNEL)
-    if dtype == torch.bfloat16 and bias is None:  # ~400 calls a step fewer
-        return lambda x: mm(x, packed, int4.GROUP, scales)
-
-    def int4_product(x: torch.Tensor) -> torch.Tensor:
-        y = mm(x.to(torch.bfloat16), packed, int4.GROUP, scales).to(x.dtype)
-        return y if bias is None else y + bias
-
-    return int4_product
+    """x (rows, in) -> x W^T (+ b) of one Linear module in a model of `dtype`: a kernel module's own
+    product (FixedLinear.product), any other module's forward."""
+    return module.product(dtype) if isinstance(module, FixedLinear) else module.forward
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -336,6 +323,18 @@ def _one_pass_attention(name: str, groups: int):
     function = ALL_ATTENTION_FUNCTIONS[name]
     layer = SimpleNamespace(num_key_value_groups=groups, is_causal=True, training=False)
     return lambda q, keys, values, mask, scale: function(layer, q, keys, values, mask, dropout=0.0, scaling=scale)[0]
+
+
+class LayerOps(NamedTuple):
+    """One decoder layer's work in a step, in the order it runs, each bound once to its modules."""
+
+    q_k_v: Callable  # h -> [q, k, v]
+    qkv: Callable | None  # h -> q, k and v as one tensor, where they are one product (rotated and cached in one call)
+    o_proj: Callable
+    add_norm2: Callable  # (x, attention out) -> the residual and the post-attention norm of it
+    gate_up: Callable  # h -> [gate, up]
+    down: Callable
+    add_next_norm: Callable  # (x, MLP out) -> the residual and the next layer's input norm (the final norm) of it
 
 
 class Steps:
@@ -369,13 +368,14 @@ class Steps:
             sizes = [module.out_features for module in modules]
             return lambda h: product(h).split(sizes, dim=1)
 
-        def ops(layer, next_norm) -> tuple:
+        def ops(layer, next_norm) -> LayerOps:
             attn, mlp = layer.self_attn, layer.mlp
             qkv = joint(attn.q_proj, attn.k_proj, attn.v_proj)
-            return (together(qkv, attn.q_proj, attn.k_proj, attn.v_proj), qkv, _product(attn.o_proj, dtype),
-                    norms.add_norm(layer.post_attention_layernorm),
-                    together(joint(mlp.gate_proj, mlp.up_proj), mlp.gate_proj, mlp.up_proj),
-                    _product(mlp.down_proj, dtype), norms.add_norm(next_norm))
+            return LayerOps(q_k_v=together(qkv, attn.q_proj, attn.k_proj, attn.v_proj), qkv=qkv,
+                            o_proj=_product(attn.o_proj, dtype),
+                            add_norm2=norms.add_norm(layer.post_attention_layernorm),
+                            gate_up=together(joint(mlp.gate_proj, mlp.up_proj), mlp.gate_proj, mlp.up_proj),
+                            down=_product(mlp.down_proj, dtype), add_next_norm=norms.add_norm(next_norm))
 
         # Each residual add is fused with the norm after it: a layer ends with the next layer's
         # input norm, the last with the final norm, so only the first layer's input norm is alone.
@@ -474,7 +474,7 @@ class Steps:
         silu, attend, rope, rope_kv = torch.nn.functional.silu, self.attend, self.rope, self.rope_kv
         h = self.first_norm(x)
         for layer, ops in zip(cache.layers, self.layers, strict=True):
-            q_k_v, qkv, o_proj, add_norm2, gate_up, down, add_next_norm = ops
+            q_k_v, qkv, o_proj, add_norm2, gate_up, down, add_next_norm = ops  # a LayerOps: one unpacking, no attribute reads
             if rope_kv is not None and qkv is not None:
                 held, key_buffer, value_buffer = layer.room(size)
                 q = rope_kv(qkv(h), heads, kv_heads, cos, signed_sin, key_buffer, value_buffer, held)
