@@ -125,3 +125,31 @@ def test_a_file_safetensors_wrote_is_read_and_one_cut_short_is_refused(tmp_path)
     ours.write_bytes(ours.read_bytes()[:-100])
     with pytest.raises(OSError, match="cut short"):
         kept.read(ours)
+
+
+def test_a_direct_write_refused_midway_falls_back_and_a_full_disk_leaves_no_partial_file(tmp_path, monkeypatch):
+    """A file system that opens for direct I/O and refuses the write (EINVAL) gets the buffered
+    write, the file whole; any other error on the last block (a full disk) reaches keep_beside as
+    the OSError it is, which says why and leaves no partial file behind."""
+    import errno
+
+    def plain_open(path, flags):
+        return os.open(path, flags, 0o644)
+
+    def refusing(code):
+        def write_all(fd, data):  # holds the aligned buffer's view in its frame, as a real failure does
+            raise OSError(code, os.strerror(code))
+        return write_all
+
+    monkeypatch.setattr(kept, "_open_direct", plain_open)
+    monkeypatch.setattr(kept, "_write_all", refusing(errno.EINVAL))
+    path = tmp_path / "small.safetensors"  # under one aligned buffer: its only write is the last block
+    kept.write(path, tensors(), {"m": "3"})
+    metadata, _, get = kept.read(path)
+    assert metadata == {"m": "3"} and all(torch.equal(get(name), tensor) for name, tensor in tensors().items())
+    monkeypatch.setattr(kept, "_write_all", refusing(errno.ENOSPC))
+    with pytest.raises(OSError) as raised:
+        kept.write(tmp_path / "full.safetensors", tensors(), {})
+    assert raised.value.errno == errno.ENOSPC
+    why = kept.keep_beside(tmp_path / "kept.safetensors", tensors(), {}, "nothing*")
+    assert why == os.strerror(errno.ENOSPC) and not list(tmp_path.glob("kept.safetensors*"))

@@ -35,6 +35,8 @@ NAMES = {dtype: name for name, dtype in DTYPES.items()}
 ALIGN = 4096  # what direct I/O asks of a buffer's address, a file offset and a length (a disk block at most)
 BOUNCE = 8 << 20  # the aligned buffer a direct write copies through
 READ_CHUNK = 64 << 20  # bytes a direct read asks for at once
+# how a file system says it does no direct I/O (Linux: EINVAL; some FUSE and network ones: EOPNOTSUPP)
+REFUSED = {errno.EINVAL, getattr(errno, "EOPNOTSUPP", errno.EINVAL), getattr(errno, "ENOTSUP", errno.EINVAL)}
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
@@ -65,7 +67,7 @@ def write(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
             _write_direct(fd, parts)
             return
         except OSError as exc:  # a file system that opens for direct I/O and then refuses a write
-            if exc.errno != errno.EINVAL:
+            if exc.errno not in REFUSED:
                 raise
         finally:
             os.close(fd)
@@ -83,7 +85,7 @@ def _open_direct(path: Path, flags: int) -> int | None:
     try:
         return os.open(path, flags | direct, 0o644)
     except OSError as exc:
-        if exc.errno == errno.EINVAL:
+        if exc.errno in REFUSED:
             return None
         raise
 
@@ -107,18 +109,25 @@ def _write_direct(fd: int, parts: list[memoryview]) -> None:
         if filled:
             padded = filled + -filled % ALIGN
             buffer[filled:padded] = bytes(padded - filled)
-            _write_all(fd, buffer[:padded])
+            with buffer[:padded] as last:
+                _write_all(fd, last)
             length += filled
             os.ftruncate(fd, length)
     finally:
         buffer.release()
-        bounce.close()
+        try:
+            bounce.close()
+        except BufferError:  # a failed write's traceback still holds a view of it: freed with it
+            pass
 
 
 def _write_all(fd: int, data: memoryview) -> None:
     written = 0
     while written < len(data):
-        written += os.write(fd, data[written:])
+        count = os.write(fd, data[written:])
+        if count <= 0:
+            raise OSError(errno.EIO, "the file system took no bytes")
+        written += count
 
 
 def weights_memory(size: int) -> torch.Tensor:
@@ -180,7 +189,7 @@ def _read_direct(path: Path, start: int, into: memoryview) -> int:
             if count == 0 or count % ALIGN:  # the file's end: the caller's read finds it cut short
                 break
     except OSError as exc:
-        if exc.errno != errno.EINVAL:
+        if exc.errno not in REFUSED:
             raise
     finally:
         os.close(fd)
