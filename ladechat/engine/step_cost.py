@@ -152,8 +152,8 @@ def measure_beside(model, shorter: dict[int, float], context: int) -> dict[int, 
     two steps measured here, its narrowest and its widest. What more cached tokens add to a step is
     attention over more keys: reading them once, and each row's products with them, so the addition
     grows linearly with the rows, and the shape the weights give the curve (where a kernel tiles
-    rows) is the shorter curve's. Timing every size again after a long cache would cost a 7B's first
-    use a quarter of a minute on 2 cores. A longer cache never makes a step cheaper: an addition
+    rows) is the shorter curve's; timing every size again would lengthen a large model's first use
+    by many seconds on a few cores. A longer cache never makes a step cheaper: an addition
     measured below nothing (noise) counts as nothing, so the curve errs high rather than low."""
     sizes = sorted(shorter)
     lo, hi = sizes[0], sizes[-1]

@@ -89,7 +89,7 @@ def model_steps(model) -> Steps:
 
     def steps(sizes: tuple[int, ...] | None) -> tuple[tuple[int, ...], list[torch.Tensor]]:
         runner = default_runner(model)
-        ran, logits, one_row = [], [], float("inf")
+        ran, logits = [], []
 
         def timed(size: int) -> tuple[torch.Tensor, float]:
             start = time.perf_counter()
@@ -102,8 +102,7 @@ def model_steps(model) -> Steps:
             prefill_random(runner, PROMPT_TOKENS, computed=PROMPT_TOKENS)  # a prompt's rows, every one computed
             # The one-row cost the probe stops by is the faster of two: a first step's one-time
             # costs would otherwise stretch the probe to sizes no plan affords.
-            if sizes is None:
-                one_row = min(timed(1)[1], timed(1)[1])
+            one_row = min(timed(1)[1], timed(1)[1]) if sizes is None else float("inf")
             for size in sizes or STEP_SIZES:
                 out, seconds = timed(size)
                 logits.append(out)

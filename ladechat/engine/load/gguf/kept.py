@@ -8,9 +8,9 @@ range per tensor plus string metadata, then the data), so this writes and reads 
 I/O; the files stay readable by safetensors itself.
 
 The data goes past the page cache where the file system allows (O_DIRECT): a buffered write of a
-7B's 4 GB costs a core seconds of page-cache copying (on a VM, where the page cache's pages are
-new to the host, a quarter of a minute), which a first load's probes running meanwhile feel at
-every thread barrier; and a buffered read of a file no longer cached is slower than a direct one.
+7B's gigabytes costs a core seconds of page-cache copying (more on a VM, where those pages are new
+to the host), which a first load's probes running meanwhile feel at every thread barrier; and a
+buffered read of a file no longer cached is slower than a direct one (docs/lab/benchmarks-log.md).
 The header is padded with spaces (as safetensors pads it) so that the data starts on ALIGN.
 """
 
@@ -72,8 +72,7 @@ def write(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
         finally:
             os.close(fd)
     with open(path, "wb") as fh:
-        for part in parts:
-            fh.write(part)
+        fh.writelines(parts)
 
 
 def _open_direct(path: Path, flags: int) -> int | None:
@@ -150,13 +149,10 @@ def read(path: Path) -> tuple[dict[str, str], list[str], Callable[[str], torch.T
     allocation (weights_memory), directly where write() aligned it, and every tensor is a view of
     it: one read, no copy. OSError or ValueError for a file that is not whole."""
     with open(path, "rb") as fh:
-        size = int.from_bytes(fh.read(8), "little")
-        header = json.loads(fh.read(size))
+        start, header, end = _header(fh, Path(path))
         metadata = header.pop("__metadata__", {}) or {}
-        end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
         whole = weights_memory(end)
         view = memoryview(whole.numpy())
-        start = 8 + size
         done = _read_direct(path, start, view) if start % ALIGN == 0 else 0
         fh.seek(start + done)
         if fh.readinto(view[done:]) != end - done:
@@ -200,15 +196,21 @@ def whole(path: Path) -> bool:
     """Whether `path` is a complete file of this format (its header parses, its data all there)."""
     try:
         with open(path, "rb") as fh:
-            size = int.from_bytes(fh.read(8), "little")
-            if size > Path(path).stat().st_size - 8:  # not a header length at all
-                return False
-            header = json.loads(fh.read(size))
-        header.pop("__metadata__", None)
-        end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
-        return Path(path).stat().st_size == 8 + size + end
+            start, _, end = _header(fh, Path(path))
+        return Path(path).stat().st_size == start + end
     except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
         return False
+
+
+def _header(fh, path: Path) -> tuple[int, dict, int]:
+    """(where the data starts, the JSON header, metadata and all, the data's length) of an open
+    file of this format; ValueError for a header length past the file's end (not a header at all)."""
+    size = int.from_bytes(fh.read(8), "little")
+    if size > path.stat().st_size - 8:
+        raise ValueError(f"{path.name} is not a safetensors file: its header length is past its end")
+    header = json.loads(fh.read(size))
+    end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+    return 8 + size, header, end
 
 
 # -- a layout kept beside the model it came from ---------------------------------------------------
