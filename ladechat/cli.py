@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ladechat.backends.opener import compiles, flag_of, load_model, open_bot, quiet_libraries, settings_for
+from ladechat.backends.opener import compiles, load_model, open_bot, open_here, quiet_libraries, settings_for, warm_bot
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.errors import UserError
 from ladechat.ui import terminal
@@ -79,11 +79,6 @@ KeepHistory = Annotated[bool, typer.Option("--history/--no-history", envvar="LAD
 Continue = Annotated[bool, typer.Option("--continue", "-c", help="Go on with the last chat kept (its conversation and settings).")]
 Resume = Annotated[bool, typer.Option("--resume", help="List the chats kept and open the one you choose.")]
 KeepAlive = Annotated[str, typer.Option("--keep-alive", envvar="LADECHAT_KEEP_ALIVE", show_envvar=True, help="How long the model stays loaded after an answer, in a local server the next ask or chat uses (5m, 30s, 1h30m; 0: load in this command and keep nothing; -1: until 'ladechat stop').")]
-# Options about loading a model here: refused with --api (the server loaded its model).
-LOCAL_ONLY = ("dtype", "device", "load_in_4bit", "load_in_8bit", "device_map", "max_memory", "attn", "template", "compile",
-              "weights", "context_size", "quantize")
-
-
 def stdout_console() -> Console:
     return terminal.SafeConsole(no_color=bool(os.environ.get("NO_COLOR")) or None, highlight=False)
 
@@ -92,16 +87,13 @@ def stderr_console() -> Console:
     return terminal.SafeConsole(stderr=True, no_color=bool(os.environ.get("NO_COLOR")) or None, highlight=False)
 
 
-def _setting_flags(params: dict, names: tuple[str, ...] | None = None) -> dict:
-    """The settings a command's flags give, by Settings field: every one of `names` (default: all
-    the settings) is a parameter of the command, so a renamed parameter fails here (KeyError)
-    rather than silently dropping a setting. A flag left unset (None) is not given."""
-    from ladechat.settings import Settings
+def _spec(ctx: typer.Context, defaults: dict | None = None, keep_alive: float = 0.0, names: tuple[str, ...] | None = None,
+          **changes):
+    """The command's spec (backends/spec.py) from its parameters, `changes` replacing some: every
+    flag checked, one line for a bad one, before anything slow starts."""
+    from ladechat.backends.spec import Spec
 
-    given = {name: params[name] for name in names or Settings.model_fields if params[name] is not None}
-    if "stop" in given:
-        given["stop"] = [text for text in given["stop"] if text]
-    return given
+    return Spec.of({**ctx.params, **changes}, _given(ctx), defaults, keep_alive, names)
 
 
 def _spinner(err: Console):
@@ -117,41 +109,12 @@ def _print_notices(notices, err: Console) -> None:
         err.print(f"[yellow]notice:[/] {escape(notice)}", highlight=False, soft_wrap=True)
 
 
-def _load_here(options: dict, err: Console, compile: bool = False):
-    """The model of these load options in the foreground: a spinner on stderr while it loads, then
-    its notices."""
-    loaded = load_model(options, _spinner(err), compile)
+def _load_here(load_spec, err: Console, compile: bool = False):
+    """The model of this LoadSpec in the foreground: a spinner on stderr while it loads, then its
+    notices."""
+    loaded = load_model(load_spec, _spinner(err), compile)
     _print_notices(loaded.notices, err)
     return loaded
-
-
-def _remote_bot(ctx: typer.Context, api: str, api_key: str | None, defaults: dict | None = None):
-    """A RemoteBot for --api URL with the settings the user gave on the command line (`defaults`:
-    the command's own choices, sent as if given)."""
-    from ladechat.backends.remote import Endpoint, RemoteBot
-    from ladechat.settings import Settings
-
-    given = _given(ctx)
-    if "store" in given:
-        raise Fail("--store/--no-store: with --api the store of past answers is the server's (start it with --no-store)")
-    for name in LOCAL_ONLY:
-        if name in given:
-            raise Fail(f"{flag_of(name)} is about loading a model here; with --api the server has loaded it")
-    values, chosen = _request_settings(ctx, given, defaults)
-    Settings().updated({k: values[k] for k in chosen})  # ConfigError before connecting
-    return RemoteBot(Endpoint.of(api, api_key), ctx.params["model"], values, chosen)
-
-
-class _ContextCopy:
-    """A command's context with parameters of its own (`changes` applied), their sources the
-    command's."""
-
-    def __init__(self, ctx: typer.Context, **changes) -> None:
-        self.params = {**ctx.params, **changes}
-        self._ctx = ctx
-
-    def get_parameter_source(self, name: str):
-        return self._ctx.get_parameter_source(name)
 
 
 def _given(ctx: typer.Context) -> set[str]:
@@ -159,23 +122,6 @@ def _given(ctx: typer.Context) -> set[str]:
     # typer vendors its own click: its ParameterSource is compared by name
     return {name for name in ctx.params
             if getattr(ctx.get_parameter_source(name), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")}
-
-
-def _request_settings(ctx: typer.Context, given: set[str], defaults: dict | None) -> tuple[dict, set[str]]:
-    """(values, chosen) for a RemoteBot: the settings sent with each request (the lookahead and
-    sampling groups of ladechat.settings), by key, and the keys the user chose (those given,
-    max_new_tokens, and `defaults`: the command's own choices)."""
-    from ladechat.settings import group, key
-
-    sent = group("lookahead") + group("sampling")
-    values = {key(name): ctx.params[name] for name in sent}
-    values["stop"] = [s for s in values["stop"] or [] if s]
-    chosen = {key(name) for name in sent if name in given} | {"max_new_tokens"}
-    for setting, value in (defaults or {}).items():
-        if setting not in chosen:
-            values[setting] = value
-            chosen.add(setting)
-    return values, chosen
 
 
 def _keep_alive(text: str) -> float:
@@ -190,37 +136,6 @@ def _runtime_root():
     from ladechat.keepalive.runtime import runtime_root
 
     return runtime_root(os.environ)
-
-
-def _warm_bot(ctx: typer.Context, keep_alive: float, err: Console, progress=None,
-              defaults: dict | None = None, print_notices: bool = False):
-    """A WarmBot on the local server that keeps this command's model loaded (keepalive/): the
-    settings the user gave, the store and template travel with each request. progress: start the
-    server if need be (or wait for the command starting it), with progress(message) meanwhile;
-    None: only a server that is up already (else None is returned)."""
-    from ladechat.keepalive.client import WarmBot, ensure, find
-    from ladechat.keepalive.runtime import LOAD_DEFAULTS, Spec
-    from ladechat.settings import Settings
-
-    params = ctx.params
-    values, chosen = _request_settings(ctx, _given(ctx), defaults)
-    values.update(store=params["store"], template=params["template"])
-    chosen |= {"store", "template"}
-    Settings().updated({k: values[k] for k in chosen})  # ConfigError before any server starts
-    if params["template"] is not None:
-        from ladechat.templates import resolve
-
-        resolve(None, params["template"])
-    spec = Spec.of({k: params[k] for k in LOAD_DEFAULTS}, os.environ)
-    root = _runtime_root()
-    warm = find(spec, root) if progress is None else ensure(spec, keep_alive, root, progress)
-    if warm is None:
-        return None
-    bot = WarmBot(warm, values, chosen, keep_alive, _spinner(err))
-    if print_notices:  # now, one line each (else the first answer's events show them)
-        _print_notices(bot.notices, err)
-        bot.notices.clear()
-    return bot
 
 
 @app.callback(invoke_without_command=True)
@@ -248,44 +163,38 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = LOOKAHE
         from ladechat.conversation import Conversation
 
         Conversation.from_file(reopen)
-    keep = _keep_alive(keep_alive)
-    given = _setting_flags(ctx.params)
+    spec = _spec(ctx, keep_alive=_keep_alive(keep_alive))
 
     def switch(name: str):
-        """/model NAME: the bot of another model, opened as this chat's was (--api, keep-alive or here),
-        from a copy of the command's parameters: the first model may still be loading from them."""
-        other = _ContextCopy(ctx, model=name)
-        if api is not None:
-            return _remote_bot(other, api, api_key)
-        if keep != 0:
-            return _warm_bot(other, keep, err, _spinner(err), print_notices=True)
-        return open_bot(other.params, given, _spinner(err))[1]
+        """/model NAME: the bot of another model, opened as this chat's was (--api, keep-alive or here)."""
+        bot = open_bot(spec.with_model(name), _spinner(err))
+        if spec.api is None and spec.keep_alive != 0:  # now, one line each (else the first answer's events show them)
+            _print_notices(bot.notices, err)
+            bot.notices.clear()
+        return bot
 
-    run_chat = partial(run_chat, log=log, reopen=reopen, switch=switch)
-    if api is not None:
-        run_chat(_remote_bot(ctx, api, api_key), system=system, debug=debug, markdown=markdown, hide_thinking=hide_thinking, out=stdout_console(),
-                 err=err)
-        return
+    run_chat = partial(run_chat, log=log, reopen=reopen, switch=switch, system=system, debug=debug, markdown=markdown,
+                       hide_thinking=hide_thinking, out=stdout_console(), err=err)
     from ladechat.backends.pending import LoadFailed, PendingBot
 
-    settings_for(given)  # every flag checked before the (slow) model load
-    load = lambda progress: open_bot(ctx.params, given, progress)[1]
-    if keep != 0:  # the model in a local server that keeps it loaded for the next commands
-        warm = _warm_bot(ctx, keep, err)  # one that holds it already
+    load = lambda progress: open_bot(spec, progress)
+    if spec.api is not None:
+        run_chat(open_bot(spec, _spinner(err)))
+        return
+    if spec.keep_alive != 0:  # the model in a local server that keeps it loaded for the next commands
+        warm = warm_bot(spec, _spinner(err), start=False)  # one that holds it already
         if warm is not None:
-            run_chat(warm, system=system, debug=debug, markdown=markdown, hide_thinking=hide_thinking, out=stdout_console(), err=err)
+            run_chat(warm)
             return
-        load = lambda progress: _warm_bot(ctx, keep, err, progress)
-    elif compiles(ctx.params):
+    elif compiles(spec):
         # Compiled steps are captured (CUDA graphs) per thread: warm them up on the thread that
         # answers, before the prompt.
-        bot = open_bot(ctx.params, given, _spinner(err))[1]
-        run_chat(bot, system=system, debug=debug, markdown=markdown, hide_thinking=hide_thinking, out=stdout_console(), err=err)
+        run_chat(open_bot(spec, _spinner(err)))
         return
     # The prompt comes at once; the model loads meanwhile and the first answer waits for it.
     bot = PendingBot(load, label=model or "the embedded model", err=err)
     try:
-        run_chat(bot, system=system, debug=debug, markdown=markdown, hide_thinking=hide_thinking, out=stdout_console(), err=err)
+        run_chat(bot)
     except LoadFailed as exc:
         raise Fail(str(exc)) from None
     if not bot.settled:
@@ -388,15 +297,9 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
     err = stderr_console()
     attached = [attachment(path) for path in files or []]  # before any load: a bad file is one line
     text = with_attachments(attached, _read_prompt(prompt, files_only=bool(attached)))
-    keep = _keep_alive(keep_alive) if api is None else 0.0
-    if api is not None:
-        bot = _remote_bot(ctx, api, api_key, defaults={"temperature": 0.0})  # greedy unless --temperature
-    elif keep != 0:  # the model in a local server that keeps it loaded for the next commands
-        bot = _warm_bot(ctx, keep, err, _spinner(err), defaults={"temperature": 0.0}, print_notices=True)
-    else:
-        given = {"temperature": 0.0, **_setting_flags(ctx.params)}  # greedy unless --temperature, as above
-        settings_for(given)  # every flag checked before the (slow) model load
-        bot = open_bot(ctx.params, given, _spinner(err))[1]
+    spec = _spec(ctx, defaults={"temperature": 0.0}, keep_alive=_keep_alive(keep_alive) if api is None else 0.0)
+    bot = open_bot(spec, _spinner(err))  # greedy unless --temperature
+    if spec.api is None:  # now, one line each
         _print_notices(bot.notices, err)
         bot.notices.clear()
     if debug:  # which weights and kernels answer
@@ -526,8 +429,7 @@ def serve(ctx: typer.Context, host: Annotated[str, typer.Option("--host", help="
         origins = frozenset(normal_origin(o) for o in allow_origin or [])
     except ValueError as exc:
         raise Fail(f"--allow-origin: {exc}") from None
-    given = _setting_flags(ctx.params)
-    settings_for(given)  # every flag checked before the (slow) model load
+    spec = _spec(ctx)  # every flag checked before the (slow) model load
     try:
         sock = server.bind(host, port)
     except OSError as exc:
@@ -535,7 +437,7 @@ def serve(ctx: typer.Context, host: Annotated[str, typer.Option("--host", help="
     from ladechat.serve.worker import ModelThread
 
     model_thread = ModelThread()  # compiled steps are warmed up where they will answer
-    settings, bot = open_bot(ctx.params, given, _spinner(err), model_thread.run)
+    settings, bot = open_here(spec, _spinner(err), model_thread.run)
     _print_notices(bot.notices, err)
     bot.notices.clear()
     model_id = served_model_name or model or bot.name.split(" (")[0]
@@ -596,7 +498,10 @@ def bench(ctx: typer.Context, dataset: Datasets = ["mtbench"],
     from ladechat.ui.report import bench_tables
 
     err = stderr_console()
-    given = _setting_flags(ctx.params, BENCH_SETTINGS)  # the bench's --store is a mode, not the setting
+    # the bench's --store is a mode, not the setting; without --weights, the chat's own (dense with --compile)
+    from ladechat.engine.load.loading import bench_weights
+
+    spec = _spec(ctx, names=BENCH_SETTINGS, weights=weights or bench_weights(compile))
     method_list = [m.strip() for m in methods.split(",") if m.strip()] + (list(benchmark.ONLY) if ablation else [])
     benchmark.check_methods(method_list)
     for name in [*dataset, *(warm_from or [])]:
@@ -608,13 +513,10 @@ def bench(ctx: typer.Context, dataset: Datasets = ["mtbench"],
     if limit is not None and limit < 1:
         raise Fail(f"--limit must be >= 1, got {limit}")
     # every flag checked, and every peer asked for its models, before the (slow) model load
-    peers = peer_bench.connect(peer or [], set(benchmark.METHODS), settings_for(given))
+    peers = peer_bench.connect(peer or [], set(benchmark.METHODS), settings_for(spec.given))
     quiet_libraries()
-    from ladechat.engine.load.loading import bench_weights
-
-    loaded = _load_here({"model": model, "dtype": dtype, "device": device, "attn": attn,
-                         "weights": weights or bench_weights(compile)}, err, compile)
-    settings = settings_for(given, loaded, compile=compile)
+    loaded = _load_here(spec.load, err, compile)
+    settings = settings_for(spec.given, loaded, compile=compile)
     results = benchmark.run(loaded, dataset, method_list, settings, limit, compile=compile, single_turn=single_turn,
                             store=store, warm_from=warm_from, warm_limit=warm_limit, peers=peers,
                             progress=lambda name, i, n: err.print(f"[dim]{escape(name)}: {i}/{n}[/]", highlight=False))
@@ -640,19 +542,18 @@ def bench_serving(ctx: typer.Context,
                   as_json: BenchJson = False,
                   weights: Annotated[str, typer.Option("--weights", help="Linear weights, as for the chat (auto, dense, packed, int4); as ladechat serve loads them by default.")] = "auto") -> None:
     """Serving overhead: each prompt's first turn answered in this process and through the ladechat serve at --api URL, alternately."""
-    from ladechat.backends.remote import Endpoint, RemoteBot
+    from ladechat.backends.spec import Spec
     from ladechat.bench import prompts, serving
     from ladechat.ui.report import serve_bench_table
 
     err = stderr_console()
-    given = _setting_flags(ctx.params, BENCH_SETTINGS)
-    settings_for(given)  # every flag checked before the (slow) model load
+    spec = _spec(ctx, names=BENCH_SETTINGS, api=None, api_key=None)  # every flag checked before the (slow) model load
     texts = [item["turns"][0] for name in dataset for item in prompts.load_items(name, limit)]
-    remote = RemoteBot(Endpoint.of(api, api_key), None, {}, set())
+    remote = open_bot(Spec(api=api, api_key=api_key), _spinner(err))  # sends no settings of its own
     serving.check_server(remote)  # before the (slow) model load
     quiet_libraries()
-    loaded = _load_here({"model": model, "dtype": dtype, "device": device, "attn": attn, "weights": weights}, err)
-    settings = settings_for(given, loaded)
+    loaded = _load_here(spec.load, err)
+    settings = settings_for(spec.given, loaded)
     result = serving.run(loaded, settings, remote, texts, progress=lambda i, n: err.print(f"[dim]{i}/{n}[/]", highlight=False))
     if as_json:
         print(json.dumps(result, indent=2))
@@ -676,6 +577,7 @@ def bench_step_cost(model: Model = None,
     ones), next to HF generate's time per token. --show / --reset: the costs the chat keeps."""
     from ladechat.bench import steps
     from ladechat.engine.load.loading import bench_weights, resolve_device, resolve_dtype
+    from ladechat.engine.load.spec import LoadSpec
     from ladechat.ui.report import step_cost_table
 
     err = stderr_console()
@@ -694,9 +596,9 @@ def bench_step_cost(model: Model = None,
             net = steps.random_model(shape, resolve_dtype(dtype, dev), dev, pack_weights=not compile)
             name = f"random {shape}"
     else:
-        loaded = _load_here({"model": model, "dtype": dtype, "device": device, "attn": attn,
-                             "weights": "dense" if compile else weights or bench_weights(compile)},
-                            err, compile)
+        load = LoadSpec(model=model, dtype=dtype, device=device, attn=attn,
+                        weights="dense" if compile else weights or bench_weights(compile))
+        loaded = _load_here(load, err, compile)
         net, name = loaded.model, loaded.name
     with _spinner(err)("timing steps" + (" (compiling first)" if compile else "")):
         result = steps.run(net, name, size_list, context, reps, compile)
@@ -714,12 +616,13 @@ def _kept_step_costs(model: str | None, dtype: str, device: str, attn: str, weig
     """`bench step-cost --show/--reset`: the step costs a chat on this model plans with, loaded as the
     chat loads it (they are kept per model, device, dtype and weight layout)."""
     from ladechat.engine import cost_envelope
+    from ladechat.engine.load.spec import LoadSpec
     from ladechat.ui.report import kept_costs_table
 
     if show and reset:
         raise Fail("give --show or --reset, not both")
     quiet_libraries()
-    loaded = _load_here({"model": model, "dtype": dtype, "device": device, "attn": attn, "weights": weights or "auto"}, err)
+    loaded = _load_here(LoadSpec(model=model, dtype=dtype, device=device, attn=attn, weights=weights or "auto"), err)
     if loaded.device.type != "cpu":
         raise Fail(f"on {loaded.device.type} every lookahead step is a full one: no step costs are kept there")
     if reset:

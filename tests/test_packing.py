@@ -169,7 +169,7 @@ def test_compile_loads_the_weights_as_they_are_and_refuses_packed_ones(tiny_fold
     from ladechat.engine.runner import CompiledForward
 
     def load_for(compile):
-        return load_model({"model": tiny_folder, "dtype": "float32", "device": "cpu"}, None, compile=compile)
+        return load_model(LoadSpec(model=tiny_folder, dtype="float32", device="cpu"), None, compile=compile)
 
     assert not packing.is_packed(load_for(compile=True).model)
     with pytest.raises(ValueError, match="compiling needs the model's own Linear modules"):

@@ -62,7 +62,7 @@ def test_8bit_loads_and_answers_with_a_notice(folder):
 
 def test_disk_offload_through_device_map_is_exact(folder):
     lm = load(LoadSpec(model=folder, dtype="float32", device="cpu", device_map="auto",
-                       max_memory=(("cpu", "250MiB"),)))
+                       max_memory="cpu=250MiB"))
     assert {"cpu", "disk"} <= set(lm.model.hf_device_map.values())  # some layers really live on disk
     assert not packing.is_packed(lm.model)  # accelerate's hooks sit on the Linear modules
     # the reference on the same kernels: a device map keeps the Linear weights as loaded (unpacked)

@@ -22,7 +22,6 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from ladechat.backends.opener import OptionError, load_model
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.kernels import q4, q8
@@ -229,8 +228,8 @@ def test_what_cannot_be_quantized_is_a_one_line_error(folders, monkeypatch, tmp_
         load(LoadSpec(model=folder, quantize="q4", load_in_4bit=True))
     with pytest.raises(LoadError, match="--weights packed cannot go with it"):
         load(LoadSpec(model=folder, quantize="q8", weights="packed"))
-    with pytest.raises(OptionError, match="--compile .* cannot run --quantize"):
-        load_model({"model": folder, "quantize": "q4"}, None, compile=True)
+    with pytest.raises(LoadError, match="--compile .* cannot run --quantize"):
+        LoadSpec(model=folder, quantize="q4").for_steps(compiled=True)
     monkeypatch.setattr(loading, "resolve_device", lambda name: torch.device("cuda"))
     with pytest.raises(LoadError, match="--quantize runs on ladechat's CPU kernels, not on cuda"):
         load(LoadSpec(model=folder, quantize="q4", device="cuda"))

@@ -331,13 +331,14 @@ def test_compile_is_the_default_on_one_cuda_gpu_only():
     assert not compiles_by_default("cpu", quantized=False, mapped=False, weights="auto")
     assert not compiles_by_default("cuda", quantized=True, mapped=False, weights="auto")  # bitsandbytes' layers
     assert not compiles_by_default("cuda", quantized=False, mapped=True, weights="auto")  # a device map
-    options = {"compile": None, "device": "auto", "load_in_4bit": False, "load_in_8bit": False, "device_map": None,
-               "weights": "auto"}
-    assert compiles({**options, "compile": True}) and not compiles({**options, "compile": False, "device": "cuda"})
-    assert not compiles(options) and not compiles({**options, "device": "cpu"})  # this CPU-only torch
+    from ladechat.backends.spec import Spec
+    from ladechat.engine.load.spec import LoadSpec
+
+    assert compiles(Spec(compile=True)) and not compiles(Spec(LoadSpec(device="cuda"), compile=False))
+    assert not compiles(Spec()) and not compiles(Spec(LoadSpec(device="cpu")))  # this CPU-only torch
     # deciding it on a CPU build of torch does not import torch (the chat's prompt comes at once)
-    code = ("import sys; from ladechat.backends.opener import compiles; "
-            f"print(compiles({options!r}), 'torch' in sys.modules)")
+    code = ("import sys; from ladechat.backends.opener import compiles; from ladechat.backends.spec import Spec; "
+            "print(compiles(Spec()), 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False"]
 

@@ -147,3 +147,14 @@ def test_the_basics_import_no_layer():
     found = {(name, dep) for name, deps in graph().items() if name.startswith(basics)
              for dep in deps if layer_of(dep) is not None}
     assert found == set()
+
+
+def test_the_command_line_builds_no_backend_itself():
+    """cli.py parses the flags into one Spec (backends/spec.py) and gets every Bot from
+    backends/opener.py (open_bot; serve's open_here): no RemoteBot, WarmBot or local Bot, no warm
+    server found or started, no Session, in it."""
+    called = {node.func.id if isinstance(node.func, ast.Name) else node.func.attr
+              for node in ast.walk(modules()["ladechat.cli"])
+              if isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute))}
+    assert {"open_bot", "open_here"} <= called
+    assert called & {"Bot", "RemoteBot", "WarmBot", "ensure", "find", "Session", "Endpoint"} == set()

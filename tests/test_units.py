@@ -590,7 +590,7 @@ def test_the_context_cap_defaults_to_the_model_up_to_8192_and_never_exceeds_it()
     with pytest.raises(LoadError, match="--ctx 4096 is more than the model's context of 2048 tokens"):
         context_cap(2048, 4096)
     with pytest.raises(LoadError, match="--ctx must be at least 64 tokens, got 8"):
-        context_cap(2048, 8)
+        LoadSpec(context_size=8)  # checked when the spec is built, before any load
 
 
 def test_the_bench_runs_the_chats_own_weights():
@@ -636,11 +636,12 @@ def test_auto_dtype_asks_the_chosen_gpu(monkeypatch, capability, expected):
 
 def test_weights_load_straight_onto_the_chosen_device():
     gpu1 = torch.device("cuda", 1)
-    assert placement(LoadSpec(load_in_4bit=True), gpu1) == {"device_map": {"": "cuda:1"}}
-    assert placement(LoadSpec(load_in_8bit=True), torch.device("cpu")) == {"device_map": {"": "cpu"}}
+    hub = "org/model"  # bitsandbytes quantizes a Hugging Face model, never a GGUF's blocks
+    assert placement(LoadSpec(model=hub, load_in_4bit=True), gpu1) == {"device_map": {"": "cuda:1"}}
+    assert placement(LoadSpec(model=hub, load_in_8bit=True), torch.device("cpu")) == {"device_map": {"": "cpu"}}
     assert placement(LoadSpec(), gpu1) == {"device_map": {"": "cuda:1"}}  # never a full copy in RAM first
     assert placement(LoadSpec(), torch.device("cpu")) == {}
-    assert placement(LoadSpec(load_in_4bit=True, device_map="auto"), gpu1) == {"device_map": "auto"}
+    assert placement(LoadSpec(model=hub, load_in_4bit=True, device_map="auto"), gpu1) == {"device_map": "auto"}
 
 
 def test_mask_probe_verdict_is_remembered_per_folder(tmp_path, monkeypatch):

@@ -1,34 +1,21 @@
-"""A local model and the Bot that answers with it, from a command's load options and settings: the
-one place every front end builds a local backend (the chat, `ask`, `serve`, the keep-alive server
-and the bench), as mlx-lm's `load()` serves its generate, chat and server alike.
+"""The one place every front end gets its Bot (the chat, `ask`, `serve`, the keep-alive server and
+the bench): open_bot(spec) answers through a server at a URL, a local server that keeps the model
+loaded, or a model loaded in this process (open_here), as the spec (backends/spec.py, checked when
+the flags built it) says; as mlx-lm's `load()` serves its generate, chat and server alike.
 
-Load options are a dict with LOAD_OPTIONS' keys (as the flags name them, and as a warm server's
-spec keeps them); `given` is the settings the user gave (ladechat.settings' keys). Nothing here
-prints: progress(message) is the caller's context manager for a slow phase."""
+Nothing here prints: progress(message) is the caller's context manager for a slow phase."""
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-from ladechat.errors import UserError
+from ladechat.backends.spec import Spec
 
-LOAD_OPTIONS = {"model": None, "dtype": "auto", "device": "auto", "attn": "sdpa", "weights": "auto",
-                "load_in_4bit": False, "load_in_8bit": False, "device_map": None, "max_memory": None,
-                "compile": None, "context_size": None, "quantize": None}  # compile None: the device decides (compiles())
 Progress = Callable[[str], AbstractContextManager]
-FLAGS = {"context_size": "--ctx"}  # load options whose flag is not their name (typer keeps `ctx` for itself)
-
-
-def flag_of(option: str) -> str:
-    """The command-line flag of a load option, e.g. --device-map for device_map."""
-    return FLAGS.get(option, "--" + option.replace("_", "-"))
-
-
-class OptionError(UserError):
-    """Load options that cannot go together (one line)."""
 
 
 def run_here(fn):
@@ -43,43 +30,44 @@ def quiet_libraries() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def load_options(params: dict) -> dict:
-    """The load options among a command's parameters, the defaults for those it lacks."""
-    return {key: params.get(key, default) for key, default in LOAD_OPTIONS.items()}
+def open_bot(spec: Spec, progress: Progress, on_model_thread=run_here):
+    """The Bot that answers as `spec` says: the server at spec.api, the local server that keeps
+    the model loaded for spec.keep_alive (found or started, progress(message) meanwhile), or the
+    model loaded here (open_here; on_model_thread as there)."""
+    if spec.api is not None:
+        from ladechat.backends.remote import Endpoint, RemoteBot
+
+        values, chosen = spec.sent()
+        return RemoteBot(Endpoint.of(spec.api, spec.api_key), spec.load.model, values, chosen)
+    if spec.keep_alive != 0:
+        return warm_bot(spec, progress)
+    return open_here(spec, progress, on_model_thread)[1]
 
 
-def load_model(options: dict, progress: Progress | None, compile: bool = False):
-    """The model (engine/load/loading.LoadedModel), progress(message) shown during slow phases; its
-    notices are the caller's. compile: the steps will be compiled, which takes the model's own Linear
-    modules (no packing, no int4)."""
+def warm_bot(spec: Spec, progress: Progress, start: bool = True):
+    """A WarmBot on the local server that keeps spec's model loaded (keepalive/): the settings chosen,
+    the store and the template travel with each request. start: find or start the server (or wait
+    for the command starting it); else only one that is up already (None if none is)."""
+    from ladechat.keepalive.client import WarmBot, ensure, find
+    from ladechat.keepalive.runtime import Spec as ServerSpec
+    from ladechat.keepalive.runtime import runtime_root
+
+    values, chosen = spec.sent()
+    values.update(store=spec.settings["store"], template=spec.settings["template"])
+    server = ServerSpec.of(spec.load_options(), os.environ)
+    root = runtime_root(os.environ)
+    warm = ensure(server, spec.keep_alive, root, progress) if start else find(server, root)
+    return None if warm is None else WarmBot(warm, values, chosen | {"store", "template"}, spec.keep_alive, progress)
+
+
+def load_model(load_spec, progress: Progress | None, compile: bool = False):
+    """The model (engine/load/loading.LoadedModel) of a LoadSpec, progress(message) shown during slow
+    phases; its notices are the caller's. compile: the steps will be compiled, which takes the
+    model's own Linear modules (no packing, no blocks)."""
     from ladechat.engine import thread_probe
-    from ladechat.engine.load.loading import (
-        LoadSpec,
-        check_context_size,
-        check_weights,
-        load,
-        parse_max_memory,
-        resolve_device,
-        resolve_dtype,
-    )
+    from ladechat.engine.load.loading import load
 
-    options = load_options(options)
-    if compile and options["weights"] not in ("auto", "dense"):
-        raise OptionError(f"--compile compiles the model's own Linear modules: it cannot run --weights "
-                          f"{options['weights']}")
-    if compile and options["quantize"]:
-        raise OptionError("--compile compiles the model's own Linear modules: it cannot run --quantize")
-    max_memory = options["max_memory"]
-    spec = LoadSpec(model=options["model"], dtype=options["dtype"], device=options["device"], attn=options["attn"],
-                    load_in_4bit=options["load_in_4bit"], load_in_8bit=options["load_in_8bit"],
-                    device_map=options["device_map"],
-                    max_memory=parse_max_memory(max_memory) if max_memory is not None else (),
-                    pack_weights=not compile, weights=options["weights"], context_size=options["context_size"],
-                    quantize=options["quantize"], own_forward=not compile)
-    check_weights(spec)  # flag errors before any slow import
-    check_context_size(spec.context_size)
-    resolve_dtype(options["dtype"], resolve_device(options["device"]))
-    return load(spec, progress, probe=thread_probe.cached_verdict)
+    return load(load_spec.for_steps(compile), progress, probe=thread_probe.cached_verdict)
 
 
 def settings_for(given: dict, loaded=None, default_temperature: float = 0.0, compile: bool = False):
@@ -122,14 +110,14 @@ def bot_for(loaded, settings, compile: bool, progress: Progress, on_model_thread
     return bot
 
 
-def open_bot(options: dict, given: dict, progress: Progress, on_model_thread=run_here):
-    """(settings, Bot) from load options and the settings given: the model loaded, W/N/G for its
-    device, the model's own temperature when it samples. The load's notices are the bot's first."""
+def open_here(spec: Spec, progress: Progress, on_model_thread=run_here):
+    """(settings, Bot) of the model loaded in this process: W/N/G for its device, the model's own
+    temperature when it samples. on_model_thread(fn): runs fn on the thread that will answer (a
+    server's model thread), where compiled steps are warmed up. The load's notices are the bot's first."""
     quiet_libraries()
-    options = load_options(options)
-    compile = compiles(options)
-    loaded = load_model(options, progress, compile)
-    settings, bot = compiled_or_not(loaded, given, compile, options["compile"] is None, progress,
+    compile = compiles(spec)
+    loaded = load_model(spec.load, progress, compile)
+    settings, bot = compiled_or_not(loaded, spec.given, compile, spec.compile is None, progress,
                                     model_temperature(loaded), on_model_thread)
     bot.notices[:0] = loaded.notices
     return settings, bot
@@ -182,29 +170,28 @@ def model_temperature(loaded) -> float:
     return 0.0
 
 
-def compiles(options: dict) -> bool:
+def compiles(spec: Spec) -> bool:
     """--compile/--no-compile as given; neither: the device's default (engine/defaults.py), without
     importing torch where its build has no CUDA (a CPU's chat shows its prompt at once)."""
-    options = load_options(options)
-    if options["compile"] is not None:
-        return options["compile"]
+    if spec.compile is not None:
+        return spec.compile
     from ladechat.engine.defaults import compiles_by_default
 
-    device = options["device"]
-    if device == "cpu" or (device == "auto" and not torch_has_cuda()):
+    load = spec.load
+    if load.device == "cpu" or (load.device == "auto" and not torch_has_cuda()):
         return False
     from ladechat.engine.load.loading import LoadError, resolve_device
 
     try:
-        kind = resolve_device(device).type
+        kind = resolve_device(load.device).type
     except LoadError:  # the load says why, in its own words
         return False
     import torch
 
     if torch.version.hip is not None:  # AMD's GPUs answer as cuda; compiled steps were measured on NVIDIA's
         return False
-    return compiles_by_default(kind, options["load_in_4bit"] or options["load_in_8bit"] or bool(options["quantize"]),
-                               options["device_map"] is not None, options["weights"])
+    return compiles_by_default(kind, load.load_in_4bit or load.load_in_8bit or bool(load.quantize),
+                               load.device_map is not None, load.weights)
 
 
 def torch_has_cuda() -> bool:

@@ -1,6 +1,6 @@
 """The warm server: `python -m ladechat.keepalive.daemon` (started by client.start, not by hand).
 
-It loads the model as `ladechat serve` does (backends/opener.open_bot), tells the command that started it how
+It loads the model as `ladechat serve` does (backends/opener.open_here), tells the command that started it how
 the load goes through a pipe (`phase TEXT`, `notice TEXT`, then `ready` or `error TEXT`), then
 serves serve.app.Api's app on its Unix socket, in its own session (a terminal's Ctrl-C or hang-up
 never reaches it) with the folder / as its working directory. It holds its key's lock for its
@@ -83,9 +83,11 @@ def load(spec: Spec, status: Status, model_thread):
     """(settings, Bot) for the spec's options, as `ladechat serve` loads: the device's defaults; the
     requests give their own settings. Compiled steps are warmed up on model_thread (a
     serve.worker.ModelThread), the thread that will answer."""
-    from ladechat.backends.opener import open_bot
+    from ladechat.backends.opener import open_here
+    from ladechat.backends.spec import Spec as LoadChoices
 
-    return open_bot(spec.options, {"max_new_tokens": MAX_NEW_TOKENS}, status.progress, model_thread.run)
+    choices = LoadChoices.from_load_options(spec.options, settings={"max_new_tokens": MAX_NEW_TOKENS})
+    return open_here(choices, status.progress, model_thread.run)
 
 
 def resident_bytes() -> int:

@@ -28,14 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ladechat import __version__
-from ladechat.backends.opener import LOAD_OPTIONS, flag_of
+from ladechat.backends.spec import LOAD_DEFAULTS, flag_of
 from ladechat.errors import UserError
 from ladechat.paths import cache_root
 
 FOREVER = -1.0  # --keep-alive -1 (any negative duration)
 SOCKET_PATH_MAX = 103 if sys.platform == "darwin" else 107  # sun_path less its NUL byte
-# The load options a warm server is started with (backends/opener.py's), and their defaults.
-LOAD_DEFAULTS = LOAD_OPTIONS
 # Environment that changes which devices and files a load sees: part of a server's identity too
 # (the rest of the environment is the starting command's, e.g. HF_HUB_OFFLINE or OMP_NUM_THREADS).
 LOAD_ENVIRONMENT = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "XDG_CACHE_HOME", "HF_HOME")

@@ -16,48 +16,17 @@ from ladechat.engine.kernels.attention import use_grouped_sdpa
 from ladechat.engine.load import checkpoint, packing, requantize
 from ladechat.engine.load.gguf import files as gguf_files
 from ladechat.engine.load.gguf import head, kept, quantized
+from ladechat.engine.load.spec import LoadError, LoadSpec
 from ladechat.engine.models import llama, transformers_model
 from ladechat.engine.threads import CpuThreads
-from ladechat.errors import ModelNotFound, UserError
+from ladechat.errors import ModelNotFound
 from ladechat.paths import cache_root, source_digest
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
-ATTENTION = ("sdpa", "eager", "flash")
-# --weights: auto (the fastest this machine has: a GGUF's 4-bit blocks at 4 bits on ladechat's
-# kernel, else torch's int4 one; the other Linear weights packed for oneDNN), dense (as transformers
-# loads them), packed (all packed for oneDNN, none at 4 bits), int4 (a GGUF's 4-bit blocks at 4
-# bits, the rest packed).
-WEIGHTS = ("auto", "dense", "packed", "int4")
 # A local model folder needs one of these for AutoTokenizer (without it transformers' error reads
 # like a failed download).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
-
-
-class LoadError(UserError):
-    """Loading failed for a reason the user can act on; the message is one line."""
-
-
-@dataclass(frozen=True)
-class LoadSpec:
-    model: str | None = None  # None: the embedded default
-    dtype: str = "auto"
-    device: str = "auto"
-    attn: str = "sdpa"
-    load_in_4bit: bool = False
-    load_in_8bit: bool = False
-    device_map: str | None = None
-    max_memory: tuple[tuple[str, str], ...] = ()  # (device, size) pairs for device_map, e.g. ("cpu", "8GiB")
-    # Linear weights in oneDNN's packed layout where measured to pay (x86-64 CPUs, fp32/bf16;
-    # engine/load/packing.py). Off for --compile, whose graphs take the model's own Linear modules:
-    # then every Linear stays as loaded, whatever `weights` says.
-    pack_weights: bool = True
-    weights: str = "auto"  # one of WEIGHTS
-    context_size: int | None = None  # --ctx: the most tokens a conversation holds; None: context_cap's default
-    quantize: str | None = None  # --quantize: a Hugging Face model's weights into blocks at load (requantize.KINDS)
-    # Run a family ladechat has its own model file for (engine/models/) by that file; off for
-    # --compile, whose graphs trace transformers' forward
-    own_forward: bool = True
 
 
 @dataclass(frozen=True)
@@ -142,9 +111,9 @@ def placement(spec: LoadSpec, device: torch.device) -> dict:
     on the CPU they need no map."""
     if spec.device_map:
         kwargs: dict = {"device_map": spec.device_map}
-        if spec.max_memory:
+        if spec.max_memory is not None:
             # Layers that fit nowhere are offloaded to disk, into a folder of ours.
-            kwargs["max_memory"] = {int(d) if d.isdigit() else d: size for d, size in spec.max_memory}
+            kwargs["max_memory"] = {int(d) if d.isdigit() else d: size for d, size in spec.memory_limits}
             kwargs["offload_folder"] = str(cache_root() / "offload")
         return kwargs
     if spec.load_in_4bit or spec.load_in_8bit or device.type != "cpu":
@@ -187,25 +156,6 @@ def bench_weights(compile: bool) -> str:
     return "dense" if compile else "auto"
 
 
-def check_weights(spec: LoadSpec) -> None:
-    """LoadError for a --weights choice that cannot be honoured whatever the model (checked before
-    loading anything)."""
-    if spec.weights not in WEIGHTS:
-        raise LoadError(f"unknown --weights {spec.weights!r} (choose {', '.join(WEIGHTS)})")
-    placed = [flag for flag, on in (("--load-in-4bit", spec.load_in_4bit), ("--load-in-8bit", spec.load_in_8bit),
-                                    ("--device-map", bool(spec.device_map))) if on]
-    if spec.weights in ("packed", "int4") and placed:
-        raise LoadError(f"--weights {spec.weights} cannot be combined with {placed[0]}, which places the weights itself")
-    if spec.quantize is None:
-        return
-    if spec.quantize not in requantize.KINDS:
-        raise LoadError(f"unknown --quantize {spec.quantize!r} (choose {', '.join(requantize.KINDS)})")
-    if placed:
-        raise LoadError(f"--quantize cannot be combined with {placed[0]}: choose one way to place the weights")
-    if spec.weights != "auto":
-        raise LoadError(f"--quantize puts the Linear weights on ladechat's kernels: --weights {spec.weights} cannot go with it")
-
-
 def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | None = None,
          probe: Callable | None = None) -> LoadedModel:
     """The model `spec` names, with its tokenizer, prepared for lookahead (its Linear weights' layout,
@@ -223,11 +173,6 @@ def load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | Non
 def _load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | None, probe: Callable | None
           ) -> LoadedModel:
     device, dtype = _checked(spec)
-    if (spec.load_in_4bit or spec.load_in_8bit or spec.quantize) and (spec.model is None or spec.model.endswith(".gguf")):
-        name = Path(spec.model).name if spec.model else gguf_files.EMBEDDED_NAME
-        flags = "--quantize takes" if spec.quantize else "--load-in-4bit and --load-in-8bit take"
-        raise LoadError(f"{name} is a GGUF file, already quantized: {flags} a Hugging Face model (its own blocks run "
-                        "at their bits here)")
     # its first look at the machine now: the load's seconds are the first interval it measures
     threads = CpuThreads() if device.type == "cpu" else None
     notices: list[str] = []
@@ -240,8 +185,6 @@ def _load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | No
         raise LoadError(f"--weights int4 runs a .gguf file's 4-bit (Q4_0, Q4_1, Q4_K) blocks; {name} is not a GGUF file")
     kwargs: dict = {"dtype": dtype, "attn_implementation": attn, **_quantization(spec, dtype, notices)}
     notices.extend(parting_notices(device.type, dtype, spec.load_in_4bit, spec.load_in_8bit))
-    if spec.max_memory and not spec.device_map:
-        raise LoadError("--max-memory needs --device-map (e.g. --device-map auto)")
     kwargs.update(placement(spec, device))
     # Linear layouts (int4, packing) not with quantized weights (bitsandbytes, or a checkpoint's own
     # quantization_config) or a device map: accelerate's hooks sit on the modules they replace.
@@ -339,13 +282,7 @@ def _governed(threads: CpuThreads | None, model, name: str, source: str, gguf_fi
 
 
 def _checked(spec: LoadSpec) -> tuple[torch.device, torch.dtype]:
-    """The device and dtype `spec` asks for, once its options are known to go together."""
-    if spec.attn not in ATTENTION:
-        raise LoadError(f"unknown --attn {spec.attn!r} (choose sdpa, eager, flash)")
-    check_context_size(spec.context_size)
-    if spec.load_in_4bit and spec.load_in_8bit:
-        raise LoadError("choose one of --load-in-4bit and --load-in-8bit")
-    check_weights(spec)
+    """The device and dtype `spec` asks for on this machine (the spec checked itself when built)."""
     # --quantize's blocks run on the CPU: there by default, whatever GPU there is
     device = resolve_device("cpu" if spec.quantize and spec.device == "auto" else spec.device)
     if spec.quantize and device.type != "cpu":
@@ -650,22 +587,6 @@ def _check_tree_mask(model, name: str, attn: str, folder: str | None, notices: l
                     "so lookahead cannot run on it")
 
 
-def parse_max_memory(text: str) -> tuple[tuple[str, str], ...]:
-    """'0=20GiB,cpu=64GiB' -> (('0', '20GiB'), ('cpu', '64GiB')); devices: N, cuda:N, cpu, disk."""
-    pairs = []
-    for item in (part.strip() for part in text.split(",") if part.strip()):
-        device, eq, size = item.partition("=")
-        device = device.strip().removeprefix("cuda:")
-        size = size.strip()
-        ok_size = size[:1].isdigit() and size.rstrip("BbIiKkMmGgTt").replace(".", "", 1).isdigit()
-        if not eq or not ok_size or not (device.isdigit() or device in ("cpu", "disk")):
-            raise LoadError(f"--max-memory wants DEVICE=SIZE pairs like '0=20GiB,cpu=64GiB', got {item!r}")
-        pairs.append((device, size))
-    if not pairs:
-        raise LoadError("--max-memory is empty")
-    return tuple(pairs)
-
-
 def _one_line(exc: BaseException) -> str:
     """An exception's message on one line (transformers' and huggingface_hub's span several)."""
     return " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
@@ -699,12 +620,6 @@ def eos_ids(model, tokenizer) -> frozenset[int]:
 
 
 DEFAULT_CONTEXT = 8192  # a 128k-context model's cache would otherwise grow until memory runs out
-MIN_CONTEXT = 64
-
-
-def check_context_size(size: int | None) -> None:
-    if size is not None and size < MIN_CONTEXT:
-        raise LoadError(f"--ctx must be at least {MIN_CONTEXT} tokens, got {size}")
 
 
 def context_cap(model_length: int, asked: int | None) -> int:
@@ -712,7 +627,6 @@ def context_cap(model_length: int, asked: int | None) -> int:
     else the model's length up to DEFAULT_CONTEXT."""
     if asked is None:
         return min(model_length, DEFAULT_CONTEXT)
-    check_context_size(asked)
     if asked > model_length:
         raise LoadError(f"--ctx {asked} is more than the model's context of {model_length} tokens")
     return asked

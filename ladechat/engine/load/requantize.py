@@ -28,10 +28,11 @@ import torch
 from ladechat.engine.kernels import q4, q8
 from ladechat.engine.kernels.linear import BlockLinear
 from ladechat.engine.load.gguf import quantized
+from ladechat.engine.load.spec import QUANTIZE
 from ladechat.errors import UserError
 from ladechat.paths import cache_root
 
-KINDS = {"q4": "Q4_0", "q8": "Q8_0"}  # --quantize's values and the block types they make
+KINDS = QUANTIZE  # --quantize's values and the block types they make
 OUTER = "Q8_0"  # the output layer's and the embedding's blocks
 ROWS_AT_ONCE = 4096  # rows per quantizing call: gguf-py makes several float copies of what it is given
 PREFIX = "quantized-"
