@@ -5,6 +5,7 @@ answers equal plain decoding's, with float weights and with 4-bit blocks. A file
 that cannot be built is one line naming it. (Llama itself: tests/test_int4.py, test_q6.py.)"""
 
 import contextlib
+import functools
 from pathlib import Path
 
 import gguf
@@ -26,14 +27,15 @@ CLASSES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2": "
            "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
-def tokenizer_fields() -> list:
+@functools.cache  # gguf-py takes seconds to parse the 49k tokens and merges; every family writes them
+def tokenizer_fields() -> tuple:
     reader = gguf.GGUFReader(embedded_gguf())
     out = []
     for key, field in reader.fields.items():
         if key.startswith("tokenizer."):
             kind = field.types[0]
             out.append((key, field.contents(), kind, field.types[1] if kind == gguf.GGUFValueType.ARRAY else None))
-    return out
+    return tuple(out)
 
 
 def write_family(arch: str, path: Path, four_bit: bool) -> Path:
