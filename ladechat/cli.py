@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import os
 import sys
@@ -71,6 +73,7 @@ AutoCompile = Annotated[Optional[bool], typer.Option("--compile/--no-compile", s
 Store = Annotated[bool, typer.Option("--store/--no-store", help="Draft from (and add each answer to) this model's store of past answers, kept under the cache folder (see: ladechat store).")]
 HideThinking = Annotated[bool, typer.Option("--hide-thinking", help="Leave a reasoning model's <think>...</think> off the screen (shown dim otherwise; never kept in the conversation; ask --json gives it as 'reasoning').")]
 Markdown = Annotated[bool, typer.Option("--markdown/--no-markdown", help="On a terminal, redraw a finished answer that has code blocks, lists or headings as rendered Markdown.")]
+ServeMaxNew = Annotated[int, typer.Option("--max-new-tokens", help="Most tokens in one answer: the default, and a cap (a request asking for more gets this many).")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print one JSON object (text, token_ids, stats) instead of streaming.")]
 Debug = Annotated[bool, typer.Option("--debug", help="Show per-step acceptance and a per-turn statistics panel on stderr.")]
 Api = Annotated[str | None, typer.Option("--api", help="Answer with the model behind an OpenAI-compatible server at URL (ladechat serve, vLLM, ...) instead of loading one; --model then names the server's model.")]
@@ -79,6 +82,57 @@ KeepHistory = Annotated[bool, typer.Option("--history/--no-history", envvar="LAD
 Continue = Annotated[bool, typer.Option("--continue", "-c", help="Go on with the last chat kept (its conversation and settings).")]
 Resume = Annotated[bool, typer.Option("--resume", help="List the chats kept and open the one you choose.")]
 KeepAlive = Annotated[str, typer.Option("--keep-alive", envvar="LADECHAT_KEEP_ALIVE", show_envvar=True, help="How long the model stays loaded after an answer, in a local server the next ask or chat uses (5m, 30s, 1h30m; 0: load in this command and keep nothing; -1: until 'ladechat stop').")]
+
+
+def _shared(name: str, annotation, default) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=default)
+
+
+# The parameters chat, ask and serve share, each group declared once (with_shared).
+# What to load and how (engine/load/spec.py's LoadSpec) and whether the steps are compiled.
+LOAD_PARAMETERS = (
+    _shared("model", Model, None), _shared("dtype", Dtype, "auto"), _shared("device", Device, "auto"),
+    _shared("load_in_4bit", FourBit, False), _shared("load_in_8bit", EightBit, False),
+    _shared("device_map", DeviceMap, None), _shared("max_memory", MaxMemory, None), _shared("attn", Attn, "sdpa"),
+    _shared("weights", Weights, "auto"), _shared("context_size", ContextSize, None),
+    _shared("quantize", Quantize, None), _shared("compile", AutoCompile, None))
+
+
+def setting_parameters(max_new_tokens: int, max_new_option=MaxNew) -> tuple[inspect.Parameter, ...]:
+    """Every setting (ladechat/settings.py) as a flag, with the command's own most new tokens."""
+    return (_shared("lookahead", Lookahead, LOOKAHEAD.enabled), _shared("window", Window, None),
+            _shared("ngram", Ngram, None), _shared("candidates", Cands, None),
+            _shared("context_candidates", ContextCands, None), _shared("context_len", ContextLen, None),
+            _shared("recycle", Recycle, None), _shared("max_new_tokens", max_new_option, max_new_tokens),
+            _shared("temperature", Temperature, None), _shared("top_p", TopP, SAMPLING.top_p),
+            _shared("top_k", TopK, SAMPLING.top_k), _shared("min_p", MinP, SAMPLING.min_p),
+            _shared("repetition_penalty", RepPenalty, SAMPLING.repetition_penalty), _shared("seed", Seed, None),
+            _shared("stop", Stop, None), _shared("template", Template, None), _shared("store", Store, LOOKAHEAD.store))
+
+
+# Where the model answers, for the commands that may answer through a server (chat, ask).
+CLIENT_PARAMETERS = (_shared("api", Api, None), _shared("api_key", ApiKey, None), _shared("keep_alive", KeepAlive, "5m"))
+# How an answer is shown (chat, ask).
+OUTPUT_PARAMETERS = (_shared("system", System, None), _shared("markdown", Markdown, True),
+                     _shared("hide_thinking", HideThinking, False), _shared("debug", Debug, False))
+
+
+def with_shared(*groups: tuple[inspect.Parameter, ...]):
+    """A command that takes these shared parameters besides its own: typer reads them from its
+    signature, after the command's own (a parameter of the command's own, e.g. serve's --api-key,
+    is its), and the command reads the ones it uses from ctx.params; Spec.of reads them all."""
+    def wrap(command):
+        own = inspect.signature(command, eval_str=True)
+        extra = [p for group in groups for p in group if p.name not in own.parameters]
+
+        @functools.wraps(command)
+        def run(*args, **kwargs):
+            return command(*args, **{name: value for name, value in kwargs.items() if name in own.parameters})
+
+        run.__signature__ = own.replace(parameters=[*own.parameters.values(), *extra])
+        return run
+    return wrap
+
 def stdout_console() -> Console:
     return terminal.SafeConsole(no_color=bool(os.environ.get("NO_COLOR")) or None, highlight=False)
 
@@ -139,17 +193,8 @@ def _runtime_root():
 
 
 @app.callback(invoke_without_command=True)
-def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = LOOKAHEAD.enabled, window: Window = None,
-         ngram: Ngram = None, candidates: Cands = None, context_candidates: ContextCands = None,
-         context_len: ContextLen = None, recycle: Recycle = None, max_new_tokens: MaxNew = MAX_NEW_TOKENS["chat"],
-         temperature: Temperature = None, top_p: TopP = SAMPLING.top_p, top_k: TopK = SAMPLING.top_k, min_p: MinP = SAMPLING.min_p,
-         repetition_penalty: RepPenalty = SAMPLING.repetition_penalty, seed: Seed = None, dtype: Dtype = "auto", device: Device = "auto",
-         load_in_4bit: FourBit = False, load_in_8bit: EightBit = False, device_map: DeviceMap = None,
-         keep_alive: KeepAlive = "5m",
-         max_memory: MaxMemory = None, attn: Attn = "sdpa", template: Template = None, system: System = None, stop: Stop = None,
-         compile: AutoCompile = None, store: Store = LOOKAHEAD.store, markdown: Markdown = True, hide_thinking: HideThinking = False, debug: Debug = False,
-         api: Api = None, api_key: ApiKey = None, weights: Weights = "auto", context_size: ContextSize = None, quantize: Quantize = None,
-         history: KeepHistory = True, continue_: Continue = False, resume: Resume = False) -> None:
+@with_shared(LOAD_PARAMETERS, setting_parameters(MAX_NEW_TOKENS["chat"]), CLIENT_PARAMETERS, OUTPUT_PARAMETERS)
+def chat(ctx: typer.Context, history: KeepHistory = True, continue_: Continue = False, resume: Resume = False) -> None:
     """Interactive multi-turn chat (the default command). Type /help inside for commands."""
     if ctx.invoked_subcommand is not None:
         return
@@ -163,7 +208,8 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = LOOKAHE
         from ladechat.conversation import Conversation
 
         Conversation.from_file(reopen)
-    spec = _spec(ctx, keep_alive=_keep_alive(keep_alive))
+    flags = ctx.params
+    spec = _spec(ctx, keep_alive=_keep_alive(flags["keep_alive"]))
 
     def switch(name: str):
         """/model NAME: the bot of another model, opened as this chat's was (--api, keep-alive or here)."""
@@ -173,8 +219,8 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = LOOKAHE
             bot.notices.clear()
         return bot
 
-    run_chat = partial(run_chat, log=log, reopen=reopen, switch=switch, system=system, debug=debug, markdown=markdown,
-                       hide_thinking=hide_thinking, out=stdout_console(), err=err)
+    run_chat = partial(run_chat, log=log, reopen=reopen, switch=switch, system=flags["system"], debug=flags["debug"],
+                       markdown=flags["markdown"], hide_thinking=flags["hide_thinking"], out=stdout_console(), err=err)
     from ladechat.backends.pending import LoadFailed, PendingBot
 
     load = lambda progress: open_bot(spec, progress)
@@ -192,7 +238,7 @@ def chat(ctx: typer.Context, model: Model = None, lookahead: Lookahead = LOOKAHE
         run_chat(open_bot(spec, _spinner(err)))
         return
     # The prompt comes at once; the model loads meanwhile and the first answer waits for it.
-    bot = PendingBot(load, label=model or "the embedded model", err=err)
+    bot = PendingBot(load, label=spec.load.model or "the embedded model", err=err)
     try:
         run_chat(bot)
     except LoadFailed as exc:
@@ -272,18 +318,9 @@ def history(chat: Annotated[Optional[str], typer.Argument(help="A kept chat: its
 
 
 @app.command()
+@with_shared(LOAD_PARAMETERS, setting_parameters(MAX_NEW_TOKENS["ask"]), CLIENT_PARAMETERS, OUTPUT_PARAMETERS)
 def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help="The question; '-' or a pipe reads it from stdin.")] = None,
-        model: Model = None, lookahead: Lookahead = LOOKAHEAD.enabled, window: Window = None, ngram: Ngram = None,
-        candidates: Cands = None, context_candidates: ContextCands = None, context_len: ContextLen = None,
-        recycle: Recycle = None, max_new_tokens: MaxNew = MAX_NEW_TOKENS["ask"], temperature: Temperature = None,
-        top_p: TopP = SAMPLING.top_p, top_k: TopK = SAMPLING.top_k, min_p: MinP = SAMPLING.min_p, repetition_penalty: RepPenalty = SAMPLING.repetition_penalty,
-        seed: Seed = None, dtype: Dtype = "auto", device: Device = "auto", load_in_4bit: FourBit = False,
-        load_in_8bit: EightBit = False, device_map: DeviceMap = None, max_memory: MaxMemory = None,
-        keep_alive: KeepAlive = "5m",
-        attn: Attn = "sdpa",
-        template: Template = None, system: System = None, stop: Stop = None, compile: AutoCompile = None,
-        store: Store = LOOKAHEAD.store, markdown: Markdown = True, hide_thinking: HideThinking = False, debug: Debug = False, as_json: AsJson = False,
-        api: Api = None, api_key: ApiKey = None, weights: Weights = "auto", context_size: ContextSize = None, quantize: Quantize = None,
+        as_json: AsJson = False,
         files: Annotated[Optional[list[str]], typer.Option("--file", "-f", help="A text file to put into the question, under its name (repeatable); with no PROMPT the files are the question.")] = None) -> None:
     """One-shot answer to PROMPT, streamed to stdout (greedy unless --temperature is given)."""
     from ladechat.backends.base import interrupt
@@ -297,16 +334,19 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
     err = stderr_console()
     attached = [attachment(path) for path in files or []]  # before any load: a bad file is one line
     text = with_attachments(attached, _read_prompt(prompt, files_only=bool(attached)))
-    spec = _spec(ctx, defaults={"temperature": 0.0}, keep_alive=_keep_alive(keep_alive) if api is None else 0.0)
+    flags = ctx.params
+    keep_alive = _keep_alive(flags["keep_alive"]) if flags["api"] is None else 0.0
+    spec = _spec(ctx, defaults={"temperature": 0.0}, keep_alive=keep_alive)
     bot = open_bot(spec, _spinner(err))  # greedy unless --temperature
     if spec.api is None:  # now, one line each
         _print_notices(bot.notices, err)
         bot.notices.clear()
+    debug = flags["debug"]
     if debug:  # which weights and kernels answer
         err.print(f"[dim]model {escape(bot.describe())}[/]", highlight=False, soft_wrap=True)
-    conversation = Conversation(system=system, messages=[{"role": "user", "content": text}])
+    conversation = Conversation(system=flags["system"], messages=[{"role": "user", "content": text}])
     out = stdout_console()
-    printer = StreamPrinter(out, err, debug=debug, markdown=markdown, hide_thinking=hide_thinking)
+    printer = StreamPrinter(out, err, debug=debug, markdown=flags["markdown"], hide_thinking=flags["hide_thinking"])
     done = None
     interrupted = False  # Ctrl-C reached this loop (after the answer's Done too: still exit 130)
     events = bot.reply(conversation)
@@ -386,6 +426,7 @@ def _key_from(path: Path) -> str:
 
 
 @app.command()
+@with_shared(LOAD_PARAMETERS, setting_parameters(MAX_NEW_TOKENS["serve"], ServeMaxNew))
 def serve(ctx: typer.Context, host: Annotated[str, typer.Option("--host", help="Address to listen on; anything but loopback needs --api-key.")] = "127.0.0.1",
           port: Annotated[int, typer.Option("--port", help="Port to listen on (0: a free one, printed at start).")] = 8000,
           api_key: Annotated[str | None, typer.Option("--api-key", envvar="LADECHAT_API_KEY", show_envvar=True, help="Clients must send 'Authorization: Bearer KEY'.")] = None,
@@ -394,17 +435,7 @@ def serve(ctx: typer.Context, host: Annotated[str, typer.Option("--host", help="
           allow_origin: Annotated[Optional[list[str]], typer.Option("--allow-origin", help="A web origin (e.g. http://localhost:3000, or * for any) whose pages may use the server (repeatable); requests from other sites' pages get 403.")] = None,
           drain_timeout: Annotated[float, typer.Option("--drain-timeout", help="On SIGTERM or Ctrl-C: seconds the answers in progress get to finish; then each ends with an error (event).")] = 5.0,
           request_timeout: Annotated[float, typer.Option("--request-timeout", help="Seconds a connection has to send a whole request; an idle or half-sent one is closed then.")] = 30.0,
-          api_key_file: Annotated[Optional[Path], typer.Option("--api-key-file", help="Read the API key from this file's first line (unlike --api-key, not shown in ps).")] = None,
-          model: Model = None, lookahead: Lookahead = LOOKAHEAD.enabled, window: Window = None, ngram: Ngram = None,
-          candidates: Cands = None, context_candidates: ContextCands = None, context_len: ContextLen = None,
-          recycle: Recycle = None,
-          max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Most tokens in one answer: the default, and a cap (a request asking for more gets this many).")] = MAX_NEW_TOKENS["serve"],
-          temperature: Temperature = None,
-          top_p: TopP = SAMPLING.top_p, top_k: TopK = SAMPLING.top_k, min_p: MinP = SAMPLING.min_p, repetition_penalty: RepPenalty = SAMPLING.repetition_penalty,
-          seed: Seed = None, dtype: Dtype = "auto", device: Device = "auto", load_in_4bit: FourBit = False,
-          load_in_8bit: EightBit = False, device_map: DeviceMap = None, max_memory: MaxMemory = None,
-          attn: Attn = "sdpa", template: Template = None, stop: Stop = None, compile: AutoCompile = None,
-          store: Store = LOOKAHEAD.store, weights: Weights = "auto", context_size: ContextSize = None, quantize: Quantize = None) -> None:
+          api_key_file: Annotated[Optional[Path], typer.Option("--api-key-file", help="Read the API key from this file's first line (unlike --api-key, not shown in ps).")] = None) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions), with lookahead decoding."""
     from ladechat.serve import app as server
     from ladechat.serve.guard import allowed_hosts, is_loopback, normal_origin
@@ -440,7 +471,7 @@ def serve(ctx: typer.Context, host: Annotated[str, typer.Option("--host", help="
     settings, bot = open_here(spec, _spinner(err), model_thread.run)
     _print_notices(bot.notices, err)
     bot.notices.clear()
-    model_id = served_model_name or model or bot.name.split(" (")[0]
+    model_id = served_model_name or spec.load.model or bot.name.split(" (")[0]
     bound_host, bound_port = sock.getsockname()[:2]
     config = server.ServeConfig(model_id=model_id, api_key=api_key, max_queue=max_queue,
                                 hosts=allowed_hosts(host, bound_host), origins=origins,
