@@ -607,7 +607,8 @@ def bench_step_cost(model: Model = None,
     forward and, for the Llama family, engine/models/llama.py, on a GPU too; fixed-shape and --compile'd
     ones), next to HF generate's time per token. --show / --reset: the costs the chat keeps."""
     from ladechat.bench import steps
-    from ladechat.engine.load.loading import bench_weights, resolve_device, resolve_dtype
+    from ladechat.engine.load.loading import bench_weights
+    from ladechat.engine.load.placement import resolve_device, resolve_dtype
     from ladechat.engine.load.spec import LoadSpec
     from ladechat.ui.report import step_cost_table
 

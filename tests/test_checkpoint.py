@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import COMMON, FAMILIES, tiny_tokenizer
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from ladechat.engine.load import checkpoint, loading
+from ladechat.engine.load import checkpoint, memory, placement
 from ladechat.engine.load.loading import LoadError, LoadSpec, load
 from ladechat.engine.models import llama
 
@@ -62,7 +62,7 @@ def test_a_checkpoint_of_the_family_is_read_by_name_into_the_llama(tmp_path, mon
     folder = saved(tmp_path / family, family, saved_in, shard, **changes)
     if shard:
         assert (folder / checkpoint.INDEX).is_file() and len(list(folder.glob("*.safetensors"))) > 1
-    dtype = loading.DTYPES[run_in]
+    dtype = placement.DTYPES[run_in]
     theirs = reference(folder, dtype)
     refused = []
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: refused.append(a))
@@ -186,7 +186,7 @@ def test_weights_cast_that_would_not_fit_in_memory_are_refused_before_reading(tm
     """Weights to be cast are copies, counted against the memory available before anything is read;
     in the file's own dtype they are the file's pages (--quantize reads them so), not counted."""
     folder = saved(tmp_path / "big", dtype=torch.bfloat16)
-    monkeypatch.setattr(loading, "available_memory", lambda: 10_000)
+    monkeypatch.setattr(memory, "available_memory", lambda: 10_000)
     with monkeypatch.context() as patched:
         patched.setattr(checkpoint, "read_into", lambda *a, **k: pytest.fail("read"))
         with pytest.raises(LoadError, match=r"^not enough memory for .*big: its weights are \d+ MiB in float32, "

@@ -216,11 +216,12 @@ def test_a_gguf_whose_dense_tensors_do_not_fit_is_one_line_before_it_is_read(tmp
     """Tensors without a kernel for their blocks are read dense; where they would not fit in the
     memory available the load stops with one line naming them, before reading any (the OOM killer
     would end the process without a word)."""
-    from ladechat.engine.load import loading
+    from ladechat.engine.load import memory
+    from ladechat.engine.load.gguf import files as gguf_files
 
     path = write_family("qwen2", tmp_path / "big.gguf", False)
-    monkeypatch.setattr(loading, "available_memory", lambda: 1 << 20)
-    monkeypatch.setattr(loading.gguf_files, "read_tensors", lambda *a, **k: pytest.fail("read before the check"))
+    monkeypatch.setattr(memory, "available_memory", lambda: 1 << 20)
+    monkeypatch.setattr(gguf_files, "read_tensors", lambda *a, **k: pytest.fail("read before the check"))
     with pytest.raises(LoadError) as caught:
         load(LoadSpec(model=str(path), dtype="float32", device="cpu"))
     message = str(caught.value)

@@ -399,7 +399,7 @@ def test_auto_runs_the_embedded_model_as_int4(embedded_int4):
     assert quantized.weight_layout(auto.model) == layout
     # ladechat's kernels quantize rows to int8 whatever the dtype: auto is fp32 there (bf16 saves
     # nothing); on torch's int4 kernel, as for any model (bf16 where the CPU has it natively)
-    from ladechat.engine.load.loading import resolve_dtype
+    from ladechat.engine.load.placement import resolve_dtype
 
     assert auto.dtype == (torch.float32 if HAS_COMPILER else resolve_dtype("auto", torch.device("cpu")))
 
@@ -556,10 +556,10 @@ def test_a_ggufs_verdicts_are_kept_once_though_its_blocks_are_written_meanwhile(
     # the blocks written only once both probes have run, as a 7B's are: deterministic here
     from ladechat.engine.load import loading
 
-    probed, keep, governed = threading.Event(), kept.keep_beside, loading._governed
+    probed, keep, governed = threading.Event(), kept.keep_beside, loading.governed
     monkeypatch.setattr(kept, "keep_beside",  # (head.py keeps its small file at once, as before)
                         lambda *a: (threading.current_thread() is threading.main_thread() or probed.wait()) and keep(*a))
-    monkeypatch.setattr(loading, "_governed", lambda *a: (governed(*a), probed.set())[0])
+    monkeypatch.setattr(loading, "governed", lambda *a: (governed(*a), probed.set())[0])
     from ladechat.engine import thread_probe
 
     for _ in range(2):

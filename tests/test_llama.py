@@ -479,7 +479,7 @@ def test_a_gguf_of_the_family_is_built_as_a_llama_without_transformers_model(mon
     its answers are transformers' generate() over the same modules."""
     from transformers import AutoModelForCausalLM
 
-    from ladechat.engine.load.loading import mask_probe
+    from ladechat.engine.load.mask_probe import mask_probe
 
     if not int4.supported(torch.device("cpu")) or shutil.which(native.COMPILER) is None \
             or q4.load(cache_root() / "kernels"):

@@ -26,7 +26,7 @@ from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
 from ladechat.engine.kernels import q4, q8
 from ladechat.engine.kernels.embedding import BlockEmbedding
-from ladechat.engine.load import loading, requantize
+from ladechat.engine.load import loading, placement, requantize
 from ladechat.engine.load.loading import LoadError, LoadSpec, load
 from ladechat.engine.models import transformers_model
 from ladechat.paths import cache_root
@@ -230,7 +230,7 @@ def test_what_cannot_be_quantized_is_a_one_line_error(folders, monkeypatch, tmp_
         load(LoadSpec(model=folder, quantize="q8", weights="packed"))
     with pytest.raises(LoadError, match="--compile .* cannot run --quantize"):
         LoadSpec(model=folder, quantize="q4").for_steps(compiled=True)
-    monkeypatch.setattr(loading, "resolve_device", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(placement, "resolve_device", lambda name: torch.device("cuda"))
     with pytest.raises(LoadError, match="--quantize runs on ladechat's CPU kernels, not on cuda"):
         load(LoadSpec(model=folder, quantize="q4", device="cuda"))
     monkeypatch.undo()

@@ -180,7 +180,8 @@ def test_a_model_gets_a_governor_only_where_the_probe_allows_fewer_threads():
     count agrees, one restricted to the agreeing counts otherwise; none for dense weights (unprobed),
     for one thread, or without a probe."""
     from ladechat.engine import thread_probe
-    from ladechat.engine.load import loading, packing
+    from ladechat.engine.load import packing
+    from ladechat.engine.load.governor import governed as governor_of
 
     model = tiny_model("llama")
     packing.pack(model)
@@ -189,12 +190,12 @@ def test_a_model_gets_a_governor_only_where_the_probe_allows_fewer_threads():
         def probe(*a, v=verdict):
             return asked.append(a) or v
 
-        threads = loading._governed(CpuThreads(ceiling=2, cpus=2), model, "tiny", "tiny", None, None, probe)
+        threads = governor_of(CpuThreads(ceiling=2, cpus=2), model, "tiny", "tiny", None, None, probe)
         assert (threads is not None) == governed and (not governed or (threads.counts, threads.widest) == ((1, 2), 12))
     assert [a[1:] for a in asked] == [(None, 2, None)] * 2  # no files to name: probed each time, not kept
-    assert loading._governed(CpuThreads(ceiling=2, cpus=2), tiny_model("llama"), "tiny", "tiny", None, None, probe) is None
-    assert loading._governed(CpuThreads(ceiling=1, cpus=1), model, "tiny", "tiny", None, None, probe) is None
-    assert loading._governed(CpuThreads(ceiling=2, cpus=2), model, "tiny", "tiny", None, None, None) is None  # no probe
+    assert governor_of(CpuThreads(ceiling=2, cpus=2), tiny_model("llama"), "tiny", "tiny", None, None, probe) is None
+    assert governor_of(CpuThreads(ceiling=1, cpus=1), model, "tiny", "tiny", None, None, probe) is None
+    assert governor_of(CpuThreads(ceiling=2, cpus=2), model, "tiny", "tiny", None, None, None) is None  # no probe
     assert len(asked) == 2
 
 

@@ -8,7 +8,9 @@ from ladechat.engine import kv
 from ladechat.engine.draft.pool import NGramPool
 from ladechat.engine.draft.suffix import SuffixIndex
 from ladechat.engine.layout import build_layout, step_inputs, tree_layout, tree_mask
-from ladechat.engine.load.loading import LoadSpec, choose_dtype, placement, resolve_dtype
+from ladechat.engine.load.placement import arguments as placement
+from ladechat.engine.load.placement import choose_dtype, resolve_dtype
+from ladechat.engine.load.spec import LoadSpec
 from ladechat.engine.stopping import StopRule
 from ladechat.engine.verify import verify
 
@@ -581,7 +583,8 @@ def test_choose_dtype(name, device_type, native, expected):
 
 
 def test_the_context_cap_defaults_to_the_model_up_to_8192_and_never_exceeds_it():
-    from ladechat.engine.load.loading import LoadError, context_cap
+    from ladechat.engine.load.context import context_cap
+    from ladechat.engine.load.spec import LoadError
 
     assert context_cap(131072, None) == 8192  # a 128k model's cache cannot grow until memory runs out
     assert context_cap(2048, None) == 2048
@@ -612,7 +615,7 @@ AVX512_NO_BF16 = "flags : fpu avx2 avx512f avx512dq avx512bw avx512vl avx512_vnn
                                                   (AVX512_NO_BF16, False, torch.float32), ("", False, torch.float32)])
 def test_auto_dtype_on_each_cpu_class(cpuinfo, native, dtype):
     """bf16 by default only where the CPU computes it natively; fp32 on the AVX2-only class."""
-    from ladechat.engine.load.loading import cpu_has_native_bf16
+    from ladechat.engine.load.placement import cpu_has_native_bf16
 
     assert cpu_has_native_bf16(cpuinfo) is native
     assert choose_dtype("auto", "cpu", cpu_has_native_bf16(cpuinfo)) == dtype
@@ -650,7 +653,8 @@ def test_mask_probe_verdict_is_remembered_per_folder(tmp_path, monkeypatch):
     from test_cli import tiny_model_folder
     from tiny_models import tiny_tokenizer
 
-    from ladechat.engine.load.loading import honours_tree_mask, load
+    from ladechat.engine.load.loading import load
+    from ladechat.engine.load.mask_probe import honours_tree_mask
     from ladechat.engine.models import transformers_model
     from ladechat.paths import cache_root
 
@@ -818,7 +822,7 @@ def test_users_are_told_where_a_lookahead_answer_can_part_from_plain_decoding():
     """From given facts, so every machine checks the GPU's cases: the CPU's paths that are identical
     say nothing; a GPU in half precision, bitsandbytes' 4-bit on a GPU and LLM.int8 anywhere say so
     (the H200's measurements: BENCHMARKS.md)."""
-    from ladechat.engine.load.loading import parting_notices
+    from ladechat.engine.load.placement import parting_notices
 
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
     assert parting_notices("cpu", fp32, False, False) == []

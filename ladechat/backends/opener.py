@@ -180,7 +180,8 @@ def compiles(spec: Spec) -> bool:
     load = spec.load
     if load.device == "cpu" or (load.device == "auto" and not torch_has_cuda()):
         return False
-    from ladechat.engine.load.loading import LoadError, resolve_device
+    from ladechat.engine.load.placement import resolve_device
+    from ladechat.engine.load.spec import LoadError
 
     try:
         kind = resolve_device(load.device).type

@@ -243,7 +243,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     args.sizes = sorted({int(s) for s in args.sizes.split(",")})
     from ladechat.bench.steps import random_model
-    from ladechat.engine.load.loading import resolve_device, resolve_dtype
+    from ladechat.engine.load.placement import resolve_device, resolve_dtype
 
     began = time.perf_counter()
     device = resolve_device(args.device)

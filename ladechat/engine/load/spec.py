@@ -2,7 +2,7 @@
 
 It is checked when it is built, without importing torch, so a bad flag or two flags that cannot go
 together are one line (LoadError) before anything slow runs. What depends on the machine (is there
-a GPU, does this CPU pack bf16, is a compiler installed) the loader checks (loading._checked)."""
+a GPU, does this CPU pack bf16, is a compiler installed) the loader checks (placement.checked)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ class LoadSpec:
     # modules: then every Linear stays as loaded, whatever `weights` says (for_steps).
     pack_weights: bool = True
     weights: str = "auto"  # one of WEIGHTS
-    context_size: int | None = None  # --ctx: the most tokens a conversation holds; None: loading.context_cap's default
+    context_size: int | None = None  # --ctx: the most tokens a conversation holds; None: context.context_cap's default
     quantize: str | None = None  # --quantize: a Hugging Face model's weights into blocks at load (QUANTIZE)
     # Run a family ladechat has its own model file for (engine/models/) by that file; off for
     # compiled steps, whose graphs trace transformers' forward
