@@ -119,8 +119,8 @@ OUTPUT_PARAMETERS = (_shared("system", System, None), _shared("markdown", Markdo
 
 def with_shared(*groups: tuple[inspect.Parameter, ...]):
     """A command that takes these shared parameters besides its own: typer reads them from its
-    signature, after the command's own (a parameter of the command's own, e.g. serve's --api-key,
-    is its), and the command reads the ones it uses from ctx.params; Spec.of reads them all."""
+    signature, after the command's own (a parameter the command declares itself is its own), and
+    the command reads the ones it uses from ctx.params; Spec.of reads them all."""
     def wrap(command):
         own = inspect.signature(command, eval_str=True)
         extra = [p for group in groups for p in group if p.name not in own.parameters]
@@ -223,7 +223,8 @@ def chat(ctx: typer.Context, history: KeepHistory = True, continue_: Continue = 
                        markdown=flags["markdown"], hide_thinking=flags["hide_thinking"], out=stdout_console(), err=err)
     from ladechat.backends.pending import LoadFailed, PendingBot
 
-    load = lambda progress: open_bot(spec, progress)
+    # a warm server that expires mid-chat is started again under the chat's own spinner
+    load = lambda progress: open_bot(spec, progress, again=_spinner(err))
     if spec.api is not None:
         run_chat(open_bot(spec, _spinner(err)))
         return

@@ -147,8 +147,9 @@ def start_ask(path: Path) -> subprocess.Popen:
 def finish(process: subprocess.Popen, timeout: int = 300) -> subprocess.CompletedProcess:
     try:
         out, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    except BaseException:
         process.kill()
+        process.communicate()
         raise
     return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
@@ -177,11 +178,17 @@ def test_opening_mutants_answers_or_says_one_line(tiny, tmp_path):
     # two at a time (started from this thread: preexec_fn is not safe beside other threads), each
     # mostly one core's start-up (imports, the header's checks)
     results, running = [], []
-    for path in paths:
-        running.append(start_ask(path))
-        if len(running) == 2:
+    try:
+        for path in paths:
+            running.append(start_ask(path))
+            if len(running) == 2:
+                results.append(finish(running.pop(0)))
+        while running:
             results.append(finish(running.pop(0)))
-    results += [finish(process) for process in running]
+    finally:
+        for process in running:  # a failed wait: the other one too
+            process.kill()
+            process.communicate()
     for path, what, done in zip(paths, chosen, results):
         if done.returncode == 0 and what not in refused:
             continue

@@ -108,3 +108,27 @@ def test_the_spec_is_built_and_checked_without_torch():
               "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_flags_a_compiled_step_cannot_run_are_refused_with_the_spec():
+    with pytest.raises(LoadError, match="^--compile compiles the model's own Linear modules: it cannot run --weights packed$"):
+        Spec.of(params(compile=True, weights="packed"), {"compile", "weights"})
+    assert Spec.of(params(weights="packed"), {"weights"}).compile is None  # the device decides, when it loads
+
+
+def test_a_warm_bot_finds_its_server_again_under_its_own_progress(monkeypatch):
+    """The chat's first load shows its progress in the pending prompt; a warm server that expires
+    later is found or started again under `again` (the chat's spinner), not under that progress."""
+    from ladechat.backends import opener
+    from ladechat.keepalive import client
+
+    made = []
+    monkeypatch.setattr(client, "ensure", lambda server, keep_alive, root, progress: ("warm", progress))
+    monkeypatch.setattr(client, "WarmBot", lambda warm, values, chosen, keep_alive, progress:
+                        made.append((warm, progress, keep_alive, chosen)) or "bot")
+    first, later = object(), object()
+    spec = Spec.of(params(), set(), keep_alive=300.0)
+    assert opener.open_bot(spec, first, again=later) == "bot"
+    assert made[-1][:3] == (("warm", first), later, 300.0) and {"store", "template", "max_new_tokens"} <= made[-1][3]
+    opener.open_bot(spec, first)
+    assert made[-1][:2] == (("warm", first), first)

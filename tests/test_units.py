@@ -838,8 +838,9 @@ def test_users_are_told_where_a_lookahead_answer_can_part_from_plain_decoding():
 
 
 def test_the_settings_before_a_load_import_neither_torch_nor_transformers():
-    """The chat shows its prompt while the model loads: what it checks first (opener.settings_for
-    with no model yet) imports none of the heavy modules (a subprocess: this one has them)."""
+    """The chat shows its prompt while the model loads: the settings' check before a model is loaded
+    (opener.settings_for with none, as the bench's flags are checked) imports none of the heavy
+    modules (a subprocess: this one has them; the spec's own check: tests/test_spec.py)."""
     import subprocess
     import sys
 

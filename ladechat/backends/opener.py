@@ -1,7 +1,8 @@
-"""The one place every front end gets its Bot (the chat, `ask`, `serve`, the keep-alive server and
-the bench): open_bot(spec) answers through a server at a URL, a local server that keeps the model
-loaded, or a model loaded in this process (open_here), as the spec (backends/spec.py, checked when
-the flags built it) says; as mlx-lm's `load()` serves its generate, chat and server alike.
+"""The one place the front ends get their Bot (the chat, `ask`, `serve`, the keep-alive server, `bench
+serving`'s server): open_bot(spec) answers through a server at a URL, a local server that keeps the
+model loaded, or a model loaded in this process (open_here), as the spec (backends/spec.py, checked
+when the flags built it) says; as mlx-lm's `load()` serves its generate, chat and server alike. The
+bench loads through load_model and settings_for, as open_here does.
 
 Nothing here prints: progress(message) is the caller's context manager for a slow phase."""
 
@@ -30,24 +31,27 @@ def quiet_libraries() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def open_bot(spec: Spec, progress: Progress, on_model_thread=run_here):
+def open_bot(spec: Spec, progress: Progress, on_model_thread=run_here, again: Progress | None = None):
     """The Bot that answers as `spec` says: the server at spec.api, the local server that keeps
-    the model loaded for spec.keep_alive (found or started, progress(message) meanwhile), or the
-    model loaded here (open_here; on_model_thread as there)."""
+    the model loaded for spec.keep_alive (found or started, progress(message) meanwhile; `again`,
+    default progress, while a later answer finds or starts it again), or the model loaded here
+    (open_here; on_model_thread as there)."""
     if spec.api is not None:
         from ladechat.backends.remote import Endpoint, RemoteBot
 
         values, chosen = spec.sent()
         return RemoteBot(Endpoint.of(spec.api, spec.api_key), spec.load.model, values, chosen)
     if spec.keep_alive != 0:
-        return warm_bot(spec, progress)
+        return warm_bot(spec, progress, again=again)
     return open_here(spec, progress, on_model_thread)[1]
 
 
-def warm_bot(spec: Spec, progress: Progress, start: bool = True):
+def warm_bot(spec: Spec, progress: Progress, start: bool = True, again: Progress | None = None):
     """A WarmBot on the local server that keeps spec's model loaded (keepalive/): the settings chosen,
     the store and the template travel with each request. start: find or start the server (or wait
-    for the command starting it); else only one that is up already (None if none is)."""
+    for the command starting it), progress(message) meanwhile; else only one that is up already
+    (None if none is). again (default progress): shown while a later answer finds or starts the
+    server again (expired, stopped): the chat's spinner, not the progress of its first load."""
     from ladechat.keepalive.client import WarmBot, ensure, find
     from ladechat.keepalive.runtime import Spec as ServerSpec
     from ladechat.keepalive.runtime import runtime_root
@@ -57,7 +61,8 @@ def warm_bot(spec: Spec, progress: Progress, start: bool = True):
     server = ServerSpec.of(spec.load_options(), os.environ)
     root = runtime_root(os.environ)
     warm = ensure(server, spec.keep_alive, root, progress) if start else find(server, root)
-    return None if warm is None else WarmBot(warm, values, chosen | {"store", "template"}, spec.keep_alive, progress)
+    return None if warm is None else WarmBot(warm, values, chosen | {"store", "template"}, spec.keep_alive,
+                                             again or progress)
 
 
 def load_model(load_spec, progress: Progress | None, compile: bool = False):

@@ -47,6 +47,8 @@ class Spec:
         from ladechat.templates import resolve
 
         resolve(None, Settings().updated(self.given).template)  # ConfigError or TemplateError, one line
+        if self.compile:  # flags a compiled step cannot run (LoadError); None: the device decides, at load
+            self.load.for_steps(compiled=True)
 
     @classmethod
     def of(cls, params: Mapping[str, Any], given: set[str], defaults: Mapping[str, Any] | None = None,

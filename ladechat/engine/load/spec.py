@@ -2,7 +2,7 @@
 
 It is checked when it is built, without importing torch, so a bad flag or two flags that cannot go
 together are one line (LoadError) before anything slow runs. What depends on the machine (is there
-a GPU, does this CPU pack bf16, is a compiler installed) the loader checks (placement.checked)."""
+a GPU, does this CPU pack bf16: placement.checked; is a compiler installed) the loader checks."""
 
 from __future__ import annotations
 
