@@ -422,7 +422,7 @@ def test_refused_folders_sockets_and_flags(fresh):
     if os.getuid() != 0:
         return  # another user's files: only root can make them here
     # a socket that is not this user's (e.g. left by someone else in a shared folder) is refused
-    code = "import os; from ladechat.keepalive.runtime import Spec; print(Spec.of({}, os.environ).key())"
+    code = "import os; from ladechat.keepalive.runtime import ServerKey; print(ServerKey.of({}, os.environ).key())"
     key = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=run.env(), cwd=run.base,
                          check=True).stdout.strip()
     sock_path = run.dir / f"{key}.sock"

@@ -53,12 +53,11 @@ def warm_bot(spec: Spec, progress: Progress, start: bool = True, again: Progress
     (None if none is). again (default progress): shown while a later answer finds or starts the
     server again (expired, stopped): the chat's spinner, not the progress of its first load."""
     from ladechat.keepalive.client import WarmBot, ensure, find
-    from ladechat.keepalive.runtime import Spec as ServerSpec
-    from ladechat.keepalive.runtime import runtime_root
+    from ladechat.keepalive.runtime import ServerKey, runtime_root
 
     values, chosen = spec.sent()
     values.update(store=spec.settings["store"], template=spec.settings["template"])
-    server = ServerSpec.of(spec.load_options(), os.environ)
+    server = ServerKey.of(spec.load_options(), os.environ)
     root = runtime_root(os.environ)
     warm = ensure(server, spec.keep_alive, root, progress) if start else find(server, root)
     return None if warm is None else WarmBot(warm, values, chosen | {"store", "template"}, spec.keep_alive,

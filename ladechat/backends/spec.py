@@ -108,9 +108,9 @@ class Spec:
         return cls(load=load, compile=options.get("compile"), **changes)
 
 
-# Options about loading a model here: refused with --api (the server loaded its model).
-LOCAL_ONLY = ("dtype", "device", "load_in_4bit", "load_in_8bit", "device_map", "max_memory", "attn", "template", "compile",
-              "weights", "context_size", "quantize")
+# Options about loading a model here: refused with --api (the server loaded its model; --model
+# names the server's).
+LOCAL_ONLY = (*(name for name in LOAD_FLAGS if name != "model"), "compile", "template")
 
 
 def _check_remote(given: set[str]) -> None:

@@ -32,7 +32,7 @@ from ladechat.backends.remote import Endpoint, RemoteBot
 from ladechat.engine.config import ConfigError
 from ladechat.keepalive.runtime import (
     Paths,
-    Spec,
+    ServerKey,
     WarmError,
     build,
     check_owned,
@@ -63,7 +63,7 @@ class Warm:
     """A warm server this command found or started: its files, a client on its socket, its
     /warm/info, and what the command should say (that it started it, that it replaced one)."""
 
-    spec: Spec
+    spec: ServerKey
     paths: Paths
     client: httpx.Client
     info: dict
@@ -101,7 +101,7 @@ def probe(paths: Paths, client: httpx.Client) -> dict | None:
     return info if isinstance(info, dict) else {}
 
 
-def find(spec: Spec, root: Path) -> Warm | None:
+def find(spec: ServerKey, root: Path) -> Warm | None:
     """The warm server for `spec` in `root` if one of this build is up and listening; None otherwise
     (ensure then starts, replaces or waits for it)."""
     private_folder(root)
@@ -119,7 +119,7 @@ def find(spec: Spec, root: Path) -> Warm | None:
     return Warm(spec, paths, client, info)
 
 
-def ensure(spec: Spec, keep_alive: float, root: Path, progress: Progress, client: httpx.Client | None = None) -> Warm:
+def ensure(spec: ServerKey, keep_alive: float, root: Path, progress: Progress, client: httpx.Client | None = None) -> Warm:
     """The live warm server for `spec` in `root`, found or started (progress(message) while it
     loads or while another command starts it). WarmError (one line) when it cannot be."""
     private_folder(root)
@@ -166,7 +166,7 @@ def _answers(paths: Paths) -> bool:
             return False
 
 
-def start(spec: Spec, paths: Paths, lock: int, keep_alive: float, progress: Progress) -> list[str]:
+def start(spec: ServerKey, paths: Paths, lock: int, keep_alive: float, progress: Progress) -> list[str]:
     """Start the server for `spec`, handing it the lock; wait until it is loaded and listens. Returns
     its load's notices; WarmError with its own one-line reason when it fails to load."""
     try:
@@ -216,7 +216,7 @@ def start(spec: Spec, paths: Paths, lock: int, keep_alive: float, progress: Prog
     return notices
 
 
-def ended(proc: subprocess.Popen, spec: Spec, paths: Paths) -> str:
+def ended(proc: subprocess.Popen, spec: ServerKey, paths: Paths) -> str:
     """Why a server ended while loading, in one line."""
     try:
         code = proc.wait(timeout=10)
@@ -459,7 +459,7 @@ def table(entries: list[Entry], now: float | None = None) -> list[str]:
                 until = _until(info["idle_until"], now)
             memory = _size(info.get("memory") or 0) + (f" + {_size(info['gpu_memory'])} GPU" if info.get("gpu_memory") else "")
             device = info.get("device") or "?"
-        options = info.get("options_text") or Spec.from_options(e.record.get("options") or {}).describe_options()
+        options = info.get("options_text") or ServerKey.from_options(e.record.get("options") or {}).describe_options()
         rows.append((e.model, device, options, memory, until, str(info.get("pid") or e.record.get("pid") or "?")))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]

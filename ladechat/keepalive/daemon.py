@@ -35,7 +35,7 @@ from pathlib import Path
 
 from ladechat import __version__
 from ladechat.errors import UserError
-from ladechat.keepalive.runtime import FOREVER, Paths, Spec, build, remove_files, write_record
+from ladechat.keepalive.runtime import FOREVER, Paths, ServerKey, build, remove_files, write_record
 
 HEADER = "x-ladechat-warm"
 # A request's own max_tokens decides how long an answer may be; the server's is only a cap.
@@ -79,15 +79,15 @@ class Status:
                 pass
 
 
-def load(spec: Spec, status: Status, model_thread):
-    """(settings, Bot) for the spec's options, as `ladechat serve` loads: the device's defaults; the
+def load(key: ServerKey, status: Status, model_thread):
+    """(settings, Bot) for the server's load options, as `ladechat serve` loads: the device's defaults; the
     requests give their own settings. Compiled steps are warmed up on model_thread (a
     serve.worker.ModelThread), the thread that will answer."""
     from ladechat.backends.opener import open_here
-    from ladechat.backends.spec import Spec as LoadChoices
+    from ladechat.backends.spec import Spec
 
-    choices = LoadChoices.from_load_options(spec.options, settings={"max_new_tokens": MAX_NEW_TOKENS})
-    return open_here(choices, status.progress, model_thread.run)
+    spec = Spec.from_load_options(key.options, settings={"max_new_tokens": MAX_NEW_TOKENS})
+    return open_here(spec, status.progress, model_thread.run)
 
 
 def resident_bytes() -> int:
@@ -158,7 +158,7 @@ class Daemon:
     """The ASGI app on the socket: /warm/* here, the rest to the API, every API request counted
     as activity (the idle clock starts when the last one ends)."""
 
-    def __init__(self, api, bot, paths: Paths, lock_fd: int, spec: Spec, keep_alive: float, notices: list[str]) -> None:
+    def __init__(self, api, bot, paths: Paths, lock_fd: int, spec: ServerKey, keep_alive: float, notices: list[str]) -> None:
         """api: the API of `bot`, the Bot this server loaded."""
         from starlette.applications import Starlette
         from starlette.routing import Route
@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     os.umask(0o077)
     status = Status(args.status_fd)
-    spec = Spec.from_json(args.spec)
+    spec = ServerKey.from_json(args.spec)
     paths = Paths(Path(args.root), spec.key())
     record = {"pid": os.getpid(), "options": spec.options, "build": build(), "started": time.time()}
     write_record(args.lock_fd, {**record, "state": "loading"})

@@ -231,15 +231,15 @@ def remove_files(paths: Paths, lock_fd: int, sock_inode: int | None = None) -> N
 
 # -- what a server is ---------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Spec:
+class ServerKey:
     """The load options of a warm server (LOAD_DEFAULTS' keys) and the environment that changes what
-    a load sees (LOAD_ENVIRONMENT). Two commands share a server exactly when their Specs are equal."""
+    a load sees (LOAD_ENVIRONMENT). Two commands share a server exactly when their ServerKeys are equal."""
 
     options: dict
     environment: dict
 
     @staticmethod
-    def of(options: dict, environ: Mapping[str, str]) -> Spec:
+    def of(options: dict, environ: Mapping[str, str]) -> ServerKey:
         unknown = set(options) - set(LOAD_DEFAULTS)
         if unknown:
             raise ValueError(f"not load options: {sorted(unknown)}")
@@ -248,20 +248,20 @@ class Spec:
             path = os.path.expanduser(opts["model"])
             if os.path.exists(path):
                 opts["model"] = os.path.abspath(path)
-        return Spec(opts, {k: environ[k] for k in LOAD_ENVIRONMENT if k in environ})
+        return ServerKey(opts, {k: environ[k] for k in LOAD_ENVIRONMENT if k in environ})
 
     def as_json(self) -> str:
         return json.dumps({"options": self.options, "environment": self.environment}, sort_keys=True)
 
     @staticmethod
-    def from_json(text: str) -> Spec:
+    def from_json(text: str) -> ServerKey:
         data = json.loads(text)
-        return Spec({**LOAD_DEFAULTS, **data["options"]}, dict(data["environment"]))
+        return ServerKey({**LOAD_DEFAULTS, **data["options"]}, dict(data["environment"]))
 
     @staticmethod
-    def from_options(options: dict) -> Spec:
-        """A Spec of these options (as a server's record gives them), for showing them."""
-        return Spec({**LOAD_DEFAULTS, **{k: v for k, v in options.items() if k in LOAD_DEFAULTS}}, {})
+    def from_options(options: dict) -> ServerKey:
+        """A ServerKey of these options (as a server's record gives them), for showing them."""
+        return ServerKey({**LOAD_DEFAULTS, **{k: v for k, v in options.items() if k in LOAD_DEFAULTS}}, {})
 
     def key(self) -> str:
         return hashlib.sha256(self.as_json().encode()).hexdigest()[:16]
