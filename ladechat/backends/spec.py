@@ -13,8 +13,8 @@ from typing import Any
 from ladechat.engine.load.spec import LoadSpec
 from ladechat.errors import UserError
 
-# Load options a user names, as flags name them (LoadSpec's fields but what only compiled steps
-# change) and the step's compile (None: the device decides).
+# Load options a user names, as flags name them: LoadSpec's fields but those only compiled steps
+# change. A warm server's identity holds them and the steps' compile (None: the device decides).
 LOAD_FLAGS = tuple(f.name for f in fields(LoadSpec) if f.name not in ("pack_weights", "own_forward"))
 LOAD_DEFAULTS = {name: getattr(LoadSpec(), name) for name in LOAD_FLAGS} | {"compile": None}
 FLAGS = {"context_size": "--ctx"}  # options whose flag is not their name (typer keeps `ctx` for itself)
