@@ -133,6 +133,7 @@ def with_shared(*groups: tuple[inspect.Parameter, ...]):
         return run
     return wrap
 
+
 def stdout_console() -> Console:
     return terminal.SafeConsole(no_color=bool(os.environ.get("NO_COLOR")) or None, highlight=False)
 

@@ -44,6 +44,14 @@ def test_a_load_spec_that_cannot_be_is_one_line_when_built(options, message):
     assert message in str(caught.value) and "\n" not in str(caught.value)
 
 
+def test_the_dtypes_a_spec_takes_are_those_the_loader_maps():
+    """spec.py names them without torch, placement.py maps them to torch's: the two lists are one."""
+    from ladechat.engine.load.placement import DTYPES
+    from ladechat.engine.load.spec import DTYPE_NAMES
+
+    assert set(DTYPE_NAMES) == {"auto", *DTYPES}
+
+
 def test_compiled_steps_take_the_models_own_modules():
     assert LoadSpec(weights="dense").for_steps(compiled=True) == LoadSpec(weights="dense", pack_weights=False,
                                                                            own_forward=False)

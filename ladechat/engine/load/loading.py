@@ -81,7 +81,7 @@ def _load(spec: LoadSpec, progress: Callable[[str], AbstractContextManager] | No
     kernels = cache_root() / "kernels"
     if device.type == "cpu":  # compiled (a first run) while the model is read
         native.prebuild([step_ops.SOURCE], kernels)
-    source, name, gguf_file = readers.source(spec.model, progress)
+    source, name, gguf_file = readers.locate(spec.model, progress)
     if spec.weights == "int4" and gguf_file is None:
         raise LoadError(f"--weights int4 runs a .gguf file's 4-bit (Q4_0, Q4_1, Q4_K) blocks; {name} is not a GGUF file")
     kwargs: dict = {"dtype": dtype, "attn_implementation": attn, **placement.quantization_config(spec, dtype, notices)}

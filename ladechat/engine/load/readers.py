@@ -22,7 +22,7 @@ from ladechat.errors import ModelNotFound
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
 
 
-def source(model: str | None, progress) -> tuple[str, str, Path | None]:
+def locate(model: str | None, progress) -> tuple[str, str, Path | None]:
     """(folder or hub id to load, display name, the GGUF file or None); a GGUF's folder holds its
     config and tokenizer (gguf_files.ensure_prepared)."""
     if model is None:
@@ -280,7 +280,7 @@ def float_weights(config, name: str) -> None:
 
 
 def requantized(model, quantize: str, name: str, source: str, kernels: Path, dtype: torch.dtype,
-               progress) -> quantized.Applied:
+                progress) -> quantized.Applied:
     """--quantize: `model`'s (read dense) Linear weights put on ladechat's kernels as blocks
     (requantize.py), the rest in `dtype`."""
     try:
