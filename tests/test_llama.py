@@ -17,10 +17,10 @@ from ladechat import templates
 from ladechat.engine import kv
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.decode import Session, generate
-from ladechat.engine.kernels import attention, int4, native, q4, step_ops
+from ladechat.engine.kernels import attention, int4, linear, native, q4, step_ops
 from ladechat.engine.kernels.attention import use_grouped_sdpa
 from ladechat.engine.layout import build_layout
-from ladechat.engine.load import packing
+from ladechat.engine.load import joined, packing
 from ladechat.engine.load.gguf import quantized
 from ladechat.engine.load.loading import LoadSpec, load
 from ladechat.engine.models import llama, transformers_model
@@ -184,7 +184,7 @@ def test_rope_kv_rotates_into_the_cache_what_rope_and_an_update_put_there(rope_k
 
 def four_bit(model, lm_head: bool = False):
     """`model` with its layers' Linear weights (and lm_head's where asked) as random 4-bit codes,
-    q/k/v and gate/up kept together as the 4-bit file keeps them (q4.joined)."""
+    q/k/v and gate/up kept together as the 4-bit file keeps them (load/joined.py)."""
     generator = torch.Generator().manual_seed(9)
     names = [name for name, module in model.named_modules()
              if type(module) is torch.nn.Linear and (".layers." in name or lm_head and name == "lm_head")]
@@ -194,8 +194,8 @@ def four_bit(model, lm_head: bool = False):
         codes = torch.randint(0, 16, (rows, cols), dtype=torch.uint8, generator=generator)
         scales, lows = torch.rand(rows, cols // 32, generator=generator) * 0.02, -torch.rand(rows, cols // 32, generator=generator) * 0.1
         arrays.update(zip((f"{name}.{b}" for b in q4.BUFFERS), q4.layout(codes, scales, lows), strict=True))
-    kept = q4.joined(arrays)
-    read = q4.KeptReader(kept.__getitem__, kept, model)
+    kept = joined.join_in_place(arrays)
+    read = joined.KeptReader(kept.__getitem__, kept, model)
     for name in names:
         model.set_submodule(name, q4.Q4Linear(*(read(name, buffer) for buffer in q4.BUFFERS)))
     return model
@@ -204,7 +204,7 @@ def four_bit(model, lm_head: bool = False):
 @pytest.mark.parametrize("rotation", ["kernel", "torch"])
 def test_on_4bit_weights_kept_together_the_steps_are_the_forward(rotation, request):
     """A tiny Llama whose Linear weights are 4-bit, q/k/v and gate/up kept together as the 4-bit
-    file keeps them (q4.joined): the Llama multiplies each group in one call and, with the
+    file keeps them (load/joined.py): the Llama multiplies each group in one call and, with the
     rope kernel, rotates into the cache in one (rope_kv), or rotates column slices with torch's
     ops; either way every row's logits and the cache are the forward's, bit for bit."""
     if shutil.which(native.COMPILER) is None or q4.load(cache_root() / "kernels"):
@@ -400,9 +400,10 @@ def test_embedded_int4_answers_are_the_models_forwards(embedded_int4):
     lm = embedded_int4
     assert type(default_runner(lm.model)) is ModelRunner
     twin = lm.model.transformers_twin()
-    for layer in lm.model.model.layers:  # q/k/v and gate/up multiplied in one call each (q4.joined)
-        assert q4.joint_product([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]) is not None
-        assert q4.joint_product([layer.mlp.gate_proj, layer.mlp.up_proj]) is not None
+    for layer in lm.model.model.layers:  # q/k/v and gate/up multiplied in one call each (llama.JOINED)
+        attn, mlp = layer.self_attn, layer.mlp
+        assert linear.joint_product([attn.q_proj, attn.k_proj, attn.v_proj], lm.model.dtype) is not None
+        assert linear.joint_product([mlp.gate_proj, mlp.up_proj], lm.model.dtype) is not None
     for la in (LookaheadConfig(enabled=False, store=False),
                LookaheadConfig(window=3, ngram=3, candidates=3, store=False)):
         for text in PROMPTS:

@@ -166,58 +166,6 @@ def test_the_module_keeps_its_bias_refuses_moves_and_bad_buffers(kernel):
     assert layer(torch.randn(0, 64)).shape == (0, 32)
 
 
-def kept_layer(seed: int, cols: int = 96):
-    """A layer-like module tree (attn: q/k/v/o, mlp: gate/up) of Linear modules, and its 4-bit
-    buffers as a kept file holds them per module."""
-    layer = torch.nn.Module()
-    layer.attn, layer.mlp = torch.nn.Module(), torch.nn.Module()
-    shapes = {"attn.q_proj": 64, "attn.k_proj": 32, "attn.v_proj": 32, "attn.o_proj": 96, "mlp.gate_proj": 48,
-              "mlp.up_proj": 48}
-    arrays = {}
-    for i, (name, rows) in enumerate(shapes.items()):
-        parent, child = name.split(".")
-        setattr(getattr(layer, parent), child, torch.nn.Linear(cols, rows, bias=False))
-        for buffer, tensor in zip(q4.BUFFERS, q4.layout(*random_weight(rows, cols, seed=seed + i)), strict=True):
-            arrays[f"{name}.{buffer}"] = tensor
-    return layer, arrays
-
-
-def test_siblings_are_kept_together_and_multiply_in_one_call_with_the_same_bits(kernel):
-    layer, arrays = kept_layer(seed=40)
-    kept = q4.joined(arrays)
-    assert "attn.q_proj+k_proj+v_proj.tiles" in kept and "mlp.gate_proj+up_proj.lows" in kept
-    assert "attn.o_proj.tiles" in kept and "attn.q_proj.tiles" not in kept  # o_proj takes another input
-    read = q4.KeptReader(kept.__getitem__, kept, layer)
-    modules = {name: q4.Q4Linear(*(read(name, buffer) for buffer in q4.BUFFERS))
-               for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.gate_proj", "mlp.up_proj")}
-    alone = {name: q4.Q4Linear(*(arrays[f"{name}.{buffer}"] for buffer in q4.BUFFERS)) for name in modules}
-    for names in (["attn.q_proj", "attn.k_proj", "attn.v_proj"], ["mlp.gate_proj", "mlp.up_proj"]):
-        group = [modules[name] for name in names]
-        assert len({m.tiles.untyped_storage().data_ptr() for m in group}) == 1  # views of one tensor, no copies
-        joint = q4.joint_product(group)
-        for rows in (1, 3, 7):
-            x = torch.randn(rows, 96)
-            want = torch.cat([alone[name](x) for name in names], dim=1)
-            assert torch.equal(joint(x), want)  # each output's bits as its own module's
-            assert torch.equal(torch.cat([m(x) for m in group], dim=1), want)  # each module computes what it did
-        assert q4.joint_product([alone[name] for name in names]) is None  # apart: called apart
-    assert q4.joint_product([modules["attn.k_proj"], modules["attn.q_proj"]]) is None  # out of order
-    modules["attn.v_proj"].bias = torch.nn.Parameter(torch.zeros(32), requires_grad=False)
-    assert q4.joint_product([modules[name] for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj")]) is None
-    # tiles laid out one after another in one allocation (a model's first load): joined as a view
-    names = ("attn.q_proj", "attn.k_proj", "attn.v_proj")
-    whole = torch.cat([arrays[f"{name}.tiles"].reshape(-1) for name in names])
-    at, placed = 0, dict(arrays)
-    for name in names:
-        size = arrays[f"{name}.tiles"].numel()
-        placed[f"{name}.tiles"] = whole[at : at + size].view(arrays[f"{name}.tiles"].shape)
-        at += size
-    together = q4.joined(placed)["attn.q_proj+k_proj+v_proj.tiles"]
-    assert together.data_ptr() == whole.data_ptr() and torch.equal(together, kept["attn.q_proj+k_proj+v_proj.tiles"])
-    del arrays["attn.v_proj.tiles"]  # a sibling that is not 4-bit: the others are kept apart
-    assert "attn.q_proj.tiles" in q4.joined(arrays) and q4.joined(arrays).keys() >= {"mlp.gate_proj+up_proj.tiles"}
-
-
 def test_the_compact_forms_give_the_fp32_forms_bits(kernel):
     """fp16 scales and lows (Q4_1 as the file holds them), Q4_0's and Q5_0's fp16 d alone (the
     kernel makes the low, -8 d or -16 d) and Q4_K's packed 6-bit sc and m with an fp16 d and dmin

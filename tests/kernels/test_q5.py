@@ -12,7 +12,7 @@ import torch
 from gguf_files import HIDDEN, LAYERS, VOCAB, assert_lookahead_answers_as_plain, write_llama
 from test_q4 import paths
 
-from ladechat.engine.kernels import int4, q4, q6
+from ladechat.engine.kernels import int4, linear, q4, q6
 from ladechat.engine.load.gguf import quantized
 from ladechat.engine.load.loading import LoadSpec, load
 from ladechat.engine.models import transformers_model
@@ -123,7 +123,8 @@ def test_a_row_is_the_same_alone_among_many_and_on_any_thread_count(kernel):
 def test_siblings_of_four_and_five_bits_multiply_apart_with_their_own_bits(kernel):
     five = layer_of("Q5_1", random_blocks("Q5_1", 32, 256, seed=3), 32, 256)
     x = torch.randn(3, 256)
-    assert q4.joint_product([five, five]) is None  # not consecutive views of one tensor
+    four = q4.Q4Linear(*q4.layout(*(torch.from_numpy(p) for p in q4.decode_compact("Q4_1", random_blocks("Q4_1", 32, 256, seed=4), 32, 256))))
+    assert linear.joint_product([four, five], torch.float32) is None  # tiles of another size: apart
     with pytest.raises(RuntimeError, match="q4_mm: codes must be"):
         torch.ops.ladechat_blocks.q4_mm(x, five.tiles[..., :300].contiguous(), five.scales, five.lows, 0)
     assert torch.equal(five(x), five.product()(x))

@@ -26,7 +26,6 @@ count, and on the kernel's three paths (AVX-512 VNNI, AVX2, portable C++).
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -376,105 +375,4 @@ class Q4Linear(BlockLinear):
                 f"{self.kind} blocks ({self.form} scales), ladechat's {PATHS[self.path]} kernel with int8 activations")
 
 
-# -- products that share their input -------------------------------------------------------------
-#
-# A decoder layer multiplies one row by q, k and v, and another by gate and up. Called apart, each
-# product pays a call (the dispatcher, quantizing the row, starting the threads) and quantizes
-# the same row again: ~90 of a step's ~240 products are that. So the kept 4-bit file holds each such
-# group's tiles, scales and lows as one tensor each (joined(), when the GGUF is first read), the
-# modules' buffers are consecutive views of them (KeptReader: no copy, no memory added), and the
-# Llama step multiplies the row by the whole group at once (joint_product()). Each output is computed
-# as before (one row quantized the same way, one output's sums in one fixed order): the same bits.
-
-SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 BUFFERS = Q4Linear.BUFFERS
-
-
-def _group_key(parent: str, names: tuple[str, ...], buffer: str) -> str:
-    return f"{parent}.{'+'.join(names)}.{buffer}"
-
-
-def joined(arrays: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`arrays` ({module.tiles|scales|lows: buffer}) with each sibling group (SIBLINGS: modules of
-    one parent that take the same input, every one 4-bit with the same inputs) kept as one tensor
-    per buffer under parent.q_proj+k_proj+v_proj.tiles (and so on), its modules' rows in order."""
-    return join_in_place(dict(arrays))
-
-
-def join_in_place(arrays: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """joined(), the groups' separate tensors taken out of `arrays` as each group is joined: a
-    caller that holds no other reference to them has a group's weights twice at most, not all."""
-    parents = {key.rsplit(".", 2)[0] for key in arrays}
-    for parent in sorted(parents):
-        for names in SIBLINGS:
-            keys = [[f"{parent}.{name}.{buffer}" for buffer in BUFFERS] for name in names]
-            if not all(key in arrays for group in keys for key in group):
-                continue
-            if any(len({(arrays[group[i]].dtype, arrays[group[i]].shape[1:]) for group in keys}) != 1
-                   for i in range(len(BUFFERS))):  # not the same inputs, or not the same form
-                continue
-            for i, buffer in enumerate(BUFFERS):
-                arrays[_group_key(parent, names, buffer)] = _concatenated([arrays.pop(group[i]) for group in keys])
-    return arrays
-
-
-def _concatenated(parts: list[torch.Tensor]) -> torch.Tensor:
-    """torch.cat(parts) along the rows; where they lie one after another in one allocation, as a
-    model's first load lays its tiles out, the view of them all: no copy."""
-    first = parts[0]
-    adjacent = all(p.is_contiguous() and p.dtype == first.dtype and p.shape[1:] == first.shape[1:] for p in parts) \
-        and all(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.data_ptr() + a.nbytes == b.data_ptr()
-                for a, b in itertools.pairwise(parts))
-    if adjacent:
-        return first.as_strided((sum(p.shape[0] for p in parts), *first.shape[1:]), first.stride())
-    return torch.cat(parts)
-
-
-class KeptReader:
-    """Modules' buffers from a kept 4-bit file, get(key) reading its keys: a module's own tensor, or
-    where joined() kept its group together, a view of its rows of the group's tensor, read once
-    for the group."""
-
-    def __init__(self, get: Callable[[str], torch.Tensor], keys, model: torch.nn.Module) -> None:
-        self._get, self._keys, self._model = get, set(keys), model
-        self._groups: dict[str, torch.Tensor] = {}
-
-    def __call__(self, module: str, buffer: str) -> torch.Tensor:
-        key = f"{module}.{buffer}"
-        if key in self._keys:
-            return self._get(key)
-        parent, name = module.rsplit(".", 1)
-        for names in SIBLINGS:
-            group = _group_key(parent, names, buffer)
-            if name in names and group in self._keys:
-                if group not in self._groups:
-                    self._groups[group] = self._get(group)
-                sizes = [self._model.get_submodule(f"{parent}.{other}").out_features // OUT for other in names]
-                start = sum(sizes[: names.index(name)])
-                return self._groups[group][start : start + sizes[names.index(name)]]
-        raise KeyError(key)
-
-
-def _joinable(modules: list) -> bool:
-    return (len(modules) > 1 and all(type(m) is Q4Linear and m.bias is None for m in modules)
-            and len({(m.in_features, m.path, m.tiles.shape[2], m.form) for m in modules}) == 1)
-
-
-def joint_product(modules: list) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """x (rows, in) -> (rows, sum of the modules' outputs): the modules' products in one call, where
-    their buffers are consecutive views of one tensor each (KeptReader), else None: call them apart."""
-    if not _joinable(modules):
-        return None
-    whole = []
-    for buffer in BUFFERS:
-        parts = [getattr(m, buffer) for m in modules]
-        first = parts[0]
-        if not all(p.is_contiguous() and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-                   for p in parts):
-            return None
-        if any(b.data_ptr() != a.data_ptr() + a.nbytes for a, b in itertools.pairwise(parts)):
-            return None
-        count = sum(p.shape[0] for p in parts)
-        whole.append(first.as_strided((count, *first.shape[1:]), first.stride()))
-    op, (tiles, scales, lows), path = torch.ops.ladechat_blocks.q4_mm.default, whole, modules[0].path
-    return lambda x: op(x, tiles, scales, lows, path)

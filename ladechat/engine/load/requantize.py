@@ -27,6 +27,7 @@ import torch
 
 from ladechat.engine.kernels import q4, q8
 from ladechat.engine.kernels.linear import BlockLinear
+from ladechat.engine.load import joined
 from ladechat.engine.load.gguf import quantized
 from ladechat.engine.load.spec import QUANTIZE
 from ladechat.errors import UserError
@@ -68,7 +69,7 @@ def cache_file(checkpoint: tuple[str, str], kind: str) -> Path:
 
     folder, files = checkpoint
     where = hashlib.sha256(folder.encode()).hexdigest()[:12]
-    code = source_digest(__file__, quantized.__file__, q4.__file__, q8.__file__, q4.SOURCE)
+    code = source_digest(__file__, quantized.__file__, joined.__file__, q4.__file__, q8.__file__, q4.SOURCE)
     what = hashlib.sha256(f"{files}|{code}|{version('transformers')}|{version('gguf')}".encode()).hexdigest()[:16]
     return cache_root() / "quantized" / f"{Path(folder).name}-{where}" / f"{PREFIX}{kind}-{what}.safetensors"
 
@@ -114,7 +115,7 @@ def quantize(model, kind: str, progress: Callable[[str], AbstractContextManager]
             kinds[key] = each
             if not tied:  # the dense weight goes now (a tied one is the embedding's, which goes below)
                 linear.weight = torch.nn.Parameter(torch.empty(0, device="meta"), requires_grad=False)
-    return q4.join_in_place(arrays), kinds, notices
+    return joined.join_in_place(arrays), kinds, notices
 
 
 def apply(model, kind: str, checkpoint: tuple[str, str] | None, kernels: Path, dtype: torch.dtype,
@@ -144,7 +145,7 @@ def apply(model, kind: str, checkpoint: tuple[str, str] | None, kernels: Path, d
             notices.append(f"the quantized weights of {name} are not kept ({why}): each load quantizes them again")
     embedding = model.get_input_embeddings()
     table = next((key for key in keys if key.endswith(".blocks")), None)
-    applied = quantized.replace_linears(model, q4.KeptReader(get, keys, model), kinds, list(notices), q4.best_path(), [])
+    applied = quantized.replace_linears(model, joined.KeptReader(get, keys, model), kinds, list(notices), q4.best_path(), [])
     if applied.replaced < len(kinds):  # a kept file that does not fit the model (it stays whole and correct)
         applied = replace(applied, notices=(*applied.notices, f"{len(kinds) - applied.replaced} Linear weights of "
                                             f"{name} run dense: the layout kept in {path} does not fit them"))

@@ -3,8 +3,8 @@ layers under the checkpoint's own names, and the prefill and the step written ou
 
     tokens (S) --embed--> x (S, hidden)
     per layer:  h = input_layernorm(x)
-                q, k, v = q_proj(h), k_proj(h), v_proj(h)  one call where the three are blocks side by
-                                                           side (q4.joint_product), else each its own
+                q, k, v = q_proj(h), k_proj(h), v_proj(h)  siblings of one block kernel in one call
+                                                           (JOINED, linear.joint_product)
                 q, k = rope(q, k) at the rows' positions   cos/sin from the model's inv_freq (table())
                 K, V = cache.layers[i].write(k, v)         a kv.RowsCache (new_cache); with q/k/v in one
                                                            product, rotated into it in one call (rope_kv)
@@ -40,7 +40,7 @@ from typing import NamedTuple
 import torch
 
 from ladechat.engine import kv
-from ladechat.engine.kernels import attention, norms, q4, step_ops
+from ladechat.engine.kernels import attention, linear, norms, step_ops
 from ladechat.engine.kernels.linear import BlockLinear, FixedLinear
 from ladechat.engine.layout import StepLayout, step_inputs
 
@@ -49,6 +49,9 @@ TABLE_MIN = 1024  # positions of the first cos/sin table; it grows by half when 
 PREFILL_CHUNK = 512  # prompt rows a part, where rows are computed alone
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
+# Siblings that take the same input, multiplied in one call where their kernel allows (each run of
+# them on one block kernel: linear.joint_product); kept layouts store them together (load/joined.py).
+JOINED = (ATTENTION[:3], MLP[:2])
 
 
 def accepts(model, gpu: bool = False) -> str | None:
@@ -299,6 +302,27 @@ def _product(module: torch.nn.Module, dtype: torch.dtype):
     return module.product(dtype) if isinstance(module, FixedLinear) else module.forward
 
 
+def _siblings(modules: list, dtype: torch.dtype) -> tuple[Callable, Callable | None]:
+    """(h -> each module's product of h, h -> all of them as one tensor or None): each run of
+    modules that one call of their kernel can multiply (linear.joint_product, longest first) in
+    that call, the rest each its own."""
+    products, start = [], 0
+    while start < len(modules):
+        end = len(modules)
+        while end - start > 1 and (joint := linear.joint_product(modules[start:end], dtype)) is None:
+            end -= 1
+        if end - start > 1:
+            products.append((joint, [module.out_features for module in modules[start:end]]))
+        else:
+            products.append((_product(modules[start], dtype), None))
+        start = end
+    if len(products) == 1 and products[0][1] is not None:
+        whole, sizes = products[0]
+        return (lambda h: whole(h).split(sizes, dim=1)), whole
+    return (lambda h: [out for product, sizes in products
+                       for out in (product(h).split(sizes, dim=1) if sizes else (product(h),))]), None
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """transformers' apply_rotary_pos_emb, x * cos + rotate_half(x) * sin with rotate_half(x) =
     cat(-x2, x1), as x * cos + cat(x2, x1) * cat(-sin1, sin2): (-a) * b and a * (-b) are the same
@@ -354,27 +378,12 @@ class Steps:
         self.scale = self.dim**-0.5
         dtype = model.dtype
 
-        def joint(*modules):
-            """The modules' products in one call where their block buffers are side by side
-            (q4.KeptReader), else None."""
-            return q4.joint_product(list(modules)) if dtype in (torch.float32, torch.bfloat16) else None
-
-        def together(product, *modules):
-            """h -> each module's product of h: the one call `product`, each output a column slice
-            of it, or each module's own."""
-            if product is None:
-                apart = [_product(module, dtype) for module in modules]
-                return lambda h: [each(h) for each in apart]
-            sizes = [module.out_features for module in modules]
-            return lambda h: product(h).split(sizes, dim=1)
-
         def ops(layer, next_norm) -> LayerOps:
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = joint(attn.q_proj, attn.k_proj, attn.v_proj)
-            return LayerOps(q_k_v=together(qkv, attn.q_proj, attn.k_proj, attn.v_proj), qkv=qkv,
-                            o_proj=_product(attn.o_proj, dtype),
+            q_k_v, qkv = _siblings([attn.q_proj, attn.k_proj, attn.v_proj], dtype)
+            return LayerOps(q_k_v=q_k_v, qkv=qkv, o_proj=_product(attn.o_proj, dtype),
                             add_norm2=norms.add_norm(layer.post_attention_layernorm),
-                            gate_up=together(joint(mlp.gate_proj, mlp.up_proj), mlp.gate_proj, mlp.up_proj),
+                            gate_up=_siblings([mlp.gate_proj, mlp.up_proj], dtype)[0],
                             down=_product(mlp.down_proj, dtype), add_next_norm=norms.add_norm(next_norm))
 
         # Each residual add is fused with the norm after it: a layer ends with the next layer's

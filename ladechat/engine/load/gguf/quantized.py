@@ -34,6 +34,8 @@ import torch
 
 from ladechat.engine.kernels import attention, half, int4, native, q4, q6, q8
 from ladechat.engine.kernels.int4 import Int4Error, Int4Linear, check_shape
+from ladechat.engine.load import joined
+from ladechat.engine.models.llama import JOINED
 
 # the GGUF block types ladechat's kernels run at their own bits
 BLOCK_KINDS = (*q4.KINDS, *q4.FIVE_BIT_KINDS, "Q6_K", "Q8_0", *half.KINDS)
@@ -48,7 +50,7 @@ def cache_path(folder: Path) -> Path:
     reads and lays them out (a change to either is read afresh)."""
     from ladechat.paths import source_digest
 
-    readers = (__file__, q4.__file__, q6.__file__, q8.__file__, half.__file__, q4.SOURCE)  # SOURCE: gguf_tiles
+    readers = (__file__, joined.__file__, q4.__file__, q6.__file__, q8.__file__, half.__file__, q4.SOURCE)  # SOURCE: gguf_tiles
     return Path(folder) / f"{CACHE_PREFIX}{source_digest(*readers)}.safetensors"
 
 
@@ -107,7 +109,7 @@ def read_gguf(gguf_path: Path, model, folder: Path) -> tuple[dict[str, torch.Ten
 def tiles_in_one_allocation(jobs) -> dict[str, torch.Tensor]:
     """{module: where its tiles go}, for the tensors gguf_tiles lays out: parts of one allocation
     (kept.weights_memory, as a later load reads them into), each sibling group's
-    (q4.SIBLINGS) one after another, so joining them is a view rather than a copy of gigabytes."""
+    (llama.JOINED) one after another, so joining them is a view rather than a copy of gigabytes."""
     tiled = [(module, kind, rows, cols) for _, _, kind, module, rows, cols in jobs
              if kind in q4.TILED_KINDS and rows % q4.OUT == 0 and cols % q4.GROUP == 0]
     if not tiled or not q4.loaded():
@@ -115,8 +117,8 @@ def tiles_in_one_allocation(jobs) -> dict[str, torch.Tensor]:
 
     def placed(job) -> tuple:
         parent, _, name = job[0].rpartition(".")
-        group = next((i for i, names in enumerate(q4.SIBLINGS) if name in names), len(q4.SIBLINGS))
-        return parent, group, q4.SIBLINGS[group].index(name) if group < len(q4.SIBLINGS) else 0, name
+        group = next((i for i, names in enumerate(JOINED) if name in names), len(JOINED))
+        return parent, group, JOINED[group].index(name) if group < len(JOINED) else 0, name
 
     tile_bytes = {"Q6_K": q6.TILE_BYTES, **dict.fromkeys(q4.FIVE_BIT_KINDS, q4.FIVE_BIT_TILE_BYTES)}
     sizes = {module: rows // q4.OUT * (cols // q4.GROUP) * tile_bytes.get(kind, q4.TILE_BYTES)
@@ -245,7 +247,7 @@ def apply(model, gguf_path: Path, folder: Path, kernels: Path | None,
                 # each), not numpy's warnings on the way
                 with np.errstate(all="ignore"):
                     arrays, notices, kinds = read_gguf(Path(gguf_path), model, Path(folder))
-                arrays = q4.join_in_place(arrays)  # q/k/v and gate/up kept together: one product each in a step
+                arrays = joined.join_in_place(arrays)  # q/k/v and gate/up kept together: one product each in a step
             except (ValueError, KeyError, IndexError, OSError, EOFError, gguf_files.BadGGUF) as exc:
                 detail = " ".join(str(exc).split()) or type(exc).__name__
                 notice = f"cannot read the 4-bit blocks of {Path(gguf_path).name} ({detail}); running its dense weights"
@@ -254,11 +256,11 @@ def apply(model, gguf_path: Path, folder: Path, kernels: Path | None,
             # a read-only cache: read again next time
             kept.keep_beside_meanwhile(path, arrays, meta, f"{CACHE_PREFIX}*.safetensors")
             # what was kept, from memory (read back, it would be in memory twice for a while)
-            return replace_linears(model, q4.KeptReader(arrays.__getitem__, arrays, model), kinds, notices,
+            return replace_linears(model, joined.KeptReader(arrays.__getitem__, arrays, model), kinds, notices,
                                    path_here, kernel_notices)
     meta, keys, get = kept.read(path)
     kinds, notices = json.loads(meta.get("kinds", "{}")), json.loads(meta.get("notices", "[]"))
-    return replace_linears(model, q4.KeptReader(get, keys, model), kinds, notices, path_here, kernel_notices)
+    return replace_linears(model, joined.KeptReader(get, keys, model), kinds, notices, path_here, kernel_notices)
 
 
 def kernel_path(gguf_path: Path, kernels: Path | None, progress, compiler: str) -> tuple[list[str], int | None]:
@@ -273,7 +275,7 @@ def kernel_path(gguf_path: Path, kernels: Path | None, progress, compiler: str) 
     return [], q4.best_path()
 
 
-def replace_linears(model, read: q4.KeptReader, kinds: dict[str, str], notices: list[str],
+def replace_linears(model, read: joined.KeptReader, kinds: dict[str, str], notices: list[str],
              path: int | None, kernel_notices: list[str]) -> Applied:
     """Put in the kept blocks (read(module, buffer)): Q4Linear on ladechat's kernel's `path`, or
     (None) Int4Linear (then `kernel_notices` say why, where any module was replaced)."""
