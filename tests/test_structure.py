@@ -158,3 +158,15 @@ def test_the_command_line_builds_no_backend_itself():
               if isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute))}
     assert {"open_bot", "open_here"} <= called
     assert called & {"Bot", "RemoteBot", "WarmBot", "ensure", "find", "Session", "Endpoint"} == set()
+
+
+def test_the_bench_answers_through_the_chats_backend():
+    """`ladechat bench` (bench/prompts.py) and `bench serving` decode through backends/local.Bot, as the
+    chat does: no Session, runner or generate of their own, and nothing of the loader but
+    packing (the second weight layout HF's reference methods run on)."""
+    graph_ = graph()
+    for name in ("ladechat.bench.prompts", "ladechat.bench.serving"):
+        assert "ladechat.backends.local" in graph_[name], name
+        assert {dep for dep in graph_[name]
+                if dep.startswith(("ladechat.engine.decode", "ladechat.engine.runner"))} == set(), name
+        assert {dep for dep in graph_[name] if dep.startswith("ladechat.engine.load")} <= {"ladechat.engine.load.packing"}

@@ -24,10 +24,13 @@ class Bot:
     lookahead step is then a full one, so it suits a GPU, where a full step costs about one token's."""
 
     def __init__(self, loaded: LoadedModel, settings: Settings, compile: bool = False,
-                 store_root: Path | None = None, step_cost=None) -> None:
+                 store_root: Path | None = None, step_cost=None, store=None, full_steps: bool = False) -> None:
         """store_root: the folder of the persistent answer stores (the cache folder); None keeps
         this bot's store in memory only. step_cost: the step costs to plan with (a
-        step_cost.CostModel, fixed); None: the model's, as measured here and learned from its steps."""
+        step_cost.CostModel, fixed); None: the model's, as measured here and learned from its steps.
+        store: the store of past answers to use while settings.store is on, instead of the model's
+        (the bench's cold or warm one). full_steps: every lookahead step carries the whole window
+        and all candidates, unplanned (the paper's steps, as compiled ones are)."""
         from ladechat.engine import cost_envelope
         from ladechat.engine.decode import Session
         from ladechat.engine.runner import StaticRunner, compiled_forward
@@ -36,6 +39,7 @@ class Bot:
         self.settings = settings
         self.compiled = compile
         self.store_root = store_root
+        self._given_store = store
         self.notices: list[str] = []  # shown before the next answer
         la = settings.lookahead_config()
         store = self._open_store() if la.store else None
@@ -43,12 +47,14 @@ class Bot:
             runner = StaticRunner(loaded.model, la, loaded.context_length, compiled=compiled_forward(loaded.model))
             self.session = Session(loaded.model, la, runner=runner, store=store)  # compiled at one count
         else:
-            self.session = Session(loaded.model, la, step_cost=step_cost or cost_envelope.cost_model(loaded), store=store,
-                                   threads=loaded.threads)
+            plan = None if full_steps else step_cost or cost_envelope.cost_model(loaded)
+            self.session = Session(loaded.model, la, step_cost=plan, store=store, threads=loaded.threads)
 
     def _open_store(self):
         from ladechat.engine.draft.store import AnswerStore, StoreError, store_path
 
+        if self._given_store is not None:
+            return self._given_store
         vocab = self.loaded.model.config.get_text_config().vocab_size
         if self.store_root is None:
             return AnswerStore(vocab_size=vocab)
@@ -97,6 +103,7 @@ class Bot:
         if self.store_root is not None:
             forgotten = max(forgotten, sum(i.answers for i in clear_stores(self.store_root, self.loaded.name)))
         if store is not None:
+            self._given_store = None
             self.session.store = self._open_store()
         return forgotten
 

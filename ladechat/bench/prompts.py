@@ -1,7 +1,9 @@
 """`ladechat bench`: methods side by side on a JSONL prompt set (schema: ../shared/data/README.md).
 
 Every item runs each method back to back (so machine noise hits them alike); multi-turn items
-run as conversations, each method answering with its own previous answers in the context. Peers
+run as conversations, each method answering with its own previous answers in the context.
+ladechat's methods answer through the chat's own backend (backends/local.Bot, one per method for
+the whole run, as a chat keeps one): a bench figure is a chat's, its text decoded as it streams. Peers
 (peers.py: another engine behind an OpenAI-compatible server) run as methods of their own, last.
 """
 
@@ -18,16 +20,15 @@ from pathlib import Path
 import torch
 
 from ladechat import templates
+from ladechat.backends.local import Bot
 from ladechat.bench import peers as peer_bench
 from ladechat.bench.hf_static import StaticGenerate, cache_length
-from ladechat.engine import cost_envelope
+from ladechat.conversation import Conversation
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
-from ladechat.engine.decode import Session, generate
 from ladechat.engine.draft.store import AnswerStore
 from ladechat.engine.events import Done
 from ladechat.engine.load import packing
 from ladechat.engine.models import transformers_model
-from ladechat.engine.runner import StaticRunner, compiled_forward
 from ladechat.errors import UserError
 from ladechat.settings import Settings
 
@@ -51,6 +52,7 @@ ONLY = {
 }
 METHODS = (*HF_METHODS, "plain", "lookahead", "lookahead-full", *ONLY)
 STORE_MODES = ("cold", "warm", "off")
+WARM_UP = {"turns": ["Hello"]}  # what each method answers (8 tokens) before the measured items
 DATASETS = {"mtbench": "mtbench-dev.jsonl", "humaneval": "humaneval-dev.jsonl", "gsm8k": "gsm8k-dev.jsonl"}
 
 
@@ -159,56 +161,59 @@ def method_config(method: str, la: LookaheadConfig) -> LookaheadConfig:
     return LookaheadConfig(**{**la.__dict__, "enabled": method != "plain", **ONLY.get(method, {})})
 
 
-def run_item(loaded, item: dict, method: str, la: LookaheadConfig, sampling: SamplingConfig,
-             template: str | None, step_cost: dict[int, float] | None = None, runner=None,
-             store: AnswerStore | None = None, layouts: packing.LayoutSwitch | None = None, hf_model=None):
-    """Answer every turn of `item` with `method`. Returns (all answer ids, seconds, steps, guesses
-    accepted per depth). runner: a fixed-shape runner to reuse (its compiled graphs) instead of the
-    default one; for hf-static, its StaticGenerate (required). store: the method's store of past
-    answers (None: no store). layouts: the loaded model's two weight layouts, for HF's methods on
-    the model as transformers loads it (None: the model as it is). hf_model: transformers' model of
-    the loaded one, for HF's methods (models.transformers_model; None: made here)."""
+def method_settings(method: str, settings: Settings, store: bool = True) -> Settings:
+    """The settings a ladechat method's chat runs with; store=False: without a store of past
+    answers, whatever the method's own."""
+    return settings.updated({"lookahead": method != "plain", **ONLY.get(method, {}), **({} if store else {"store": False})})
+
+
+def answer_item(bot: Bot, item: dict):
+    """Every turn of `item` answered by `bot` as a chat answers it (its text decoded as it streams,
+    each answer in the context of the next turn). Returns (all answer ids, seconds, steps, guesses
+    accepted per depth); the seconds run from the question to the answer's end."""
+    conversation = Conversation()
+    answers: list[int] = []
+    seconds, steps, by_depth = 0.0, 0, []
+    for turn in item["turns"]:
+        conversation.messages.append({"role": "user", "content": turn})
+        start = time.perf_counter()
+        done = next(event for event in bot.reply(conversation) if isinstance(event, Done))
+        seconds += time.perf_counter() - start
+        answers += done.text_tokens
+        steps += done.stats.steps
+        by_depth = _add(by_depth, done.stats.accepted_by_position)
+        conversation.messages.append({"role": "assistant", "content": done.text})
+    return answers, seconds, steps, by_depth
+
+
+def hf_item(loaded, item: dict, method: str, sampling: SamplingConfig, template: str | None, runner=None,
+            layouts: packing.LayoutSwitch | None = None, hf_model=None):
+    """answer_item for one of HF's methods, transformers' generate over the loaded modules (its
+    forward, as transformers_model makes it). runner: hf-static's StaticGenerate (required there).
+    layouts: the loaded model's two weight layouts (None: the model as it is). Steps: None (HF does
+    not report its forward passes)."""
     tok = loaded.tokenizer
     eos = sorted(loaded.eos_ids)
     messages: list[dict] = []
     answers: list[int] = []
     seconds = 0.0
-    steps = 0
-    by_depth: list[int] = []
-    # the thread count follows the machine's load, as in a chat (engine/threads.py); HF's methods
-    # get the count it sets before each of their answers
-    session = None if method in HF_METHODS else Session(
-        loaded.model, method_config(method, la), None if method == "lookahead-full" else step_cost, runner=runner,
-        store=store, threads=loaded.threads)
     for turn in item["turns"]:
         messages.append({"role": "user", "content": turn})
         ids = templates.encode(tok, messages, template)
-        if method in HF_METHODS:
-            if sampling.seed is not None:
-                torch.manual_seed(sampling.seed)
-            if loaded.threads:
-                loaded.threads.adjust()
-            with nullcontext() if method == "hf-packed" or layouts is None else layouts.as_loaded():
-                if method == "hf-static":
-                    answer, took = runner.answer(ids, _sampling_arguments(sampling), sampling.max_new_tokens, eos)
-                else:
-                    answer, took = _hf_answer(hf_model or transformers_model(loaded.model), ids, sampling, eos,
-                                              LOOKUP.get(method, 0))
-            steps = None  # HF does not report its forward passes
-        else:
-            start = time.perf_counter()
-            done = None
-            for event in generate(session, ids, sampling, loaded.eos_ids):
-                if isinstance(event, Done):
-                    done = event
-            took = time.perf_counter() - start
-            answer = list(done.text_tokens)
-            steps += done.stats.steps
-            by_depth = _add(by_depth, done.stats.accepted_by_position)
+        if sampling.seed is not None:
+            torch.manual_seed(sampling.seed)
+        if loaded.threads:  # the count a chat's step would set (engine/threads.py)
+            loaded.threads.adjust()
+        with nullcontext() if method == "hf-packed" or layouts is None else layouts.as_loaded():
+            if method == "hf-static":
+                answer, took = runner.answer(ids, _sampling_arguments(sampling), sampling.max_new_tokens, eos)
+            else:
+                answer, took = _hf_answer(hf_model or transformers_model(loaded.model), ids, sampling, eos,
+                                          LOOKUP.get(method, 0))
         seconds += took
         answers += answer
         messages.append({"role": "assistant", "content": tok.decode(answer, skip_special_tokens=True)})
-    return answers, seconds, steps, by_depth
+    return answers, seconds, None, []
 
 
 def _add(a: list[int], b) -> list[int]:
@@ -217,20 +222,20 @@ def _add(a: list[int], b) -> list[int]:
     return [x + y for x, y in zip(a + [0] * (len(b) - len(a)), b + [0] * (len(a) - len(b)))]
 
 
-def _warm_stores(loaded, stores: dict, warm_items: list[dict], measured: list[dict], la: LookaheadConfig,
-                 template: str | None, step_cost) -> int:
+def _warm_stores(loaded, stores: dict, warm_items: list[dict], measured: list[dict], settings: Settings) -> int:
     """Fill every method's store with the model's greedy answers to `warm_items`, which must share
     no prompt with the measured items (a warm store is never built from what is measured)."""
     measured_turns = {turn for item in measured for turn in item["turns"]}
     if any(turn in measured_turns for item in warm_items for turn in item["turns"]):
         raise BenchError("--warm-from shares prompts with the measured items; warm the store on a different set")
-    answers = []
+    builder = AnswerStore()  # to read the answers back
+    bot = Bot(loaded, method_settings("lookahead", settings.updated({"temperature": 0, "max_new_tokens": 256,
+                                                                     "store": True})), store=builder)
     for item in warm_items:
-        builder = AnswerStore()  # one per item, to read its answers back
-        run_item(loaded, item, "lookahead", la, SamplingConfig(max_new_tokens=256), template, step_cost, store=builder)
-        text = builder.index.tokens()
-        ends = [i for i, tok in enumerate(text) if tok < 0]
-        answers += [text[start + 1 if start >= 0 else 0 : end] for start, end in zip([-1] + ends, ends)]
+        answer_item(bot, item)
+    text = builder.index.tokens()
+    ends = [i for i, tok in enumerate(text) if tok < 0]
+    answers = [text[start + 1 if start >= 0 else 0 : end] for start, end in zip([-1] + ends, ends)]
     for store in stores.values():
         for answer in answers:
             store.add(answer)
@@ -282,51 +287,52 @@ def run(loaded, datasets: list[str], methods: list[str], settings: Settings, lim
     (every method answered it), so a run cut short keeps what it measured: the prompt set, the item's
     index, and per method its tokens, seconds, steps and whether it equals the reference and hf.
     peers: methods of their own, last, answered by other engines (peers.py; identity None)."""
-    la, sampling, template = settings.lookahead_config(), settings.sampling_config(), settings.template
+    sampling, template = settings.sampling_config(), settings.template
     packed = packing.is_packed(loaded.model)
     methods, ours = _order(methods, packed, sampling.greedy)
     peers = peers or {}
     methods += list(peers)
     _check_store(store, warm_from)
     stores = {m: AnswerStore() for m in ours} if store != "off" else {}
-    if store == "off":
-        la = LookaheadConfig(**{**la.__dict__, "store": False})
     results: dict = {"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."),
                      "device": str(loaded.device), **settings.as_dict(), "single_turn": single_turn,
                      "store": store, "datasets": {}}  # store: the mode (cold, warm, off), not the setting
     results["compiled"] = compile
     results["packed_weights"] = packed  # ladechat's methods and hf-packed; HF's others run unpacked
-    step_cost = None if compile else cost_envelope.cost_model(loaded)  # compiled methods' steps are all full ones
     # HF's methods run transformers' forward over the loaded modules (one copy of the weights)
     hf_model = transformers_model(loaded.model)
     layouts = packing.LayoutSwitch(hf_model) if packed else None  # a second copy of the Linear weights
-    runners = {m: StaticRunner(loaded.model, method_config(m, la), loaded.context_length,
-                               compiled=compiled_forward(loaded.model)) if compile else None
-               for m in ours}
     measured = {name: load_items(name, limit) for name in datasets}
     if single_turn:
         measured = {name: [{**item, "turns": item["turns"][:1]} for item in items] for name, items in measured.items()}
+    runners = {}
     if "hf-static" in methods:
         runners["hf-static"] = StaticGenerate(hf_model, _static_length(loaded, measured, sampling, template),
                                               compile)
-    # warm-up: first calls allocate and pick kernels (and compile)
-    for m in methods:
+    bots = {m: Bot(loaded, method_settings(m, settings.updated({"max_new_tokens": 8}), store=False), compile=compile,
+                   store=stores.get(m), full_steps=m == "lookahead-full") for m in ours}
+    for m in methods:  # first calls allocate and pick kernels (and compile)
         if m in peers:
             peer_bench.sample_like(peers[m], settings)
             peer_bench.warm_up(peers[m], loaded.tokenizer)
+        elif m in bots:  # with no store yet, so that its warm-up answer is not in it
+            answer_item(bots[m], WARM_UP)
+            bots[m].configure(method_settings(m, settings, store=store != "off"))  # now with its (cold) store
         else:
-            run_item(loaded, {"turns": ["Hello"]}, m, la, SamplingConfig(max_new_tokens=8), template, step_cost,
-                     runners.get(m), layouts=layouts, hf_model=hf_model)
+            hf_item(loaded, WARM_UP, m, SamplingConfig(max_new_tokens=8), template, runners.get(m), layouts, hf_model)
     if store == "warm":
         warm_items = [item for name in warm_from for item in load_items(name, warm_limit)]
         results["warm_answers"] = _warm_stores(loaded, stores, warm_items,
-                                               [i for items in measured.values() for i in items], la, template,
-                                               step_cost)
+                                               [i for items in measured.values() for i in items], settings)
+
     def answer(item: dict, method: str):
         if method in peers:
             return None, *peer_bench.answer(peers[method], item, loaded.tokenizer), None, []
-        ids, seconds, steps, by_depth = run_item(loaded, item, method, la, sampling, template, step_cost,
-                                                 runners.get(method), stores.get(method), layouts, hf_model)
+        if method in bots:
+            ids, seconds, steps, by_depth = answer_item(bots[method], item)
+        else:
+            ids, seconds, steps, by_depth = hf_item(loaded, item, method, sampling, template, runners.get(method),
+                                                    layouts, hf_model)
         return ids, len(ids), seconds, steps, by_depth
 
     for name in datasets:
