@@ -318,3 +318,33 @@ def test_every_command_is_one_entry_of_the_table_with_its_help_and_completion(tm
     for name in ("/read", "/model", "/save", "/load"):
         assert offered(f"{name} {tmp_path}/no") == {"tes.txt"}, name
     assert offered(f"/system {tmp_path}/no") == set()
+
+
+def test_a_new_conversation_answers_as_a_fresh_bot_and_the_bench_answers_as_the_chat(embedded_fp32):
+    """Bot.new_conversation forgets what earlier answers taught the drafts (the same steps as a new
+    Bot, with the step costs fixed), and the bench's answer to an item is the chat's, step for step."""
+    from ladechat.bench.prompts import answer_item
+    from ladechat.engine.events import Done
+    from ladechat.engine.step_cost import CostModel
+
+    flat = CostModel({192: {1: 1.0, 2: 1.01, 4: 1.02, 8: 1.04, 16: 1.08}})
+    settings = Settings(store=False, max_new_tokens=40)
+    first, second = {"turns": ["Write a Python function that adds two numbers."]}, \
+        {"turns": ["Write a Python function that multiplies two numbers.", "Now add a docstring."]}
+
+    def fresh():
+        return Bot(embedded_fp32, settings, step_cost=flat)
+
+    used = fresh()
+    answer_item(used, first)
+    again = answer_item(used, second)
+    alone = answer_item(fresh(), second)
+    assert again[0] == alone[0] and again[2] == alone[2] and again[3] == alone[3]  # ids, steps, accepted by depth
+    # the chat: the same conversation through Bot.reply, turn by turn
+    bot, conversation, ids, steps = fresh(), Conversation(), [], 0
+    for turn in second["turns"]:
+        conversation.messages.append({"role": "user", "content": turn})
+        done = next(e for e in bot.reply(conversation) if isinstance(e, Done))
+        ids, steps = ids + list(done.text_tokens), steps + done.stats.steps
+        conversation.messages.append({"role": "assistant", "content": done.text})
+    assert (ids, steps) == (alone[0], alone[2])

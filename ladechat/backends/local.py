@@ -107,6 +107,12 @@ class Bot:
             self.session.store = self._open_store()
         return forgotten
 
+    def new_conversation(self) -> None:
+        """Answer the next question as a fresh chat would: its drafts learned from nothing but the
+        store of past answers (the cache, the n-gram pool, the recycled successors and the
+        acceptance rates forgotten; the step costs and the store kept)."""
+        self.session.reset()
+
     def warm_up(self) -> None:
         """With compile: build the step graphs for the current W/N/G now rather than mid-answer."""
         self.session.warm_up()

@@ -168,9 +168,11 @@ def method_settings(method: str, settings: Settings, store: bool = True) -> Sett
 
 
 def answer_item(bot: Bot, item: dict):
-    """Every turn of `item` answered by `bot` as a chat answers it (its text decoded as it streams,
-    each answer in the context of the next turn). Returns (all answer ids, seconds, steps, guesses
-    accepted per depth); the seconds run from the question to the answer's end."""
+    """Every turn of `item` answered by `bot` as a fresh chat answers it (Bot.new_conversation: an
+    item's figures do not depend on the items before it but through the store; its text decoded
+    as it streams, each answer in the context of the next turn). Returns (all answer ids, seconds,
+    steps, guesses accepted per depth); the seconds run from the question to the answer's end."""
+    bot.new_conversation()
     conversation = Conversation()
     answers: list[int] = []
     seconds, steps, by_depth = 0.0, 0, []
