@@ -70,6 +70,7 @@ System = Annotated[Optional[str], typer.Option("--system", "-s", help="System pr
 Stop = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop the answer after this text (repeatable).")]
 Compile = Annotated[bool, typer.Option("--compile", help="Fixed-shape steps on a pre-allocated KV cache, compiled with torch.compile (CUDA graphs on a GPU); every lookahead step is a full one. Compiles at start.")]
 AutoCompile = Annotated[Optional[bool], typer.Option("--compile/--no-compile", show_default=False, help="Fixed-shape steps on a pre-allocated KV cache, compiled with torch.compile (CUDA graphs on a GPU); every lookahead step is a full one. Compiles at start (~30-50 s on a GPU). Default: on for a model on one NVIDIA GPU without --load-in-4bit/8bit or --device-map (uncompiled steps there if it fails, with a notice), off elsewhere.")]
+Format = Annotated[Optional[str], typer.Option("--format", help="json: each answer is one JSON object, held to it token by token (ask's --json-schema: one of a schema).")]
 Store = Annotated[bool, typer.Option("--store/--no-store", help="Draft from (and add each answer to) this model's store of past answers, kept under the cache folder (see: ladechat store).")]
 HideThinking = Annotated[bool, typer.Option("--hide-thinking", help="Leave a reasoning model's <think>...</think> off the screen (shown dim otherwise; never kept in the conversation; ask --json gives it as 'reasoning').")]
 Markdown = Annotated[bool, typer.Option("--markdown/--no-markdown", help="On a terminal, redraw a finished answer that has code blocks, lists or headings as rendered Markdown.")]
@@ -107,7 +108,8 @@ def setting_parameters(max_new_tokens: int, max_new_option=MaxNew) -> tuple[insp
             _shared("temperature", Temperature, None), _shared("top_p", TopP, SAMPLING.top_p),
             _shared("top_k", TopK, SAMPLING.top_k), _shared("min_p", MinP, SAMPLING.min_p),
             _shared("repetition_penalty", RepPenalty, SAMPLING.repetition_penalty), _shared("seed", Seed, None),
-            _shared("stop", Stop, None), _shared("template", Template, None), _shared("store", Store, LOOKAHEAD.store))
+            _shared("stop", Stop, None), _shared("template", Template, None), _shared("store", Store, LOOKAHEAD.store),
+            _shared("format", Format, None))
 
 
 # Where the model answers, for the commands that may answer through a server (chat, ask).
@@ -144,11 +146,13 @@ def stderr_console() -> Console:
 
 def _spec(ctx: typer.Context, defaults: dict | None = None, keep_alive: float = 0.0, names: tuple[str, ...] | None = None,
           **changes):
-    """The command's spec (backends/spec.py) from its parameters, `changes` replacing some: every
-    flag checked, one line for a bad one, before anything slow starts."""
+    """The command's spec (backends/spec.py) from its parameters, `changes` replacing some (a
+    change that is not None counts as given): every flag checked, one line for a bad one, before
+    anything slow starts."""
     from ladechat.backends.spec import Spec
 
-    return Spec.of({**ctx.params, **changes}, _given(ctx), defaults, keep_alive, names)
+    given = _given(ctx) | {name for name, value in changes.items() if value is not None}
+    return Spec.of({**ctx.params, **changes}, given, defaults, keep_alive, names)
 
 
 def _spinner(err: Console):
@@ -323,7 +327,8 @@ def history(chat: Annotated[Optional[str], typer.Argument(help="A kept chat: its
 @with_shared(LOAD_PARAMETERS, setting_parameters(MAX_NEW_TOKENS["ask"]), CLIENT_PARAMETERS, OUTPUT_PARAMETERS)
 def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help="The question; '-' or a pipe reads it from stdin.")] = None,
         as_json: AsJson = False,
-        files: Annotated[Optional[list[str]], typer.Option("--file", "-f", help="A text file to put into the question, under its name (repeatable); with no PROMPT the files are the question.")] = None) -> None:
+        files: Annotated[Optional[list[str]], typer.Option("--file", "-f", help="A text file to put into the question, under its name (repeatable); with no PROMPT the files are the question.")] = None,
+        json_schema: Annotated[Optional[str], typer.Option("--json-schema", help="A JSON Schema (a file, or its JSON text): the answer is one JSON document of it.")] = None) -> None:
     """One-shot answer to PROMPT, streamed to stdout (greedy unless --temperature is given)."""
     from ladechat.backends.base import interrupt
     from ladechat.backends.events import Notice
@@ -338,7 +343,8 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
     text = with_attachments(attached, _read_prompt(prompt, files_only=bool(attached)))
     flags = ctx.params
     keep_alive = _keep_alive(flags["keep_alive"]) if flags["api"] is None else 0.0
-    spec = _spec(ctx, defaults={"temperature": 0.0}, keep_alive=keep_alive)
+    answer_format = _answer_format(flags["format"], json_schema)
+    spec = _spec(ctx, defaults={"temperature": 0.0}, keep_alive=keep_alive, format=answer_format)
     bot = open_bot(spec, _spinner(err))  # greedy unless --temperature
     if spec.api is None:  # now, one line each
         _print_notices(bot.notices, err)
@@ -348,7 +354,9 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
         err.print(f"[dim]model {escape(bot.describe())}[/]", highlight=False, soft_wrap=True)
     conversation = Conversation(system=flags["system"], messages=[{"role": "user", "content": text}])
     out = stdout_console()
-    printer = StreamPrinter(out, err, debug=debug, markdown=flags["markdown"], hide_thinking=flags["hide_thinking"])
+    # a document is printed as the model wrote it, never as markdown
+    printer = StreamPrinter(out, err, debug=debug, markdown=flags["markdown"] and answer_format is None,
+                            hide_thinking=flags["hide_thinking"])
     done = None
     interrupted = False  # Ctrl-C reached this loop (after the answer's Done too: still exit 130)
     events = bot.reply(conversation)
@@ -387,6 +395,25 @@ def ask(ctx: typer.Context, prompt: Annotated[Optional[str], typer.Argument(help
         err.print(f"[dim]{escape(footer(stats, bot))}[/]", highlight=False, soft_wrap=True)  # one line, piped too
     if interrupted or stats.finish_reason == "interrupted":
         raise typer.Exit(130)
+    if answer_format is not None and stats.finish_reason == "length":
+        raise Fail(f"the answer reached its {stats.new_tokens} tokens (--max-new-tokens) before its JSON document "
+                   "was complete: what was printed is not a whole document")
+
+
+def _answer_format(given: str | None, json_schema: str | None) -> str | None:
+    """Settings.format from ask's --format and --json-schema (a file, or the schema's JSON text)."""
+    if json_schema is None:
+        if given not in (None, "json"):
+            raise Fail(f"--format must be json, got {given!r} (a schema: --json-schema FILE|JSON)")
+        return given
+    if given is not None:
+        raise Fail("--format and --json-schema cannot go together (--json-schema's answers are JSON)")
+    from ladechat.ui import files
+
+    try:
+        return files.json_schema(json_schema)
+    except files.FileError as exc:
+        raise Fail(f"--json-schema: {exc}") from None
 
 
 def _read_prompt(prompt: str | None, files_only: bool = False) -> str:

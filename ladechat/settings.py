@@ -26,7 +26,9 @@ SAMPLING = SamplingConfig()
 # The groups of settings: how to speculate (sent to ladechat serve with --api), how to choose
 # tokens (sent to any server with --api), and what only a model in this process reads (with --api
 # they are the server's: its store of past answers, its template).
-GROUPS = ("lookahead", "sampling", "local")
+# The answer's format (a JSON document, a schema's) is a group of its own: a server takes it as
+# OpenAI's response_format.
+GROUPS = ("lookahead", "sampling", "local", "format")
 
 
 def _setting(group: str, default: Any, **field: Any) -> Any:
@@ -61,6 +63,7 @@ class Settings(BaseModel):
     seed: int | None = _setting("sampling", SAMPLING.seed, ge=0, lt=2**63)  # the range torch.Generator.manual_seed takes
     stop: tuple[str, ...] = _setting("sampling", SAMPLING.stop)
     template: str | None = _setting("local", None)
+    format: str | None = _setting("format", None, description="json, or a JSON schema: each answer one JSON document")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -69,6 +72,19 @@ class Settings(BaseModel):
         if isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value):
             return tuple(value)
         raise ValueError(f"stop must be a list of strings, got {value!r}")
+
+    @field_validator("format")
+    @classmethod
+    def _answer_format(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        from ladechat.engine.grammar import GrammarError, schema_of
+
+        try:
+            schema_of(value)
+        except GrammarError as exc:
+            raise ValueError(str(exc)) from None
+        return value
 
     @field_validator("temperature")
     @classmethod

@@ -303,7 +303,7 @@ def test_every_command_is_one_entry_of_the_table_with_its_help_and_completion(tm
     for entry in COMMANDS.entries:
         assert any(line.startswith(f"{entry.name} {entry.args}".rstrip() + " ") for line in shown), entry.name
     assert len({e.name for e in COMMANDS.entries}) == len(COMMANDS.entries)
-    assert shown[-1] == "Tab completes the commands, and a file's path after /model, /read, /save, /load."
+    assert shown[-1] == "Tab completes the commands, and a file's path after /format, /model, /read, /save, /load."
     assert app.command("/QUIT") is False and app.command("/exit") is False
     app.command("/frobnicate now")
     assert error_lines(err)[-1] == "error: unknown command /frobnicate (try /help)"

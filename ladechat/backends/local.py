@@ -40,7 +40,11 @@ class Bot:
         self.compiled = compile
         self.store_root = store_root
         self._given_store = store
+        self._grammar_tokens = None  # the tokenizer as a grammar reads it, made at the first format
+        self._grammars: dict[str, str] = {}
         self.notices: list[str] = []  # shown before the next answer
+        if settings.format is not None:
+            self._grammar(settings.format)  # a schema that cannot be held to: one line now
         la = settings.lookahead_config()
         store = self._open_store() if la.store else None
         if compile:
@@ -49,6 +53,31 @@ class Bot:
         else:
             plan = None if full_steps else step_cost or cost_envelope.cost_model(loaded)
             self.session = Session(loaded.model, la, step_cost=plan, store=store, threads=loaded.threads)
+
+    def check_format(self, answer_format: str) -> None:
+        """GrammarError (one line) where this model cannot hold answers to the format (a server
+        refuses such a request before it queues it)."""
+        self._grammar(answer_format)
+
+    def _grammar(self, answer_format: str) -> str:
+        """The grammar of a format (Settings.format), checked against this model's tokenizer once:
+        GrammarError, one line, for a schema it cannot hold answers to."""
+        from ladechat.engine.grammar import GrammarTokenizer
+
+        if answer_format not in self._grammars:
+            if self._grammar_tokens is None:
+                config = self.loaded.model.config.get_text_config()
+                self._grammar_tokens = GrammarTokenizer.of(self.loaded.tokenizer, config.vocab_size, self.loaded.eos_ids)
+            self._grammars[answer_format] = self._grammar_tokens.grammar(answer_format)
+        return self._grammars[answer_format]
+
+    def _matcher(self):
+        """A fresh matcher for one answer in the settings' format, or None (any text)."""
+        answer_format = self.settings.format
+        if answer_format is None:
+            return None
+        grammar = self._grammar(answer_format)  # builds the grammar's tokenizer the first time
+        return self._grammar_tokens.matcher(grammar, self.loaded.eos_ids)
 
     def _open_store(self):
         from ladechat.engine.draft.store import AnswerStore, StoreError, store_path
@@ -89,7 +118,9 @@ class Bot:
             resolve(self.loaded.tokenizer, settings.template)
         except TemplateError as exc:
             raise ConfigError(str(exc)) from None
-        self.session.configure(settings.lookahead_config())  # first: it may refuse W/N/G
+        if settings.format is not None:
+            self._grammar(settings.format)
+        self.session.configure(settings.lookahead_config())  # first to change anything: it may refuse W/N/G
         if settings.store and self.session.store is None:
             self.session.store = self._open_store()
         self.settings = settings
@@ -147,7 +178,7 @@ class Bot:
             return replace(done, text=tokenizer.decode(list(done.text_tokens), skip_special_tokens=True),
                            stats=replace(done.stats, context_length=self.loaded.context_length))
 
-        run = generate(self.session, ids, sampling, self.loaded.eos_ids, tokenizer.decode)
+        run = generate(self.session, ids, sampling, self.loaded.eos_ids, tokenizer.decode, self._matcher())
         try:
             for event in run:
                 if isinstance(event, Done):

@@ -33,6 +33,13 @@ LOOKAHEAD_KEYS = tuple(key(name) for name in group("lookahead"))
 SAMPLING_KEYS = tuple(key(name) for name in group("sampling"))
 
 
+def response_format(answer_format: str) -> dict:
+    """OpenAI's response_format for a format setting ("json" or a JSON schema's text)."""
+    if answer_format == "json":
+        return {"type": "json_object"}
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": json.loads(answer_format), "strict": True}}
+
+
 @dataclass(frozen=True)
 class Endpoint:
     url: str  # the API's base, e.g. http://gpu-box:8000/v1
@@ -144,6 +151,8 @@ class RemoteBot:
         for name in SAMPLING_KEYS:
             if name in sent and values[name] is not None and values[name] != []:
                 body[names.get(name, name)] = values[name]
+        if self.settings.format is not None:
+            body["response_format"] = response_format(self.settings.format)
         if self.stats_reported:
             body["ladechat"] = {k: values[k] for k in LOOKAHEAD_KEYS}
         return body

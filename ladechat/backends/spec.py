@@ -83,10 +83,10 @@ class Spec:
 
     def sent(self) -> tuple[dict, set[str]]:
         """(values, chosen) for a server: every setting a request carries (ladechat.settings'
-        lookahead and sampling groups), by key, and the keys chosen."""
+        lookahead, sampling and format groups), by key, and the keys chosen."""
         from ladechat.settings import group, key
 
-        names = group("lookahead") + group("sampling")
+        names = group("lookahead") + group("sampling") + group("format")
         values = {key(name): self.settings.get(name) for name in names}
         values["stop"] = list(values["stop"] or [])
         return values, {key(name) for name in names if name in self.chosen}

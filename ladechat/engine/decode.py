@@ -34,6 +34,7 @@ from ladechat.engine.draft.suffix import SuffixIndex
 from ladechat.engine.draft.tree import Acceptance, DraftTree, worth_feeding
 from ladechat.engine.draft.window import JacobiWindow
 from ladechat.engine.events import Done, OutOfMemory, Step, Tally
+from ladechat.engine.grammar import Matcher, constrained_pick
 from ladechat.engine.layout import StepLayout, tree_layout
 from ladechat.engine.runner import default_runner, max_step_size, top_k
 from ladechat.engine.sampling import TokenPicker
@@ -239,8 +240,9 @@ class Session:
         return tree_layout([[t]], nodes), skipped
 
     # -- one step -----------------------------------------------------------------------------
-    def step(self, t: int, picker: TokenPicker, stop: StopRule) -> Step:
-        """One step from t, its phases in order (see the module's docstring)."""
+    def step(self, t: int, picker: TokenPicker, stop: StopRule, matcher: Matcher | None = None) -> Step:
+        """One step from t, its phases in order (see the module's docstring). matcher: the grammar
+        the answer is held to (engine/grammar.py), which follows the tokens the step commits."""
         la = self.lookahead
         past = len(self.cached)
         probe = self.probe_size()
@@ -256,13 +258,20 @@ class Session:
         top = top_k(logits)  # one host sync
         if isinstance(self.step_cost, CostEnvelope):  # timed as step_cost.time_step times a step
             self.step_cost.observe(layout.size, past, self.clock() - start, probe)
-        block, matched, source = verify(layout, self._pick(layout, logits, top, picker))
+        if matcher is None:
+            block, matched, source = verify(layout, self._pick(layout, logits, top, picker))
+        else:
+            pick, undo = constrained_pick(matcher, logits, top, picker, self.history)
+            block, matched, source = verify(layout, pick)
+            undo()
         if la.enabled:
             self._learn(layout, matched, top)
             if layout.window_rows > 1:  # the window advances by argmax, as in the paper, also when sampling
                 self.window.advance([int(top[row, 0]) for row in layout.last_level], self.pool)
         keep, why = stop.cut(self.answer, block)
         block, matched = block[:keep], matched[: keep - 1]
+        if matcher is not None:
+            matcher.consume([token for token in block if token not in stop.eos_ids])
         self._commit(t, past, block, matched)
         guessed = tuple(i < len(matched) for i in range(len(block)))
         source = (source if matched else "none") if self.lookahead.enabled else "plain"
@@ -304,8 +313,9 @@ class Session:
 
 
 def generate(session: Session, prompt: list[int], sampling: SamplingConfig, eos_ids: frozenset[int],
-             decode=None) -> Iterator[Step | Done]:
+             decode=None, matcher: Matcher | None = None) -> Iterator[Step | Done]:
     """Stream the answer to `prompt` (the full conversation's token ids) as Step events, then Done.
+    matcher: a grammar the answer is held to (engine/grammar.py), fresh for this answer.
 
     KeyboardInterrupt inside a forward pass leaves the session consistent (the half-done step is
     dropped) and ends the stream with finish_reason "interrupted". Running out of memory does the
@@ -326,7 +336,7 @@ def generate(session: Session, prompt: list[int], sampling: SamplingConfig, eos_
         t = prompt[-1]
         while True:
             step_start = time.perf_counter()
-            step = session.step(t, picker, stop)
+            step = session.step(t, picker, stop, matcher)
             t, now = step.tokens[-1], time.perf_counter()
             step = replace(step, seconds=now - step_start)
             tally.add(step)

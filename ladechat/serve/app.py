@@ -50,6 +50,7 @@ from ladechat.backends.events import Notice, Piece
 from ladechat.conversation import Conversation, prompt_budget
 from ladechat.engine.config import ConfigError
 from ladechat.engine.events import Done, OutOfMemory
+from ladechat.engine.grammar import GrammarError
 from ladechat.serve.guard import ClientGone, Guard, read_body
 from ladechat.serve.wire import (
     FINISH,
@@ -202,6 +203,11 @@ class Api:
         self.known_model(req.model, "model")
         conversation = conversation_of(req.messages)
         settings = settings_of(base, req)
+        if settings.format is not None:  # refused now, not after a stream has begun
+            try:
+                self.backend.check_format(settings.format)
+            except GrammarError as exc:
+                raise ApiError(400, f"response_format: {exc}", param="response_format") from None
         self.check_size(conversation, settings)
         self.check_length(conversation, settings)
         return req, conversation, settings
@@ -340,6 +346,8 @@ class Api:
     def failure(self, exc: Exception) -> ApiError:
         if isinstance(exc, ApiError):
             return exc
+        if isinstance(exc, GrammarError):  # the model's tokenizer cannot hold answers to the schema
+            return ApiError(400, f"response_format: {exc}", param="response_format")
         if isinstance(exc, ConfigError):
             return ApiError(400, str(exc))
         if isinstance(exc, OutOfMemory):

@@ -134,11 +134,38 @@ def parse_request(body: bytes) -> ChatRequest:
     for name in ZERO_PENALTIES:
         if extra.get(name) not in (None, 0, 0.0):
             raise ApiError(400, f"{name} is not supported by ladechat serve (repetition_penalty is)", param=name)
-    fmt = extra.get("response_format")
-    if fmt not in (None, {"type": "text"}):
-        raise ApiError(400, "response_format other than text is not supported by ladechat serve",
-                       param="response_format")
+    answer_format(req)  # its shape; whether the model can hold answers to it is the backend's to say
     return req
+
+
+def answer_format(req: ChatRequest) -> str | None:
+    """The request's response_format as a setting (Settings.format): None for text, "json" for
+    json_object, a json_schema's schema as JSON text. ApiError 400 naming the field for any other shape."""
+    fmt = (req.model_extra or {}).get("response_format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise ApiError(400, "response_format: must be a JSON object with a type", param="response_format")
+    kind = fmt["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "json"
+    if kind != "json_schema":
+        raise ApiError(400, f"response_format.type: must be text, json_object or json_schema, got {kind!r}",
+                       param="response_format.type")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise ApiError(400, "response_format.json_schema: must be a JSON object with a schema",
+                       param="response_format.json_schema")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise ApiError(400, "response_format.json_schema.schema: must be a JSON object (a JSON Schema)",
+                       param="response_format.json_schema.schema")
+    if not isinstance(spec.get("strict", False), (bool, type(None))):
+        raise ApiError(400, "response_format.json_schema.strict: must be true or false",
+                       param="response_format.json_schema.strict")
+    return json.dumps(schema)
 
 
 def validation_error(exc: ValidationError) -> ApiError:
@@ -227,13 +254,15 @@ def settings_of(base: Settings, req: ChatRequest) -> Settings:
     values = {"max_new_tokens": None if asked is None else min(asked, base.max_new_tokens),
               "temperature": req.temperature, "top_p": req.top_p,
               "top_k": None if req.top_k is None else max(req.top_k, 0), "min_p": req.min_p,
-              "repetition_penalty": req.repetition_penalty, "seed": req.seed, **ext.model_dump()}
+              "repetition_penalty": req.repetition_penalty, "seed": req.seed, "format": answer_format(req),
+              **ext.model_dump()}
     values = {k: v for k, v in values.items() if v is not None}
     values["stop"] = list(base.stop) + [s for s in stop if s]
     try:
         return base.updated(values)
     except ConfigError as exc:
-        names = {**REQUEST_NAMES, "max_new_tokens": "max_completion_tokens" if req.max_completion_tokens else "max_tokens"}
+        names = {**REQUEST_NAMES, "format": "response_format",
+                 "max_new_tokens": "max_completion_tokens" if req.max_completion_tokens else "max_tokens"}
         param = next((names.get(k, k) for k, v in values.items() if _refused(base, k, v)), None)
         raise ApiError(400, f"{param}: {exc}" if param else str(exc), param=param) from None
 

@@ -279,6 +279,13 @@ class ChatApp:
         self._configure(self._settings().updated({"lookahead": commands.on_off(arg, "/lookahead")}))
         self.info(f"lookahead {'on' if self.bot.settings.lookahead else 'off'} from the next answer")
 
+    def _format(self, arg: str) -> None:
+        answer_format = commands.answer_format(arg)
+        self._configure(self._settings().updated({"format": answer_format}))
+        self.info("answers are free text from the next one" if answer_format is None else
+                  "each answer is one JSON object from the next one" if answer_format == "json" else
+                  f"each answer is one JSON document of the schema in {arg.strip()} from the next one")
+
     def _set(self, arg: str) -> None:
         self._configure(self._settings().updated(commands.parse_set(arg), strict=False))
         self.info(self._show())
@@ -454,6 +461,8 @@ COMMANDS = commands.Table([
           ChatApp._store),
     Entry("/set", "KEY=VALUE ...", "change settings, e.g. /set w=3 temperature=0.7 (seed=none: random); keys:",
           ChatApp._set, more=commands.set_keys_help()),
+    Entry("/format", "json|off|SCHEMA.json", "answers as one JSON object (json), one of a JSON schema (its file) or "
+          "free text (off), from the next answer", ChatApp._format, takes_path=True),
     Entry("/show", "", "current settings", ChatApp._print_settings),
     Entry("/model", "[NAME|PATH]", "the model answering; with a name, id, folder or .gguf: another answers from now on",
           ChatApp._model, takes_path=True),

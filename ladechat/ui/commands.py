@@ -86,6 +86,20 @@ def on_off(arg: str, name: str) -> bool:
     raise CommandError(f"usage: {name} on|off")
 
 
+def answer_format(arg: str) -> str | None:
+    """/format's argument as the format setting: json, off (None) or a JSON Schema's file."""
+    word = arg.strip()
+    if word.lower() == "json":
+        return "json"
+    if word.lower() in ("off", "text", "none"):
+        return None
+    if not word:
+        raise CommandError("usage: /format json|off|SCHEMA.json")
+    from ladechat.ui.files import json_schema
+
+    return json_schema(word)
+
+
 def parse_set(arg: str) -> dict:
     """'w=7 temperature=0.7' -> {'window': '7', 'temperature': '0.7'}: known keys, values as typed
     (Settings.updated(..., strict=False) converts and checks them); seed=none and template=none unset."""

@@ -47,3 +47,22 @@ def attachment(path: str) -> str:
 
 def with_attachments(attached: list[str], text: str) -> str:
     return "\n\n".join([*attached, text] if text.strip() else attached)
+
+
+def json_schema(source: str) -> str:
+    """A JSON Schema given as its JSON text or as a file holding it, as compact JSON text (the
+    format setting's value): FileError, one line, for a file that cannot be read or text that is
+    not a JSON object."""
+    import json
+
+    text = source
+    if not source.lstrip().startswith("{"):
+        _, text = read_text(source)
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise FileError(f"{source if text is not source else 'the schema'} is not valid JSON "
+                        f"({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(schema, dict):
+        raise FileError("a JSON Schema is a JSON object")
+    return json.dumps(schema)
