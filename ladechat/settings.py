@@ -162,8 +162,9 @@ def field_name(key: str) -> str:
 
 
 def set_keys() -> list[str]:
-    """The keys `/set` takes, in the model's order (stop is a list: /load and --stop set it)."""
-    return [key(name).lower() for name in Settings.model_fields if name != "stop"]
+    """The keys `/set` takes, in the model's order (stop is a list: /load and --stop set it; a
+    format, JSON text or a file: /format)."""
+    return [key(name).lower() for name in Settings.model_fields if name not in ("stop", "format")]
 
 
 def _one_line(error: dict) -> str:

@@ -48,12 +48,14 @@ def conforms(value, schema: dict) -> bool:
                 and all(conforms(value[k], properties[k]) for k in value if k in properties))
     if kind == "array":
         return isinstance(value, list) and all(conforms(v, schema["items"]) for v in value) \
-            and len(value) >= schema.get("minItems", 0)
+            and schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", len(value))
     if kind == "integer":
         return isinstance(value, int) and not isinstance(value, bool)
     if kind == "number":
         return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, {"string": str, "boolean": bool}[kind])
+    if kind == "string":
+        return isinstance(value, str) and len(value) <= schema.get("maxLength", len(value))
+    return isinstance(value, bool)
 
 
 def test_the_matchers_cheap_check_is_its_mask(embedded_fp32):
@@ -93,8 +95,9 @@ def test_greedy_documents_are_the_same_tokens_with_lookahead_on_and_off(embedded
 
 def schemas():
     """Small JSON schemas of the kinds programs ask for: nested objects, enums, arrays of records."""
-    leaf = st.sampled_from([{"type": "string"}, {"type": "integer"}, {"type": "boolean"}, {"type": "number"},
-                            {"enum": ["red", "green", "blue"]}])
+    # bounded strings and arrays: a small model can ramble inside an unbounded one past any budget
+    leaf = st.sampled_from([{"type": "string", "maxLength": 24}, {"type": "integer"}, {"type": "boolean"},
+                            {"type": "number"}, {"enum": ["red", "green", "blue"]}])
     names = st.sampled_from(["id", "title", "count", "done", "color", "score", "tags", "owner"])
 
     def objects(children):
@@ -102,8 +105,11 @@ def schemas():
             lambda props: {"type": "object", "properties": props, "required": sorted(props), "additionalProperties": False})
 
     return st.recursive(leaf, lambda children: objects(children) | st.builds(
-        lambda items: {"type": "array", "items": items, "minItems": 1}, children), max_leaves=5).filter(
+        lambda items: {"type": "array", "items": items, "minItems": 1, "maxItems": 3}, children), max_leaves=5).filter(
         lambda s: s.get("type") == "object")
+
+
+WHOLE: list[bool] = []  # per generated schema: whether its answer ended as a whole document
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
@@ -111,19 +117,28 @@ def schemas():
 @given(schema=schemas())
 def test_every_answer_is_a_document_of_its_schema(embedded_fp32, schema):
     done = answer(embedded_fp32, "Fill in this form with made-up values.", format=json.dumps(schema),
-                  max_new_tokens=160, lookahead=True)
+                  max_new_tokens=200, lookahead=True, stop=["}"])  # a stop string in the document: not applied
+    WHOLE.append(done.stats.finish_reason == "eos")
     if done.stats.finish_reason == "length":  # cut short: said so, and it is a prefix the grammar allowed
         return
     assert done.stats.finish_reason == "eos"
     assert conforms(json.loads(done.text), schema), done.text
 
 
+def test_most_generated_schemas_got_a_whole_document():
+    """The test above checks only documents that ended: most of its answers must have."""
+    assert len(WHOLE) == 8 and sum(WHOLE) >= 6, WHOLE
+
+
 def test_sampling_stays_inside_the_grammar(embedded_fp32):
+    whole = 0
     for seed in (1, 2, 3):
         done = answer(embedded_fp32, "Describe a fictional programmer as JSON.", format=json.dumps(PERSON),
                       temperature=1.0, seed=seed, max_new_tokens=120, lookahead=True)
         if done.stats.finish_reason == "eos":
             assert conforms(json.loads(done.text), PERSON)
+            whole += 1
+    assert whole >= 2
 
 
 def test_formats_that_cannot_be_held_to_are_one_line(embedded_fp32):
@@ -206,12 +221,15 @@ def test_a_client_sends_the_format_as_openais_response_format():
     conversation = Conversation(messages=[{"role": "user", "content": "hi"}])
     for answer_format, sent in (("json", {"type": "json_object"}),
                                 (json.dumps(PERSON), {"type": "json_schema", "json_schema": {
-                                    "name": "answer", "schema": PERSON, "strict": True}})):
+                                    "name": "answer", "schema": PERSON}})):
         remote = RemoteBot(Endpoint.of("http://127.0.0.1:9/v1", None), None, {"format": answer_format}, {"format"},
                            client=httpx.Client(transport=transport))
         assert remote.request_body(conversation)["response_format"] == sent
     plain = RemoteBot(Endpoint.of("http://127.0.0.1:9/v1", None), None, {}, set(), client=httpx.Client(transport=transport))
     assert "response_format" not in plain.request_body(conversation)
+    plain.configure(plain.settings.updated({"format": "json"}))
+    plain.configure(plain.settings.updated({"format": None}))  # /format off: the server's own format off too
+    assert plain.request_body(conversation)["response_format"] == {"type": "text"}
 
 
 def test_the_chat_formats_its_next_answers(embedded_fp32, tmp_path):
@@ -238,3 +256,37 @@ def test_the_chat_formats_its_next_answers(embedded_fp32, tmp_path):
     assert app.bot.settings.format == "json"  # refused: as it was
     app.command("/format off")
     assert app.bot.settings.format is None
+
+
+def test_drafts_hold_to_the_grammar_and_propose_what_it_forces(embedded_fp32):
+    """Under a schema every node fed is one the grammar allows (keep_valid), the keys and punctuation
+    it forces are proposed as drafts of their own ("grammar") and accepted, and the answer is plain
+    decoding's."""
+    from ladechat.engine.draft.tree import Acceptance, DraftTree
+
+    tree = DraftTree(Acceptance())
+    tree.add_chain((5, 6, 7), "context", 3)
+    tree.add_chain((5, 9), "context", 3)
+    tree.add_chain((8,), "context", 3)
+    tree.keep_valid(lambda path: len(path) if path[:2] != [5, 6] and path != [8] else (1 if path[0] == 5 else 0))
+    assert [(n.token, n.parent) for n in tree.nodes] == [(5, -1), (9, 0)]
+    question = "Describe a fictional programmer as JSON: name, age and the languages they use."
+    on = answer(embedded_fp32, question, lookahead=True, max_new_tokens=96, format=json.dumps(PERSON))
+    off = answer(embedded_fp32, question, lookahead=False, max_new_tokens=96, format=json.dumps(PERSON))
+    assert on.text_tokens == off.text_tokens
+    expected, seen = on.stats.calibration["grammar"]
+    assert seen >= 3  # '{"name":"', '","age":', ... taken as drafts
+
+
+def test_a_request_sets_or_clears_the_servers_format():
+    from ladechat.serve.wire import parse_request, settings_of
+
+    def request(**extra):
+        return parse_request(json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra}).encode())
+
+    served = Settings(format="json")
+    assert settings_of(served, request()).format == "json"  # the server's own
+    assert settings_of(served, request(response_format={"type": "text"})).format is None
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    wanted = request(response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+    assert json.loads(settings_of(Settings(), wanted).format) == schema

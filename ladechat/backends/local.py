@@ -19,6 +19,9 @@ if TYPE_CHECKING:
     from ladechat.engine.load.loading import LoadedModel
 
 
+GRAMMARS_KEPT = 32  # formats whose grammar a bot keeps compiled, the most recently used
+
+
 class Bot:
     """compile: fixed-shape steps on a pre-allocated cache, compiled (see engine/runner.py); every
     lookahead step is then a full one, so it suits a GPU, where a full step costs about one token's."""
@@ -64,11 +67,15 @@ class Bot:
         GrammarError, one line, for a schema it cannot hold answers to."""
         from ladechat.engine.grammar import GrammarTokenizer
 
-        if answer_format not in self._grammars:
+        if answer_format in self._grammars:
+            self._grammars[answer_format] = self._grammars.pop(answer_format)  # the newest last
+        else:
             if self._grammar_tokens is None:
                 config = self.loaded.model.config.get_text_config()
                 self._grammar_tokens = GrammarTokenizer.of(self.loaded.tokenizer, config.vocab_size, self.loaded.eos_ids)
             self._grammars[answer_format] = self._grammar_tokens.grammar(answer_format)
+            while len(self._grammars) > GRAMMARS_KEPT:  # a server's clients send schemas without end
+                self._grammars.pop(next(iter(self._grammars)))
         return self._grammars[answer_format]
 
     def _matcher(self):
@@ -162,6 +169,8 @@ class Bot:
             yield Notice(dropped_notice(dropped, "model's"))
         room = self.loaded.context_length - len(ids)
         sampling = self.settings.sampling_config()
+        if self.settings.format is not None:  # the document's end ends the answer, not a stop string in it
+            sampling = replace(sampling, stop=())
         if sampling.max_new_tokens > room:
             sampling = replace(sampling, max_new_tokens=room)
         grown = self.session.grows_for(len(ids) + sampling.max_new_tokens)

@@ -33,11 +33,13 @@ LOOKAHEAD_KEYS = tuple(key(name) for name in group("lookahead"))
 SAMPLING_KEYS = tuple(key(name) for name in group("sampling"))
 
 
-def response_format(answer_format: str) -> dict:
-    """OpenAI's response_format for a format setting ("json" or a JSON schema's text)."""
+def response_format(answer_format: str | None) -> dict:
+    """OpenAI's response_format for a format setting (None: text, "json", or a JSON schema's text)."""
+    if answer_format is None:
+        return {"type": "text"}
     if answer_format == "json":
         return {"type": "json_object"}
-    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": json.loads(answer_format), "strict": True}}
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": json.loads(answer_format)}}
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,7 @@ class RemoteBot:
         for name in SAMPLING_KEYS:
             if name in sent and values[name] is not None and values[name] != []:
                 body[names.get(name, name)] = values[name]
-        if self.settings.format is not None:
+        if self.settings.format is not None or "format" in self.given:  # off: {"type": "text"}
             body["response_format"] = response_format(self.settings.format)
         if self.stats_reported:
             body["ladechat"] = {k: values[k] for k in LOOKAHEAD_KEYS}

@@ -231,8 +231,9 @@ def _warm_stores(loaded, stores: dict, warm_items: list[dict], measured: list[di
     if any(turn in measured_turns for item in warm_items for turn in item["turns"]):
         raise BenchError("--warm-from shares prompts with the measured items; warm the store on a different set")
     builder = AnswerStore()  # to read the answers back
-    bot = Bot(loaded, method_settings("lookahead", settings.updated({"temperature": 0, "max_new_tokens": 256,
-                                                                     "store": True})), store=builder)
+    greedy = {"temperature": 0, "max_new_tokens": 256, "store": True, "repetition_penalty": 1.0, "stop": [],
+              "format": None}
+    bot = Bot(loaded, method_settings("lookahead", settings.updated(greedy)), store=builder)
     for item in warm_items:
         answer_item(bot, item)
     text = builder.index.tokens()

@@ -176,10 +176,15 @@ class Session:
             self.store.add(answer)
 
     # -- planning -----------------------------------------------------------------------------
-    def draft(self, t: int) -> DraftTree:
-        """Every source's proposals for what follows t, merged into one priced trie."""
+    def draft(self, t: int, matcher: Matcher | None = None) -> DraftTree:
+        """Every source's proposals for what follows t, merged into one priced trie; under a grammar
+        (matcher), only what it allows, and what it forces as one more proposal."""
         la = self.lookahead
         tree = DraftTree(self.acceptance)
+        if matcher is not None:
+            forced = matcher.forced()
+            if forced:
+                tree.add_chain(tuple(forced), "grammar", 0)
         hits = la.context_candidates * HITS_PER_CANDIDATE
         tree.add_matches("context", self.context.matches(self.history, la.context_len, hits))
         if self.store is not None and la.store:
@@ -188,6 +193,8 @@ class Session:
             tree.add_chain(gram, "pool", 0)
         if la.recycle:
             tree.add_recycled(t, self._before_t(), self.recycled.lookup, la.recycle)
+        if matcher is not None:
+            tree.keep_valid(matcher.valid_prefix)
         return tree
 
     def _before_t(self) -> int:
@@ -200,8 +207,8 @@ class Session:
             return None
         return self.step_cost.probe_size(max_step_size(self.lookahead))
 
-    def plan(self, t: int, window: list[list[int]], probe: int | None = None, skipped: int = 0
-             ) -> tuple[StepLayout, int]:
+    def plan(self, t: int, window: list[list[int]], probe: int | None = None, skipped: int = 0,
+             matcher: Matcher | None = None) -> tuple[StepLayout, int]:
         """The step's layout from t and the window's levels, and how many steps in a row (skipped
         before it) will then have fed no draft node. Changes nothing.
 
@@ -212,9 +219,10 @@ class Session:
         CPU that is often a handful of nodes, and a plain step when nothing is worth feeding; every
         PROBE_EVERY-th such step still feeds the likeliest node, to keep the acceptance estimates honest.
         probe: a step of about this many rows instead, the likeliest nodes first (probe_size()).
+        matcher: the grammar the answer is held to: the draft proposes only what it allows (draft()).
         """
         la = self.lookahead
-        tree = self.draft(t)
+        tree = self.draft(t, matcher)
         levels = len(window)
         if self.step_cost is None:
             room = max_step_size(la) - la.window * levels
@@ -248,7 +256,7 @@ class Session:
         probe = self.probe_size()
         if la.enabled:
             window = self.window.fill(t, self._before_t(), self.history, self.recycled.lookup)
-            layout, self.skipped = self.plan(t, window, probe, self.skipped)
+            layout, self.skipped = self.plan(t, window, probe, self.skipped, matcher)
         else:
             layout = tree_layout([[t]], [])
         if self.threads:

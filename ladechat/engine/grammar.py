@@ -66,7 +66,8 @@ class GrammarTokenizer:
         try:
             tokens = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_ids))
         except (ValueError, TypeError) as exc:
-            raise GrammarError(f"answers in a format need a fast tokenizer, and this model's cannot be read: {exc}") from None
+            why = " ".join(str(exc).split())[:300]
+            raise GrammarError(f"this model's tokenizer cannot be read for answers in a format: {why}") from None
         return cls(lib, tokens, vocab_size)
 
     def grammar(self, answer_format: str) -> str:
@@ -106,21 +107,38 @@ class Matcher:
             return self._matcher.is_accepting()
         return not self._matcher.is_stopped() and self._matcher.validate_tokens([token]) == 1
 
-    def allowed(self) -> torch.Tensor:
-        """(vocab,) bool: the tokens that may come next."""
+    def allowed(self, device=None) -> torch.Tensor:
+        """(vocab,) bool on `device` (None: the CPU): the tokens that may come next. GrammarError
+        where none may (the matcher's error state)."""
         self._matcher.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._bits.numel() * 4)
         bits = (self._bits.unsqueeze(1) >> self._shifts) & 1
         allowed = bits.reshape(-1)[: self.vocab_size].bool()
         allowed[sorted(self.eos_ids)] = self._matcher.is_accepting()
-        return allowed
+        if self._matcher.is_error() or not bool(allowed.any()):
+            raise self._failed()
+        return allowed if device is None else allowed.to(device, non_blocking=True)
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens` could follow, one after another, from here."""
+        return self._matcher.validate_tokens(tokens)
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces next, however the model goes on (a schema's keys and
+        punctuation), spelled as the tokenizer would: the model may spell them otherwise."""
+        return [] if self._matcher.is_stopped() else list(self._matcher.compute_ff_tokens())
 
     def consume(self, tokens: list[int]) -> None:
         if tokens and not self._matcher.consume_tokens(tokens):
-            raise RuntimeError(f"the grammar refused tokens it allowed: {self._matcher.get_error()}")
+            raise self._failed()
 
     def rollback(self, count: int) -> None:
-        if count:
-            self._matcher.rollback(count)
+        if count and not self._matcher.rollback(count):
+            raise self._failed()
+
+    def _failed(self) -> GrammarError:
+        """The matcher's error state (a limit of the grammar engine's, say), as one line."""
+        why = " ".join((self._matcher.get_error() or "no reason given").split())
+        return GrammarError(f"the grammar could not follow the answer: {why[:300]}")
 
     @property
     def complete(self) -> bool:
@@ -149,8 +167,8 @@ def constrained_pick(matcher: Matcher, logits: torch.Tensor, top, picker, histor
             best = int(top[row, 0])
             if matcher.allows(best):
                 return best
-            return int(logits[row].masked_fill(~matcher.allowed(), float("-inf")).argmax())
-        return picker.pick(logits[row].masked_fill(~matcher.allowed(), float("-inf")), history + path)
+            return int(logits[row].masked_fill(~matcher.allowed(logits.device), float("-inf")).argmax())
+        return picker.pick(logits[row].masked_fill(~matcher.allowed(logits.device), float("-inf")), history + path)
 
     def undo() -> int:
         matcher.rollback(len(consumed))

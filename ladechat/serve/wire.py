@@ -257,6 +257,8 @@ def settings_of(base: Settings, req: ChatRequest) -> Settings:
               "repetition_penalty": req.repetition_penalty, "seed": req.seed, "format": answer_format(req),
               **ext.model_dump()}
     values = {k: v for k, v in values.items() if v is not None}
+    if "response_format" in (req.model_extra or {}):  # {"type": "text"} turns a server's own format off
+        values["format"] = answer_format(req)
     values["stop"] = list(base.stop) + [s for s in stop if s]
     try:
         return base.updated(values)

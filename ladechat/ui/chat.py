@@ -385,6 +385,11 @@ class ChatApp:
         lookahead = " ".join(f"{key(k)}={values.pop(key(k))}" for k in group("lookahead") if k != "lookahead")
         enabled = values.pop("lookahead")
         store = values.pop("store")
+        answer_format = values.pop("format")
+        if answer_format is not None and answer_format != "json":
+            values["format"] = f"a JSON schema ({len(answer_format)} characters)"
+        elif answer_format == "json":
+            values["format"] = "json"
         return (f"model {self.bot.describe()}\n"
                 f"lookahead {'on' if enabled else 'off'}: {lookahead}; store of past answers {'on' if store else 'off'}\n"
                 + " ".join(f"{k}={v}" for k, v in values.items())

@@ -110,7 +110,7 @@ def parse_set(arg: str) -> dict:
     for item in arg.replace(",", " ").split():
         key, eq, raw = item.partition("=")
         name = settings.keys().get(key.lower())
-        if not eq or name is None or name == "stop":
+        if not eq or name is None or name in ("stop", "format"):
             raise CommandError(f"cannot set {item!r} (keys: {keys})")
         values[name] = None if raw.lower() in NULLABLE.get(name, ()) else raw
     return values

@@ -55,6 +55,8 @@ def _prior(bucket: tuple) -> float:
     if source == "recycle":  # first: the token's rank in the model's recycled top-k; extra: whether
         ranks = (0.5, 0.15, 0.07) if extra and extra[0] else (0.35, 0.12, 0.06)  # it followed the same pair
         return ranks[first] if first < 3 else 0.03
+    if source == "grammar":  # tokens a grammar forces: only another spelling of the same text differs
+        return 0.95
     return 0.2 if depth == 1 else 0.5  # pool n-grams
 
 
@@ -198,6 +200,25 @@ class DraftTree:
             if not known:
                 added += 1
                 push_children(at, token, token_of(parent))
+
+    def keep_valid(self, valid_prefix: Callable[[list[int]], int]) -> None:
+        """Drop every node whose path from the input token is not all valid (valid_prefix(path):
+        how many of its first tokens are), and the nodes under it: a grammar's refusals are never fed."""
+        kept: list[int] = []  # old node -> new node, -1: dropped
+        nodes, depths = self.nodes, self._depths
+        self.nodes, self._depths, self._index = [], [], {}
+        paths: list[list[int]] = []
+        for node, depth in zip(nodes, depths, strict=True):
+            up = -1 if node.parent < 0 else kept[node.parent]
+            path = ([] if node.parent < 0 else paths[node.parent]) + [node.token]
+            paths.append(path)
+            if (node.parent >= 0 and up < 0) or valid_prefix(path) < len(path):
+                kept.append(-1)
+                continue
+            self._index[(up, node.token)] = len(self.nodes)
+            self.nodes.append(Node(node.token, up, node.source, node.bucket, node.p))
+            self._depths.append(depth)
+            kept.append(len(self.nodes) - 1)
 
     def by_probability(self) -> list[int]:
         """Node indices, most likely first. A parent always comes first: every q is below 1 and a

@@ -135,4 +135,8 @@ def joint_product(modules: Sequence[torch.nn.Module], dtype: torch.dtype) -> Cal
     if first.bias is None:
         return lambda x: op(x, *wholes, path)
     bias = torch.cat([m.bias for m in modules])  # each output's add as its module's own
+    start = 0
+    for module in modules:
+        module.bias = torch.nn.Parameter(bias[start : start + module.out_features], requires_grad=False)
+        start += module.out_features
     return lambda x: op(x, *wholes, path) + bias
