@@ -162,11 +162,11 @@ def test_the_command_line_builds_no_backend_itself():
 
 def test_the_bench_answers_through_the_chats_backend():
     """`ladechat bench` (bench/prompts.py) and `bench serving` decode through backends/local.Bot, as the
-    chat does: no Session, runner or generate of their own, and nothing of the loader but
-    packing (the second weight layout HF's reference methods run on)."""
+    chat does: no Session, runner or generate of their own, and nothing of the loader's insides
+    (what they need of a loaded model, LoadedModel gives)."""
     graph_ = graph()
     for name in ("ladechat.bench.prompts", "ladechat.bench.serving"):
         assert "ladechat.backends.local" in graph_[name], name
         assert {dep for dep in graph_[name]
                 if dep.startswith(("ladechat.engine.decode", "ladechat.engine.runner"))} == set(), name
-        assert {dep for dep in graph_[name] if dep.startswith("ladechat.engine.load")} <= {"ladechat.engine.load.packing"}
+        assert {dep for dep in graph_[name] if dep.startswith("ladechat.engine.load")} == set(), name

@@ -27,7 +27,6 @@ from ladechat.conversation import Conversation
 from ladechat.engine.config import LookaheadConfig, SamplingConfig
 from ladechat.engine.draft.store import AnswerStore
 from ladechat.engine.events import Done
-from ladechat.engine.load import packing
 from ladechat.engine.models import transformers_model
 from ladechat.errors import UserError
 from ladechat.settings import Settings
@@ -189,7 +188,7 @@ def answer_item(bot: Bot, item: dict):
 
 
 def hf_item(loaded, item: dict, method: str, sampling: SamplingConfig, template: str | None, runner=None,
-            layouts: packing.LayoutSwitch | None = None, hf_model=None):
+            layouts=None, hf_model=None):
     """answer_item for one of HF's methods, transformers' generate over the loaded modules (its
     forward, as transformers_model makes it). runner: hf-static's StaticGenerate (required there).
     layouts: the loaded model's two weight layouts (None: the model as it is). Steps: None (HF does
@@ -291,7 +290,7 @@ def run(loaded, datasets: list[str], methods: list[str], settings: Settings, lim
     index, and per method its tokens, seconds, steps and whether it equals the reference and hf.
     peers: methods of their own, last, answered by other engines (peers.py; identity None)."""
     sampling, template = settings.sampling_config(), settings.template
-    packed = packing.is_packed(loaded.model)
+    packed = loaded.packed
     methods, ours = _order(methods, packed, sampling.greedy)
     peers = peers or {}
     methods += list(peers)
@@ -304,7 +303,7 @@ def run(loaded, datasets: list[str], methods: list[str], settings: Settings, lim
     results["packed_weights"] = packed  # ladechat's methods and hf-packed; HF's others run unpacked
     # HF's methods run transformers' forward over the loaded modules (one copy of the weights)
     hf_model = transformers_model(loaded.model)
-    layouts = packing.LayoutSwitch(hf_model) if packed else None  # a second copy of the Linear weights
+    layouts = loaded.as_loaded_switch(hf_model) if packed else None  # a second copy of the Linear weights
     measured = {name: load_items(name, limit) for name in datasets}
     if single_turn:
         measured = {name: [{**item, "turns": item["turns"][:1]} for item in items] for name, items in measured.items()}

@@ -48,6 +48,17 @@ class LoadedModel:
     # their thread count, which follows the machine's other load (engine/threads.py); else None.
     threads: object = None
 
+    @property
+    def packed(self) -> bool:
+        """Whether some Linear weights run packed for oneDNN (packing.py), not as transformers loads them."""
+        return packing.is_packed(self.model)
+
+    def as_loaded_switch(self, model) -> packing.LayoutSwitch:
+        """`model` (this one, or transformers' twin of it: the same modules) runnable with its
+        Linear weights as transformers loads them (LayoutSwitch.as_loaded), at the cost of a
+        second copy of those weights: what HF's reference methods in the bench run on."""
+        return packing.LayoutSwitch(model)
+
 
 def bench_weights(compile: bool) -> str:
     """`ladechat bench`'s Linear weights when --weights is not given: what the chat runs (auto: a
