@@ -56,7 +56,8 @@ class GrammarTokenizer:
 
     lib: object
     tokens: object  # llguidance.LLTokenizer
-    vocab_size: int  # the logits' width: ids past the tokenizer's own are never allowed
+    vocab_size: int  # the logits' width
+    known: int  # the tokenizer's own ids: those past them (a model's padded rows) are never allowed
 
     @classmethod
     def of(cls, tokenizer, vocab_size: int, eos_ids: frozenset[int]) -> GrammarTokenizer:
@@ -68,7 +69,7 @@ class GrammarTokenizer:
         except (ValueError, TypeError) as exc:
             why = " ".join(str(exc).split())[:300]
             raise GrammarError(f"this model's tokenizer cannot be read for answers in a format: {why}") from None
-        return cls(lib, tokens, vocab_size)
+        return cls(lib, tokens, vocab_size, min(len(tokenizer), vocab_size))
 
     def grammar(self, answer_format: str) -> str:
         """The grammar of an answer format, checked against this tokenizer: GrammarError (the
@@ -85,18 +86,19 @@ class GrammarTokenizer:
         return grammar
 
     def matcher(self, grammar: str, eos_ids: frozenset[int]) -> Matcher:
-        return Matcher(self.lib.LLMatcher(self.tokens, grammar, log_level=0), self.vocab_size, eos_ids)
+        return Matcher(self.lib.LLMatcher(self.tokens, grammar, log_level=0), self.vocab_size, eos_ids, self.known)
 
 
 class Matcher:
     """One answer's walk through a grammar: the tokens consumed so far and what may follow. The
     end of the answer (an EOS id) may follow once the document is whole."""
 
-    def __init__(self, matcher, vocab_size: int, eos_ids: frozenset[int]) -> None:
+    def __init__(self, matcher, vocab_size: int, eos_ids: frozenset[int], known: int | None = None) -> None:
         import torch
 
         self._matcher = matcher
         self.vocab_size = vocab_size
+        self.known = vocab_size if known is None else known
         self.eos_ids = eos_ids
         self._bits = torch.empty((vocab_size + 31) // 32, dtype=torch.int32)
         self._shifts = torch.arange(32, dtype=torch.int32)
@@ -105,7 +107,7 @@ class Matcher:
         """Whether `token` may come next, without computing the whole mask (allowed()[token])."""
         if token in self.eos_ids:
             return self._matcher.is_accepting()
-        return not self._matcher.is_stopped() and self._matcher.validate_tokens([token]) == 1
+        return token < self.known and not self._matcher.is_stopped() and self._matcher.validate_tokens([token]) == 1
 
     def allowed(self, device=None) -> torch.Tensor:
         """(vocab,) bool on `device` (None: the CPU): the tokens that may come next. GrammarError
@@ -113,6 +115,7 @@ class Matcher:
         self._matcher.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._bits.numel() * 4)
         bits = (self._bits.unsqueeze(1) >> self._shifts) & 1
         allowed = bits.reshape(-1)[: self.vocab_size].bool()
+        allowed[self.known:] = False
         allowed[sorted(self.eos_ids)] = self._matcher.is_accepting()
         if self._matcher.is_error() or not bool(allowed.any()):
             raise self._failed()
