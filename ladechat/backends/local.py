@@ -3,6 +3,7 @@ turns a Conversation into the events every front end consumes (its Steps become 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -45,6 +46,7 @@ class Bot:
         self._given_store = store
         self._grammar_tokens = None  # the tokenizer as a grammar reads it, made at the first format
         self._grammars: dict[str, str] = {}
+        self._grammar_lock = threading.Lock()
         self.notices: list[str] = []  # shown before the next answer
         if settings.format is not None:
             self._grammar(settings.format)  # a schema that cannot be held to: one line now
@@ -67,16 +69,18 @@ class Bot:
         GrammarError, one line, for a schema it cannot hold answers to."""
         from ladechat.engine.grammar import GrammarTokenizer
 
-        if answer_format in self._grammars:
-            self._grammars[answer_format] = self._grammars.pop(answer_format)  # the newest last
-        else:
-            if self._grammar_tokens is None:
-                config = self.loaded.model.config.get_text_config()
-                self._grammar_tokens = GrammarTokenizer.of(self.loaded.tokenizer, config.vocab_size, self.loaded.eos_ids)
-            self._grammars[answer_format] = self._grammar_tokens.grammar(answer_format)
+        with self._grammar_lock:  # a server checks a request's format while its model thread answers
+            grammar = self._grammars.pop(answer_format, None)
+            if grammar is None:
+                if self._grammar_tokens is None:
+                    config = self.loaded.model.config.get_text_config()
+                    self._grammar_tokens = GrammarTokenizer.of(self.loaded.tokenizer, config.vocab_size,
+                                                               self.loaded.eos_ids)
+                grammar = self._grammar_tokens.grammar(answer_format)
+            self._grammars[answer_format] = grammar  # the most recently used last
             while len(self._grammars) > GRAMMARS_KEPT:  # a server's clients send schemas without end
                 self._grammars.pop(next(iter(self._grammars)))
-        return self._grammars[answer_format]
+            return grammar
 
     def _matcher(self):
         """A fresh matcher for one answer in the settings' format, or None (any text)."""
