@@ -148,17 +148,12 @@ class Matcher:
         """Whether the answer so far is a whole document (it may end here)."""
         return self._matcher.is_accepting()
 
-    @property
-    def stopped(self) -> bool:
-        """Whether nothing but the end of the answer may follow."""
-        return self._matcher.is_stopped()
-
 
 def constrained_pick(matcher: Matcher, logits: torch.Tensor, top, picker, history: list[int]
-                     ) -> tuple[Callable[[int, list[int]], int], Callable[[], int]]:
-    """(verify's pick(row, path) under the grammar, undo() -> how many tokens it consumed and
-    rolled back). Verification visits rows along one path, so the matcher follows it: before
-    choosing at a row it consumes the path's tokens it has not yet seen."""
+                     ) -> tuple[Callable[[int, list[int]], int], Callable[[], None]]:
+    """(verify's pick(row, path) under the grammar, undo(): roll back what it consumed).
+    Verification visits rows along one path, so the matcher follows it: before choosing at a row
+    it consumes the path's tokens it has not yet seen."""
     consumed: list[int] = []
 
     def pick(row: int, path: list[int]) -> int:
@@ -173,8 +168,7 @@ def constrained_pick(matcher: Matcher, logits: torch.Tensor, top, picker, histor
             return int(logits[row].masked_fill(~matcher.allowed(logits.device), float("-inf")).argmax())
         return picker.pick(logits[row].masked_fill(~matcher.allowed(logits.device), float("-inf")), history + path)
 
-    def undo() -> int:
+    def undo() -> None:
         matcher.rollback(len(consumed))
-        return len(consumed)
 
     return pick, undo

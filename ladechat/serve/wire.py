@@ -254,10 +254,9 @@ def settings_of(base: Settings, req: ChatRequest) -> Settings:
     values = {"max_new_tokens": None if asked is None else min(asked, base.max_new_tokens),
               "temperature": req.temperature, "top_p": req.top_p,
               "top_k": None if req.top_k is None else max(req.top_k, 0), "min_p": req.min_p,
-              "repetition_penalty": req.repetition_penalty, "seed": req.seed, "format": answer_format(req),
-              **ext.model_dump()}
+              "repetition_penalty": req.repetition_penalty, "seed": req.seed, **ext.model_dump()}
     values = {k: v for k, v in values.items() if v is not None}
-    if "response_format" in (req.model_extra or {}):  # {"type": "text"} turns a server's own format off
+    if "response_format" in (req.model_extra or {}):  # {"type": "text"} (None) turns a server's own format off
         values["format"] = answer_format(req)
     values["stop"] = list(base.stop) + [s for s in stop if s]
     try:
