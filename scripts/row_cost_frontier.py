@@ -6,6 +6,7 @@ for the planner and the drafts, whatever the machine's speed. Behind BENCHMARKS.
 cheap a row must be" (the embedded model, 8 two-turn conversations written for the run).
 
     python scripts/row_cost_frontier.py ITEMS.jsonl [--first-turns] [--costs 0.15,0.1,0.05,0.02]
+        [--model FILE] [--limit N] [--max-new-tokens N]
 
 ITEMS.jsonl: one {"turns": [...]} a line, as `ladechat bench -d FILE` takes. Prints per c: tokens
 a step, rows a step, and per-item lookahead / plain (geometric mean and the slowest item).
@@ -59,12 +60,15 @@ def main() -> None:
     parser.add_argument("items")
     parser.add_argument("--first-turns", action="store_true", help="only each item's first turn, 128 tokens")
     parser.add_argument("--costs", default="0.15,0.1,0.07,0.05,0.03,0.02,0.01", help="values of c, comma-separated")
+    parser.add_argument("--model", help="a GGUF file or checkpoint (default: the embedded model, fp32)")
+    parser.add_argument("--limit", type=int, help="the first N items")
+    parser.add_argument("--max-new-tokens", type=int, help="default: 128 with --first-turns, else 256")
     args = parser.parse_args()
     with open(args.items) as fh:
-        items = [json.loads(line) for line in fh if line.strip()]
-    loaded = load(LoadSpec(dtype="float32", device="cpu"))
+        items = [json.loads(line) for line in fh if line.strip()][: args.limit]
+    loaded = load(LoadSpec(model=args.model, dtype="float32", device="cpu"))
     la = method_config("lookahead", LookaheadConfig())
-    new_tokens = 128 if args.first_turns else 256
+    new_tokens = args.max_new_tokens or (128 if args.first_turns else 256)
     for c in (float(value) for value in args.costs.split(",")):
         results = [item_ratio(loaded, item, la, c, args.first_turns, new_tokens) for item in items]
         ratios = [r[0] for r in results]
