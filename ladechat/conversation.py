@@ -25,6 +25,8 @@ FORMAT = "ladechat-conversation"
 # Far past any conversation a context holds (a few hundred thousand words): a larger file is not a
 # chat, and reading it whole would cost its size several times over in memory.
 MAX_FILE_BYTES = 64 * 2**20
+# What a chat template reads of a message: its role and text, and a server's tool calls and results.
+TEMPLATE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
 
 
 class ConversationError(UserError, ValueError):
@@ -62,10 +64,14 @@ def read_json_file(path: Path) -> object:
         raise refuse("its JSON is nested too deeply") from None
 
 
-def oldest_exchange(messages: list[dict]) -> int:
-    """How many messages the oldest exchange at the front of `messages` takes: a user message and
-    the answer that followed it (the last message is never part of one: it is the question)."""
-    return 2 if len(messages) > 2 and messages[1]["role"] == "assistant" else 1
+def oldest_exchange(messages: list[dict], start: int = 0) -> int:
+    """How many messages the oldest exchange from `start` takes: a user message and what followed
+    it up to the next user message (the answer, and any tool calls and their results); the last
+    message is never part of one (it is the question)."""
+    for index in range(start + 1, len(messages)):
+        if messages[index]["role"] == "user":
+            return index - start
+    return 1 if len(messages) - start < 3 or messages[start + 1]["role"] != "assistant" else 2
 
 
 def dropped_notice(dropped: int, whose: str) -> str:
@@ -88,6 +94,7 @@ class Conversation:
     system: str | None = None
     messages: list[dict] = field(default_factory=list)
     dropped: list[dict] = field(default_factory=list)
+    tools: list[dict] | None = None  # the functions the model may call (a server's request), OpenAI's shape
 
     def chat_messages(self) -> list[dict]:
         return self._chat_messages(0)
@@ -95,7 +102,7 @@ class Conversation:
     def _chat_messages(self, start: int) -> list[dict]:
         """The system prompt and the messages from `start` on, as a chat template takes them."""
         head = [{"role": "system", "content": self.system}] if self.system else []
-        return head + [{"role": m["role"], "content": m["content"]} for m in self.messages[start:]]
+        return head + [{k: m[k] for k in TEMPLATE_KEYS if k in m} for m in self.messages[start:]]
 
     def encode(self, tokenizer, template: str | None, budget: int) -> tuple[list[int], int]:
         """Prompt ids that fit in `budget` tokens, dropping the oldest turns (never the system
@@ -116,7 +123,7 @@ class Conversation:
             if start in encoded:
                 return len(encoded[start]) <= budget
             try:
-                ids = templates.encode(tokenizer, self._chat_messages(start), template)
+                ids = templates.encode(tokenizer, self._chat_messages(start), template, self.tools)
             except templates.TemplateError as exc:
                 raise ConversationError(str(exc)) from None
             if not ids:  # a tokenizer that knows none of the text's characters
@@ -149,7 +156,7 @@ class Conversation:
         until only the last message is left."""
         starts, start = [0], 0
         while len(self.messages) - start > 1:
-            start += oldest_exchange(self.messages[start:start + 3])
+            start += oldest_exchange(self.messages, start)
             starts.append(start)
         return starts
 
@@ -159,7 +166,7 @@ class Conversation:
         hold more than `budget` tokens. 0 when they all fit."""
         total = 0
         for index in range(len(self.messages) - 1, -1, -1):
-            text = self.messages[index]["content"].strip()
+            text = (self.messages[index]["content"] or "").strip()
             total += max(0, len(tokenizer(text, add_special_tokens=False)["input_ids"]) - 2) if text else 0
             if total > budget:
                 return index + 1

@@ -78,10 +78,10 @@ class Settings(BaseModel):
     def _answer_format(cls, value: str | None) -> str | None:
         if value is None:
             return None
-        from ladechat.engine.grammar import GrammarError, schema_of
+        from ladechat.engine.grammar import GrammarError, check_format
 
         try:
-            schema_of(value)
+            check_format(value)
         except GrammarError as exc:
             raise ValueError(str(exc)) from None
         return value

@@ -9,7 +9,8 @@
 # Settings by environment: THREADS (2), CTX (4096), PLAIN_PORT (8089), NGRAM_PORT (8090),
 # NGRAM_ARGS ("--spec-type ngram-simple"), SERVER_ARGS (both servers, e.g. "--no-repack" where
 # llama.cpp's repacked AMX path crashes: Xeon, 2026-12-05), METHODS (plain,lookahead), GGUF (the
-# embedded model), LLAMA_CPP_BIN (.llama.cpp/bin).
+# embedded model), LLAMA_CPP_BIN (.llama.cpp/bin), BENCH (schema: scripts/schema_bench.py's answers under
+# JSON schemas instead of ladechat bench; its flags then).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${LLAMA_CPP_BIN:-$PWD/.llama.cpp/bin}
@@ -74,5 +75,9 @@ healthy ngram "$NGRAM_PORT" "${PIDS[1]}"
 echo "peer_bench.sh: llama-server on $GGUF (-t $THREADS): plain at :$PLAIN_PORT, ${NGRAM_ARGS[*]} at :$NGRAM_PORT" >&2
 # --weights auto: ladechat as a user runs it (a GGUF's blocks on ladechat's kernels), also the
 # bench's default; said here so the command line shows it (a later flag wins)
-"$PY" -m ladechat bench --methods "${METHODS:-plain,lookahead}" --weights auto \
-    --peer "llama.cpp=http://127.0.0.1:$PLAIN_PORT/v1" --peer "llama.cpp-ngram=http://127.0.0.1:$NGRAM_PORT/v1" "$@"
+PEERS=(--peer "llama.cpp=http://127.0.0.1:$PLAIN_PORT/v1" --peer "llama.cpp-ngram=http://127.0.0.1:$NGRAM_PORT/v1")
+if [[ ${BENCH:-} == schema ]]; then
+    "$PY" scripts/schema_bench.py "${PEERS[@]}" "$@"
+else
+    "$PY" -m ladechat bench --methods "${METHODS:-plain,lookahead}" --weights auto "${PEERS[@]}" "$@"
+fi

@@ -110,7 +110,7 @@ def test_help_lists_every_option():
                 "--compile", "--markdown", "--debug", "--json", "--quantize"):
         assert opt in text, opt
     r = ladechat("templates")
-    assert r.stdout.decode().split() == ["alpaca", "chatml", "llama-2", "vicuna", "zephyr"]
+    assert r.stdout.decode().split() == ["alpaca", "chatml", "hermes", "llama-2", "vicuna", "zephyr"]
 
 
 def tiny_model_folder(path, tokenizer, chat_template="", **shape):

@@ -172,7 +172,8 @@ def test_every_error_status(server, client):
         openai.OpenAI(base_url=server.url, api_key="wrong", max_retries=0).models.list()
     # 400: bad parameters
     for bad, param in [({"temperature": -1}, "temperature"), ({"n": 2}, "n"), ({"messages": []}, "messages"),
-                       ({"max_tokens": "ten"}, "max_tokens"), ({"tools": [{"type": "function"}]}, "tools"),
+                       ({"max_tokens": "ten"}, "max_tokens"), ({"tools": [{"type": "function"}]}, "tools.0.function"),
+                       ({"functions": [{"name": "f"}]}, "functions"),
                        ({"messages": [{"role": "assistant", "content": "hi"}]}, "messages"),
                        ({"ladechat": {"N": 1}}, "ladechat.N"), ({"stop": 5}, "stop")]:
         r = httpx.post(url, json={**ok, **bad}, headers=auth)

@@ -1,4 +1,5 @@
-"""An answer held to a grammar: a JSON document, or one of a JSON schema. llguidance's matcher
+"""An answer held to a grammar: a JSON document, one of a JSON schema, or a Lark grammar (a
+server's forced tool calls, templates/tools.py). llguidance's matcher
 (docs/design.md says why that library) walks the answer's tokens over the model's own
 tokenizer and says which tokens may come next.
 
@@ -22,6 +23,7 @@ if TYPE_CHECKING:  # torch is imported where a matcher is made: settings check f
 
 JSON = "json"  # any JSON object, as OpenAI's json_object
 ANY_OBJECT = {"type": "object"}
+LARK = "lark:"  # a format that starts so is llguidance's Lark grammar (the rest of it)
 
 
 class GrammarError(ConfigError):
@@ -40,6 +42,16 @@ def schema_of(answer_format: str) -> dict:
     if not isinstance(schema, dict):
         raise GrammarError("a JSON schema is a JSON object, not " + type(schema).__name__)
     return schema
+
+
+def check_format(answer_format: str) -> None:
+    """GrammarError unless the format is one of the three kinds (whether a schema or grammar can be
+    held to is for GrammarTokenizer.grammar, against a model's tokenizer)."""
+    if answer_format.startswith(LARK):
+        if not answer_format[len(LARK):].strip():
+            raise GrammarError("an empty grammar")
+        return
+    schema_of(answer_format)
 
 
 def _library():
@@ -75,14 +87,18 @@ class GrammarTokenizer:
         """The grammar of an answer format, checked against this tokenizer: GrammarError (the
         library's own words) for a schema it cannot hold answers to."""
         matcher_class = self.lib.LLMatcher
+        what = "the grammar" if answer_format.startswith(LARK) else "the JSON schema"
         try:
-            grammar = matcher_class.grammar_from_json_schema(schema_of(answer_format),
-                                                             defaults={"whitespace_flexible": False})
+            if answer_format.startswith(LARK):
+                grammar = matcher_class.grammar_from_lark(answer_format[len(LARK):])
+            else:
+                grammar = matcher_class.grammar_from_json_schema(schema_of(answer_format),
+                                                                 defaults={"whitespace_flexible": False})
         except ValueError as exc:
-            raise GrammarError(f"the JSON schema cannot be used: {' '.join(str(exc).split())}") from None
+            raise GrammarError(f"{what} cannot be used: {' '.join(str(exc).split())}") from None
         failed, messages = matcher_class.validate_grammar_with_warnings(grammar, self.tokens)
         if failed:
-            raise GrammarError(f"the JSON schema cannot be used: {' '.join(messages[0].split())}")
+            raise GrammarError(f"{what} cannot be used: {' '.join(messages[0].split())}")
         return grammar
 
     def matcher(self, grammar: str, eos_ids: frozenset[int]) -> Matcher:

@@ -52,6 +52,7 @@ from ladechat.engine.config import ConfigError
 from ladechat.engine.events import Done, OutOfMemory
 from ladechat.engine.grammar import GrammarError
 from ladechat.serve.guard import ClientGone, Guard, read_body
+from ladechat.serve.tooling import Tooling, schema_texts, tooling_of
 from ladechat.serve.wire import (
     FINISH,
     ApiError,
@@ -178,8 +179,8 @@ class Api:
         # Parsing and tokenizing a large request takes a while: in a thread, so the event loop
         # (other clients' streams, /health, refusals) goes on meanwhile.
         base = self.request_base(request)
-        req, conversation, settings = await asyncio.get_running_loop().run_in_executor(self.tokenizing, self.prepare,
-                                                                                       body, base)
+        req, conversation, settings, tooling = await asyncio.get_running_loop().run_in_executor(
+            self.tokenizing, self.prepare, body, base)
         if self.draining:
             raise shutting_down()
         job = self.worker.submit(conversation, settings)
@@ -187,37 +188,59 @@ class Api:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             # sse-starlette would cut the stream at shutdown: drain() ends it first, with an error event
-            return EventSourceResponse(self.stream(job, rid, include_usage), sep="\n",
+            return EventSourceResponse(self.stream(job, rid, include_usage, tooling), sep="\n",
                                        shutdown_grace_period=self.config.drain_timeout + 5)
-        return await self.whole(request, job, rid)
+        return await self.whole(request, job, rid, tooling)
 
     def request_base(self, request: Request) -> Settings:
         """The settings this request starts from: the server's (a subclass may add what the request
         carries besides the API's fields)."""
         return self.base
 
-    def prepare(self, body: bytes, base: Settings) -> tuple[ChatRequest, Conversation, Settings]:
-        """The request in `body`, its conversation and settings, checked (ApiError): valid, for this
-        model, and a prompt that fits (refused by size before any tokenizing where it cannot)."""
+    def prepare(self, body: bytes, base: Settings) -> tuple[ChatRequest, Conversation, Settings, Tooling | None]:
+        """The request in `body`, its conversation, settings and tools, checked (ApiError): valid, for
+        this model, and a prompt that fits (refused by size before any tokenizing where it cannot)."""
         req = parse_request(body)
         self.known_model(req.model, "model")
         conversation = conversation_of(req.messages)
         settings = settings_of(base, req)
+        tooling = tooling_of(req, templates.text_of(self.tokenizer, settings.template), self.tokenizer.get_added_vocab())
         if settings.format is not None:  # refused now, not after a stream has begun
-            try:
-                self.backend.check_format(settings.format)
-            except GrammarError as exc:
-                raise ApiError(400, f"response_format: {exc}", param="response_format") from None
+            if tooling is not None:
+                raise ApiError(400, "response_format: an answer held to a format cannot call tools (tool_choice: "
+                                    "none to ask for the format)", param="response_format")
+            self.check_format(settings.format, "response_format")
+        calls = [m["tool_calls"] for m in conversation.messages if "tool_calls" in m]
+        for field, value in (("tools", tooling.tools if tooling else None), ("messages", calls)):
+            spelled = templates.spelled_special(self.tokenizer, json.dumps(value, ensure_ascii=False)) if value else None
+            if spelled is not None:
+                raise ApiError(400, f"{field}: spells the model's control token {spelled!r} outside a message's content",
+                               param=field)
+        if tooling is not None:
+            conversation.tools = tooling.tools
+            for field, schema in schema_texts(tooling):
+                self.check_format(schema, field)
+            if tooling.grammar is not None:
+                self.check_format(tooling.grammar, "tool_choice")
+                settings = settings.updated({"format": tooling.grammar})
         self.check_size(conversation, settings)
         self.check_length(conversation, settings)
-        return req, conversation, settings
+        return req, conversation, settings, tooling
+
+    def check_format(self, answer_format: str, field: str) -> None:
+        """ApiError 400 naming `field` where the model cannot hold answers to the format."""
+        try:
+            self.backend.check_format(answer_format)
+        except GrammarError as exc:
+            raise ApiError(400, f"{field}: {exc}", param=field) from None
 
     def budget(self, settings: Settings) -> int:
         return prompt_budget(self.context_length, settings.max_new_tokens)
 
     def check_size(self, conversation: Conversation, settings: Settings) -> None:
         """Refuse, without tokenizing, a conversation of more characters than any prompt that fits."""
-        chars = len(conversation.system or "") + sum(len(m["content"]) for m in conversation.messages)
+        chars = (len(conversation.system or "") + sum(len(m["content"]) for m in conversation.messages)
+                 + len(json.dumps(conversation.tools or [])))
         budget = self.budget(settings)
         if chars > budget * self.max_token_chars:
             raise ApiError(413, f"the messages hold {chars} characters, more than a prompt of at most {budget} tokens "
@@ -233,7 +256,8 @@ class Api:
         if sum(map(len, texts)) > COUNT_PIECE and (least := self.tokens_at_least(texts, budget)) > budget:
             raise self.too_long(f"at least {least}", budget)
         try:
-            tokens = len(templates.encode(self.tokenizer, conversation.chat_messages(), settings.template))
+            tokens = len(templates.encode(self.tokenizer, conversation.chat_messages(), settings.template,
+                                          conversation.tools))
         except templates.TemplateError as exc:
             raise ApiError(400, str(exc), param="messages") from None
         if tokens > budget:
@@ -278,8 +302,9 @@ class Api:
                 "model": self.config.model_id, "system_fingerprint": f"ladechat-{__version__}",
                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra}
 
-    async def stream(self, job: Job, rid: str, include_usage: bool):
+    async def stream(self, job: Job, rid: str, include_usage: bool, tooling: Tooling | None = None):
         text = TextStream(job.settings.stop)
+        calls = Calls(tooling)
         yield {"data": _json(self.chunk(rid, {"role": "assistant", "content": ""}))}
         try:
             async for event in job.events():
@@ -293,14 +318,20 @@ class Api:
                     if step is not None:
                         ext.update(tokens=step.tokens, guessed=step.guessed, source=step.source, fed=step.fed,
                                    seconds=round(step.seconds, 5))
-                    yield {"data": _json(self.chunk(rid, {"content": "".join(s for s, _ in segments)}, ladechat=ext))}
+                    content, new_calls = calls.add(segments, ext)
+                    yield {"data": _json(self.chunk(rid, {"content": content}, ladechat=ext))}
+                    for delta in new_calls:
+                        yield {"data": _json(self.chunk(rid, {"tool_calls": [delta]}))}
                 elif isinstance(event, Notice):
                     yield {"data": _json(self.chunk(rid, {}, ladechat={"notice": event.text}))}
                 elif isinstance(event, Done):
                     segments = text.finish()
                     stats = event.stats
-                    last = self.chunk(rid, {"content": "".join(s for s, _ in segments)}, FINISH[stats.finish_reason],
-                                      ladechat={"segments": segments, "stats": stats.as_dict()})
+                    ext = {"segments": segments, "stats": stats.as_dict()}
+                    content, new_calls = calls.add(segments, ext, final=True)
+                    for delta in new_calls:
+                        yield {"data": _json(self.chunk(rid, {"tool_calls": [delta]}))}
+                    last = self.chunk(rid, {"content": content}, calls.finish_reason(stats), ladechat=ext)
                     if not include_usage:  # usage goes in the last chunk either way
                         last["usage"] = usage(stats)
                     yield {"data": _json(last)}
@@ -311,7 +342,7 @@ class Api:
             yield {"data": _json(self.failure(exc).body())}
         yield {"data": "[DONE]"}
 
-    async def whole(self, request: Request, job: Job, rid: str) -> JSONResponse:
+    async def whole(self, request: Request, job: Job, rid: str, tooling: Tooling | None = None) -> JSONResponse:
         async def watch() -> None:  # a client that leaves stops the job
             while (await request.receive())["type"] != "http.disconnect":
                 pass
@@ -336,11 +367,20 @@ class Api:
         text.finish()
         stats = done.stats
         self.log_done(stats)
+        message = {"role": "assistant", "content": text.text}
+        if tooling is not None:
+            calls = Calls(tooling)
+            calls.add([(text.text, False)], {}, final=True)
+            message = {"role": "assistant", "content": calls.content or None}
+            if calls.sent:
+                message["tool_calls"] = [call.as_openai() for call in calls.sent]
+            finish = calls.finish_reason(stats)
+        else:
+            finish = FINISH[stats.finish_reason]
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.config.model_id,
             "system_fingerprint": f"ladechat-{__version__}",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text.text}, "logprobs": None,
-                         "finish_reason": FINISH[stats.finish_reason]}],
+            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
             "usage": usage(stats), "ladechat": {"token_ids": list(done.text_tokens), "stats": stats.as_dict()}})
 
     def failure(self, exc: Exception) -> ApiError:
@@ -359,6 +399,41 @@ class Api:
         self.log(f"{stats.prompt_tokens} prompt tokens ({stats.prefill_tokens} prefilled), {stats.new_tokens} new, "
                  f"{stats.decode_tokens_per_s:.1f} tok/s, {stats.compression:.2f} tokens/step, "
                  f"{'lookahead' if stats.lookahead else 'plain'}, {stats.finish_reason}")
+
+
+class Calls:
+    """An answer's text on its way to the client when it may hold tool calls (tooling: else it
+    passes as it is): its content, and each call as a stream's tool_calls delta once whole."""
+
+    def __init__(self, tooling: Tooling | None) -> None:
+        self.tooling = tooling
+        self.reader = tooling.reader() if tooling is not None else None
+        self.sent: list = []  # the ToolCalls sent
+        self.content = ""
+
+    def add(self, segments: list[tuple[str, bool]], ext: dict, final: bool = False) -> tuple[str, list[dict]]:
+        """(the content to send now, tool_calls deltas), from the segments TextStream released; the
+        segments in `ext` become the content's own where some text was read as calls."""
+        text = "".join(s for s, _ in segments)
+        if self.reader is None:
+            self.content += text
+            return text, []
+        content, calls = self.reader.add(text)
+        if final:
+            more, last = self.reader.finish()
+            content, calls = content + more, calls + last
+        calls = self.tooling.taken(calls, len(self.sent))
+        deltas = [call.as_openai(len(self.sent) + i) for i, call in enumerate(calls)]
+        self.sent += calls
+        self.content += content
+        if "segments" in ext and content != text:
+            ext["segments"] = [[content, False]] if content else []
+        return content, deltas
+
+    def finish_reason(self, stats) -> str:
+        if self.sent and stats.finish_reason in ("eos", "stop"):
+            return "tool_calls"
+        return FINISH[stats.finish_reason]
 
 
 def _json(obj) -> str:

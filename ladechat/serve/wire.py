@@ -22,7 +22,7 @@ MAX_STOP = 16  # stop strings in one request
 SURROGATE = re.compile("[\ud800-\udfff]")  # JSON can spell lone surrogates; no tokenizer takes them
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "interrupted": "stop"}
 # OpenAI parameters this server cannot honour: refused rather than silently ignored.
-UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logprobs", "top_logprobs", "logit_bias",
+UNSUPPORTED = ("functions", "function_call", "logprobs", "top_logprobs", "logit_bias",
                "audio", "modalities", "prediction")
 ZERO_PENALTIES = ("frequency_penalty", "presence_penalty")
 
@@ -50,10 +50,40 @@ class Part(BaseModel):
     text: str | None = None
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str
+    arguments: str  # JSON text, as OpenAI's API writes it
+
+
+class CallIn(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[Part] | None = None
+    tool_calls: list[CallIn] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool's: the call it answers
+    name: str | None = None
+
+
+class Function(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["function"]
+    function: Function
 
 
 class StreamOptions(BaseModel):
@@ -83,14 +113,19 @@ class ChatRequest(BaseModel):
     seed: int | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
     n: int = 1
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict | None = None
+    parallel_tool_calls: bool | None = None
     ladechat: Extension | None = None
 
 
 # The names a client gives: a pydantic error's location keeps these and drops the rest (the
 # union member that was tried, e.g. "str" in stop.str).
-FIELD_NAMES = frozenset().union(*(m.model_fields for m in (ChatRequest, Message, Part, StreamOptions, Extension)))
+FIELD_NAMES = frozenset().union(*(m.model_fields for m in (ChatRequest, Message, Part, StreamOptions, Extension,
+                                                           CallIn, CalledFunction, Tool, Function)))
 UNION_MESSAGES = {"stop": "must be a string or a list of strings",
-                  "content": "must be a string, a list of content parts or null"}
+                  "content": "must be a string, a list of content parts or null",
+                  "tool_choice": "must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}"}
 
 
 class _TooManyObjects(Exception):
@@ -209,9 +244,11 @@ def validation_error(exc: ValidationError) -> ApiError:
 
 
 def conversation_of(messages: list[Message]) -> Conversation:
-    """System (or developer) messages first, then user and assistant turns ending with the user's."""
+    """System (or developer) messages first, then the turns, ending with the user's message or with
+    tool results; an assistant's tool calls and a tool's results as chat templates read them."""
     system: list[str] = []
     turns: list[dict] = []
+    called: dict[str, str] = {}  # call id -> function name
     for i, m in enumerate(messages):
         text = _text(m, i)
         if m.role in ("system", "developer"):
@@ -219,11 +256,33 @@ def conversation_of(messages: list[Message]) -> Conversation:
                 raise ApiError(400, f"messages[{i}]: a {m.role} message must come before the conversation",
                                param=f"messages.{i}.role")
             system.append(text)
+        elif m.role == "assistant" and m.tool_calls:
+            turns.append({"role": "assistant", "content": text, "tool_calls": [_call_in(c, i, j, called)
+                                                                                for j, c in enumerate(m.tool_calls)]})
+        elif m.role == "tool":
+            if m.tool_call_id is None:
+                raise ApiError(400, f"messages[{i}]: a tool message needs the tool_call_id it answers",
+                               param=f"messages.{i}.tool_call_id")
+            name = m.name or called.get(m.tool_call_id, "")
+            turns.append({"role": "tool", "content": text, "tool_call_id": m.tool_call_id, "name": name})
         else:
             turns.append({"role": m.role, "content": text})
-    if not turns or turns[-1]["role"] != "user":
-        raise ApiError(400, "the last message must be the user's", param="messages")
+    if not turns or turns[-1]["role"] not in ("user", "tool"):
+        raise ApiError(400, "the last message must be the user's (or a tool's result)", param="messages")
     return Conversation(system="\n\n".join(system) or None, messages=turns)
+
+
+def _call_in(call: CallIn, i: int, j: int, called: dict[str, str]) -> dict:
+    """An assistant's call as templates take it: the arguments as an object, not JSON text."""
+    where = f"messages.{i}.tool_calls.{j}.function.arguments"
+    try:
+        arguments = json.loads(call.function.arguments or "{}")
+    except (ValueError, RecursionError):
+        raise ApiError(400, f"{where}: must be JSON text of an object", param=where) from None
+    if not isinstance(arguments, dict):
+        raise ApiError(400, f"{where}: must be JSON text of an object", param=where)
+    called[call.id] = call.function.name
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
 
 
 def _text(m: Message, i: int) -> str:

@@ -38,18 +38,24 @@ def resolve(tokenizer, template: str | None) -> str | None:
     return None
 
 
-def render(tokenizer, messages: list[dict], template: str | None = None) -> str:
-    """The prompt text for `messages`, ending with the assistant's turn about to start."""
+def text_of(tokenizer, template: str | None) -> str | None:
+    """The text of the template a prompt is rendered with (None: the model has none)."""
+    return source(template) if template is not None else getattr(tokenizer, "chat_template", None) or None
+
+
+def render(tokenizer, messages: list[dict], template: str | None = None, tools: list[dict] | None = None) -> str:
+    """The prompt text for `messages`, ending with the assistant's turn about to start; `tools`:
+    the functions the model may call, as OpenAI's API lists them (templates/tools.py)."""
     chat_template = resolve(tokenizer, template)
     try:
         return tokenizer.apply_chat_template(messages, chat_template=chat_template, add_generation_prompt=True,
-                                             tokenize=False)
+                                             tokenize=False, **({"tools": tools} if tools else {}))
     except jinja2.TemplateError as exc:  # e.g. a model's template that raises "System role not supported"
         raise TemplateError(f"the chat template refused this conversation: {exc}") from None
 
 
-def encode(tokenizer, messages: list[dict], template: str | None = None) -> list[int]:
-    """The prompt's token ids for `messages` (as `render` writes it). The template's own markup
+def encode(tokenizer, messages: list[dict], template: str | None = None, tools: list[dict] | None = None) -> list[int]:
+    """The prompt's token ids for `messages` and `tools` (as `render` writes them). The template's own markup
     keeps its special (control) tokens; the messages' content never yields one: text in it that
     spells a special token (`<|im_end|>`, `</s>`, ...) is tokenized as the characters it is, so a
     message cannot close its own turn or open another. Every prompt (the chat, `ask`, `serve`) is
@@ -62,7 +68,7 @@ def encode(tokenizer, messages: list[dict], template: str | None = None) -> list
     special = _special_tokens(tokenizer)
     spelled = _spelled(tuple(sorted(special.values())))
     if spelled is None or not any(isinstance(m.get("content"), str) and spelled.search(m["content"]) for m in messages):
-        return tokenizer(render(tokenizer, messages, template), add_special_tokens=False)["input_ids"]
+        return tokenizer(render(tokenizer, messages, template, tools), add_special_tokens=False)["input_ids"]
     texts = [m["content"] for m in messages if isinstance(m.get("content"), str)]
     sentinel = next(chr(c) for c in range(0xE000, 0xF900) if not any(chr(c) in t for t in texts))  # private use
     found: list[str] = []
@@ -73,7 +79,7 @@ def encode(tokenizer, messages: list[dict], template: str | None = None) -> list
 
     marked = [{**m, "content": spelled.sub(marker, m["content"])} if isinstance(m.get("content"), str) else m
               for m in messages]
-    rendered = render(tokenizer, marked, template)
+    rendered = render(tokenizer, marked, template, tools)
     markers = re.compile(f"{sentinel}(\\d+){sentinel}")
     ids: list[int] = []
     section: list[int] = []  # the ids since the last special token
@@ -96,6 +102,15 @@ def encode(tokenizer, messages: list[dict], template: str | None = None) -> list
         start = span[1]
     close(len(rendered))
     return ids
+
+
+def spelled_special(tokenizer, text: str) -> str | None:
+    """The first special (control) token `text` spells, if any: text that reaches a template other
+    than as a message's content (a request's tools, a call's arguments) is refused rather than read
+    as markup."""
+    spelled = _spelled(tuple(sorted(_special_tokens(tokenizer).values())))
+    found = spelled.search(text) if spelled is not None else None
+    return found.group() if found else None
 
 
 _AS_TEXT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
