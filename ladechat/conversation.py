@@ -66,12 +66,12 @@ def read_json_file(path: Path) -> object:
 
 def oldest_exchange(messages: list[dict], start: int = 0) -> int:
     """How many messages the oldest exchange from `start` takes: a user message and what followed
-    it up to the next user message (the answer, and any tool calls and their results); the last
-    message is never part of one (it is the question)."""
+    it up to the next user message (the answer, and any tool calls and their results); 0 where no
+    user message follows (what is left is the turn being answered, never split)."""
     for index in range(start + 1, len(messages)):
         if messages[index]["role"] == "user":
             return index - start
-    return 1 if len(messages) - start < 3 or messages[start + 1]["role"] != "assistant" else 2
+    return 0
 
 
 def dropped_notice(dropped: int, whose: str) -> str:
@@ -155,8 +155,8 @@ class Conversation:
         """Where the prompt may begin, in order: at 0, then after each oldest exchange in turn,
         until only the last message is left."""
         starts, start = [0], 0
-        while len(self.messages) - start > 1:
-            start += oldest_exchange(self.messages, start)
+        while step := oldest_exchange(self.messages, start):
+            start += step
             starts.append(start)
         return starts
 
@@ -174,7 +174,7 @@ class Conversation:
 
     def drop_oldest_exchange(self) -> int:
         """Drop the oldest exchange (never the system prompt); how many messages that was."""
-        count = oldest_exchange(self.messages)
+        count = oldest_exchange(self.messages) or 1
         self.forget_oldest(count)
         return count
 

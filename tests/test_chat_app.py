@@ -192,8 +192,8 @@ def test_encode_drops_the_fewest_turns_without_encoding_the_whole_transcript(mon
     rng = random.Random(0)
     words = ["alpha", "beta", "gamma", "delta", "  padded  ", "<|im_end|>", "x" * 40]
     real_encode, calls = templates.encode, []
-    monkeypatch.setattr(templates, "encode", lambda tok, messages, template: calls.append(len(messages))
-                        or real_encode(tok, messages, template))
+    monkeypatch.setattr(templates, "encode", lambda tok, messages, template, tools=None: calls.append(len(messages))
+                        or real_encode(tok, messages, template, tools))
     for trial in range(60):
         messages = []
         for _ in range(rng.randint(1, 120)):

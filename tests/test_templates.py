@@ -10,12 +10,12 @@ class Tok:
 
     bos_token, eos_token = "<s>", "</s>"
 
-    def apply_chat_template(self, messages, chat_template, add_generation_prompt, tokenize):
+    def apply_chat_template(self, messages, chat_template, add_generation_prompt, tokenize, **extra):
         from transformers.utils.chat_template_utils import render_jinja_template
 
         rendered, _ = render_jinja_template(conversations=[messages], chat_template=chat_template,
                                             add_generation_prompt=add_generation_prompt, bos_token=self.bos_token,
-                                            eos_token=self.eos_token)
+                                            eos_token=self.eos_token, **extra)
         return rendered[0]
 
 
@@ -32,6 +32,7 @@ EXPECTED = {
     "alpaca": "Be brief.\n\n### Instruction:\nHi\n\n### Response:\nHello!</s>\n\n### Instruction:\nBye\n\n"
               "### Response:\n",
 }
+EXPECTED["raw"] = "Be brief.HiHello!Bye"  # the text alone (a base model's: tests/test_base_models.py)
 EXPECTED["hermes"] = EXPECTED["chatml"]  # with no tools, ChatML itself (its tools: tests/test_tools.py)
 
 

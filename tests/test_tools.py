@@ -41,6 +41,8 @@ MISTRAL_LIKE = '{%- if message.tool_calls %}{{- "[TOOL_CALLS][" }}{%- for tool i
 
 def test_a_template_is_known_by_the_markup_it_writes_calls_with():
     assert tool_format(templates.source("hermes")) is HERMES
+    for other in ("<function=", "<arg_key>", "[ARGS]"):  # calls that are not a JSON object: refused
+        assert tool_format(templates.source("hermes") + other) is None
     assert tool_format(LLAMA3_LIKE) is LLAMA3
     assert tool_format(MISTRAL_LIKE) is MISTRAL
     assert tool_format(templates.source("chatml")) is None
@@ -76,8 +78,14 @@ def test_what_is_not_a_call_is_content_as_written():
     cut = '<tool_call>\n{"name": "f", "argu'
     assert read(HERMES, cut, [5, 20]) == (cut, [])  # cut by max_tokens inside the call
     for block in ('<tool_call>\n{"name": "h", "arguments": {}}\n</tool_call>',  # no such function
-                  '<tool_call>\nnot json\n</tool_call>', '<tool_call>\n{"name": "f", "arguments": 3}\n</tool_call>'):
-        assert read(HERMES, "a " + block, [3]) == ("a " + block, [])
+                  '<tool_call>\nnot json\n</tool_call>', '<tool_call>\n{"name": "f", "arguments": 3}\n</tool_call>',
+                  '<tool_call>\n{"name": ["f"], "arguments": {}}\n</tool_call>',
+                  '<tool_call>\n{"name": "f", "arguments": {"x": NaN}}\n</tool_call>'):
+        for cuts in ([3], list(range(0, 80, 3))):
+            assert read(HERMES, "a " + block, cuts) == ("a " + block, [])
+    good = '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>'
+    assert read(HERMES, "<tool_call>\n{oops}\n</tool_call>" + good, [4, 30]) == ("<tool_call>\n{oops}\n</tool_call>",
+                                                                              [("g", {})])
     for fmt, text in ((LLAMA3, "Hello {there}"), (LLAMA3, '{"name": "nope", "parameters": {}}'),
                       (MISTRAL, "[1, 2] is a list"), (MISTRAL, '[{"name": "f", "arguments": {}}, 5]')):
         assert read(fmt, text, [1, 4]) == (text, [])
@@ -100,8 +108,8 @@ def test_the_hermes_template_lists_tools_and_renders_calls_and_results(embedded_
 def forced(loaded, only, lookahead: bool) -> Done:
     """A named function is called once (as serve asks for it); any of them, as often as the model goes on."""
     grammar = LARK + calls_grammar(HERMES, {"get_weather": WEATHER, "add": ADD}, only, only is None, {})
-    bot = Bot(loaded, Settings(store=False, template="hermes", format=grammar, lookahead=lookahead,
-                               max_new_tokens=120), step_cost=FLAT)
+    settings = Settings(store=False, template="hermes", lookahead=lookahead, max_new_tokens=120)
+    bot = Bot(loaded, settings.model_copy(update={"format": grammar}), step_cost=FLAT)  # as serve sets it
     conversation = Conversation(messages=[{"role": "user", "content": "What is 2 + 40, and is it warm in Rome?"}],
                                 tools=TOOLS)
     return next(event for event in bot.reply(conversation) if isinstance(event, Done))
@@ -129,8 +137,21 @@ def test_forced_calls_are_calls_of_the_functions_given_the_same_with_lookahead_o
     assert all(conforms(call.arguments, schemas[call.name]) for call in reader.calls)
 
 
+def test_forced_calls_take_schemas_with_their_own_references(embedded_fp32):
+    """A function's $defs resolve inside its own arguments (as in its schema alone)."""
+    from ladechat.engine.grammar import GrammarTokenizer
+
+    config = embedded_fp32.model.config.get_text_config()
+    tokens = GrammarTokenizer.of(embedded_fp32.tokenizer, config.vocab_size, embedded_fp32.eos_ids)
+    city = {"type": "object", "$defs": {"Unit": {"enum": ["C", "F"]}},
+            "properties": {"unit": {"$ref": "#/$defs/Unit"}}, "required": ["unit"]}
+    for fmt in (HERMES, LLAMA3, MISTRAL):
+        tokens.grammar(LARK + calls_grammar(fmt, {"weather": city, "add": ADD}, None, True, {}))
+
+
 def request(**fields) -> dict:
-    return {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Rome?"}], "tools": TOOLS, **fields}
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Rome?"}], "tools": TOOLS,
+            "max_tokens": 8, **fields}
 
 
 def test_tool_requests_that_cannot_be_done_are_400s_naming_the_field():
@@ -187,8 +208,8 @@ def test_the_openai_clients_tool_loop_runs_against_the_server():
                                                   tool_choice="required", parallel_tool_calls=False,
                                                   max_tokens=80, temperature=0)
         assert len(required.choices[0].message.tool_calls) == 1
-        for body, param in ((request(tools=[{"type": "function", "function": {"name": "f", "parameters": {
-                                "type": "object", "properties": {"x": {"type": "nonsense"}}}}}]),
+        for body, param in ((request(tool_choice="required", tools=[{"type": "function", "function": {
+                                "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "nonsense"}}}}}]),
                              "tools.0.function.parameters"),
                             (request(response_format={"type": "json_object"}), "response_format"),
                             (request(tools=[{"type": "function", "function": {"name": "f", "description":

@@ -856,7 +856,7 @@ def test_a_prompt_the_tokenizer_turns_into_nothing_is_one_line(monkeypatch):
     from ladechat import templates
     from ladechat.conversation import Conversation, ConversationError
 
-    monkeypatch.setattr(templates, "encode", lambda tokenizer, messages, template: [])
+    monkeypatch.setattr(templates, "encode", lambda tokenizer, messages, template, tools=None: [])
     conversation = Conversation(messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(ConversationError, match="^the model's tokenizer turns this prompt into no tokens$"):
         conversation.encode(tiny_tokenizer(), None, 100)

@@ -48,6 +48,10 @@ class Bot:
         self._grammars: dict[str, str] = {}
         self._grammar_lock = threading.Lock()
         self.notices: list[str] = []  # shown before the next answer
+        from ladechat.templates import NO_CHAT_TEMPLATE, has_chat_template
+
+        if settings.template is None and not has_chat_template(loaded.tokenizer):
+            self.notices.append(NO_CHAT_TEMPLATE)
         if settings.format is not None:
             self._grammar(settings.format)  # a schema that cannot be held to: one line now
         la = settings.lookahead_config()

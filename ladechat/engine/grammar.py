@@ -45,12 +45,11 @@ def schema_of(answer_format: str) -> dict:
 
 
 def check_format(answer_format: str) -> None:
-    """GrammarError unless the format is one of the three kinds (whether a schema or grammar can be
-    held to is for GrammarTokenizer.grammar, against a model's tokenizer)."""
+    """GrammarError unless the format is one a user gives: "json" or a schema (whether a schema can
+    be held to is for GrammarTokenizer.grammar, against a model's tokenizer). A Lark grammar is the
+    server's own (forced tool calls), never a setting."""
     if answer_format.startswith(LARK):
-        if not answer_format[len(LARK):].strip():
-            raise GrammarError("an empty grammar")
-        return
+        raise GrammarError("a grammar is not an answer format a setting takes (json, or a JSON schema)")
     schema_of(answer_format)
 
 

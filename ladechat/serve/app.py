@@ -28,6 +28,7 @@ Stop strings end the answer without being part of it, as in the OpenAI API (the 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import time
@@ -57,6 +58,7 @@ from ladechat.serve.wire import (
     FINISH,
     ApiError,
     ChatRequest,
+    CompletionRequest,
     TextStream,
     conversation_of,
     parse_request,
@@ -113,7 +115,8 @@ class Api:
 
     def app(self) -> Starlette:
         routes = [Route("/health", self.health), Route("/v1/models", self.models),
-                  Route("/v1/models/{model:path}", self.model), Route("/v1/chat/completions", self.chat, methods=["POST"])]
+                  Route("/v1/models/{model:path}", self.model), Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                  Route("/v1/completions", self.completions, methods=["POST"])]
         handlers = {HTTPException: self.http_error, ApiError: self.api_error, ClientGone: self.client_gone}
         middleware = [Middleware(Guard, hosts=self.config.hosts, origins=self.config.origins)]
         if self.config.origins:  # the allowed cross-site origins may read the answers (CORS)
@@ -172,6 +175,15 @@ class Api:
                            param=param, code="model_not_found")
 
     async def chat(self, request: Request):
+        return await self.respond(request, self.prepare, "chatcmpl", text=False)
+
+    async def completions(self, request: Request):
+        """/v1/completions: the prompt continued as written (no chat template: a base model's way)."""
+        return await self.respond(request, self.prepare_text, "cmpl", text=True)
+
+    async def respond(self, request: Request, prepare, prefix: str, text: bool):
+        """A request's answer: prepare(body, base) checks it into (request, conversation, settings,
+        tooling); `text`: a completion's answer, not a chat's."""
         self.check_key(request)
         if self.draining:
             raise shutting_down()
@@ -180,17 +192,30 @@ class Api:
         # (other clients' streams, /health, refusals) goes on meanwhile.
         base = self.request_base(request)
         req, conversation, settings, tooling = await asyncio.get_running_loop().run_in_executor(
-            self.tokenizing, self.prepare, body, base)
+            self.tokenizing, prepare, body, base)
         if self.draining:
             raise shutting_down()
         job = self.worker.submit(conversation, settings)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid = f"{prefix}-{uuid.uuid4().hex}"
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             # sse-starlette would cut the stream at shutdown: drain() ends it first, with an error event
-            return EventSourceResponse(self.stream(job, rid, include_usage, tooling), sep="\n",
+            return EventSourceResponse(self.stream(job, rid, include_usage, tooling, text), sep="\n",
                                        shutdown_grace_period=self.config.drain_timeout + 5)
-        return await self.whole(request, job, rid, tooling)
+        return await self.whole(request, job, rid, tooling, text)
+
+    def prepare_text(self, body: bytes, base: Settings) -> tuple[CompletionRequest, Conversation, Settings, None]:
+        """A /v1/completions request, its prompt as a conversation rendered by the RAW template
+        (the text as given), and its settings, checked as prepare() checks a chat's."""
+        req = parse_request(body, CompletionRequest)
+        self.known_model(req.model, "model")
+        conversation = Conversation(messages=[{"role": "user", "content": req.text}])
+        settings = settings_of(base, req).updated({"template": templates.RAW})
+        if settings.format is not None:
+            self.check_format(settings.format, "response_format")
+        self.check_size(conversation, settings)
+        self.check_length(conversation, settings)
+        return req, conversation, settings, None
 
     def request_base(self, request: Request) -> Settings:
         """The settings this request starts from: the server's (a subclass may add what the request
@@ -204,28 +229,38 @@ class Api:
         self.known_model(req.model, "model")
         conversation = conversation_of(req.messages)
         settings = settings_of(base, req)
-        tooling = tooling_of(req, templates.text_of(self.tokenizer, settings.template), self.tokenizer.get_added_vocab())
-        if settings.format is not None:  # refused now, not after a stream has begun
-            if tooling is not None:
-                raise ApiError(400, "response_format: an answer held to a format cannot call tools (tool_choice: "
-                                    "none to ask for the format)", param="response_format")
+        tooling = tooling_of(req, templates.text_of(self.tokenizer, settings.template, tools=bool(req.tools)),
+                             self.tokenizer.get_added_vocab())
+        asked_format = settings.format is not None and "response_format" in (req.model_extra or {})
+        if tooling is not None and asked_format:
+            raise ApiError(400, "response_format: an answer held to a format cannot call tools (tool_choice: "
+                                "none to ask for the format)", param="response_format")
+        if settings.format is not None and tooling is None:  # refused now, not after a stream has begun
             self.check_format(settings.format, "response_format")
+        self.check_control_tokens(conversation, tooling)
+        if tooling is not None:
+            conversation.tools = tooling.tools
+            if tooling.grammar is not None:  # the functions it may call compile alone first, to name the one that does not
+                for field, schema in schema_texts(tooling):
+                    self.check_format(schema, field)
+                self.check_format(tooling.grammar, "tool_choice")
+            # the grammar of forced calls, or none (a server's own format does not hold a tools answer); set
+            # past Settings' check, which takes only the formats a user gives
+            settings = settings.model_copy(update={"format": tooling.grammar})
+        self.check_size(conversation, settings)
+        self.check_length(conversation, settings)
+        return req, conversation, settings, tooling
+
+    def check_control_tokens(self, conversation: Conversation, tooling: Tooling | None) -> None:
+        """ApiError 400 where text that a template renders outside a message's content (the tools,
+        an assistant's calls, a tool result's id and name) spells one of the model's control tokens."""
         calls = [m["tool_calls"] for m in conversation.messages if "tool_calls" in m]
-        for field, value in (("tools", tooling.tools if tooling else None), ("messages", calls)):
+        results = [[m.get("tool_call_id"), m.get("name")] for m in conversation.messages if m["role"] == "tool"]
+        for field, value in (("tools", tooling.tools if tooling else None), ("messages", [calls, results])):
             spelled = templates.spelled_special(self.tokenizer, json.dumps(value, ensure_ascii=False)) if value else None
             if spelled is not None:
                 raise ApiError(400, f"{field}: spells the model's control token {spelled!r} outside a message's content",
                                param=field)
-        if tooling is not None:
-            conversation.tools = tooling.tools
-            for field, schema in schema_texts(tooling):
-                self.check_format(schema, field)
-            if tooling.grammar is not None:
-                self.check_format(tooling.grammar, "tool_choice")
-                settings = settings.updated({"format": tooling.grammar})
-        self.check_size(conversation, settings)
-        self.check_length(conversation, settings)
-        return req, conversation, settings, tooling
 
     def check_format(self, answer_format: str, field: str) -> None:
         """ApiError 400 naming `field` where the model cannot hold answers to the format."""
@@ -252,7 +287,8 @@ class Api:
         stopping once it is known not to fit, so no request costs much more tokenizing (time,
         memory) than a prompt that fits."""
         budget = self.budget(settings)
-        texts = [conversation.system or ""] + [m["content"] for m in conversation.messages]
+        texts = ([conversation.system or ""] + [m["content"] for m in conversation.messages]
+                 + [json.dumps([conversation.tools, [m.get("tool_calls") for m in conversation.messages]])])
         if sum(map(len, texts)) > COUNT_PIECE and (least := self.tokens_at_least(texts, budget)) > budget:
             raise self.too_long(f"at least {least}", budget)
         try:
@@ -297,58 +333,94 @@ class Api:
         self.log(f"shutting down: answers in progress get {self.config.drain_timeout:g} s to finish")
         asyncio.get_running_loop().call_later(self.config.drain_timeout, self.worker.end_all, shutting_down())
 
-    def chunk(self, rid: str, delta: dict, finish: str | None = None, **extra) -> dict:
-        return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
+    def chunk(self, rid: str, delta: dict, finish: str | None = None, text: bool = False, **extra) -> dict:
+        """A stream's chunk: a chat's (delta), or with `text` a completion's (its text)."""
+        choice = {"index": 0, "text": delta.get("content", "")} if text else {"index": 0, "delta": delta}
+        return {"id": rid, "object": "text_completion" if text else "chat.completion.chunk", "created": int(time.time()),
                 "model": self.config.model_id, "system_fingerprint": f"ladechat-{__version__}",
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra}
+                "choices": [{**choice, "logprobs": None, "finish_reason": finish}], **extra}
 
-    async def stream(self, job: Job, rid: str, include_usage: bool, tooling: Tooling | None = None):
-        text = TextStream(job.settings.stop)
+    async def stream(self, job: Job, rid: str, include_usage: bool, tooling: Tooling | None = None, text: bool = False):
+        """The answer as server-sent events; `text`: a completion's chunks, not a chat's."""
+        chunk = functools.partial(self.chunk, text=text)
         calls = Calls(tooling)
-        yield {"data": _json(self.chunk(rid, {"role": "assistant", "content": ""}))}
+        if not text:
+            yield {"data": _json(chunk(rid, {"role": "assistant", "content": ""}))}
+        pieces = TextStream(stops(job.settings))
         try:
             async for event in job.events():
                 if isinstance(event, Piece):
-                    text.add(event)
+                    pieces.add(event)
                     step = event.step
                     if step is None and self.backend.stats_reported:
                         continue  # the rest of its step's text comes with the step
-                    segments = text.release()
+                    segments = pieces.release()
                     ext = {"segments": segments}
                     if step is not None:
                         ext.update(tokens=step.tokens, guessed=step.guessed, source=step.source, fed=step.fed,
                                    seconds=round(step.seconds, 5))
                     content, new_calls = calls.add(segments, ext)
-                    yield {"data": _json(self.chunk(rid, {"content": content}, ladechat=ext))}
+                    yield {"data": _json(chunk(rid, {"content": content}, ladechat=ext))}
                     for delta in new_calls:
-                        yield {"data": _json(self.chunk(rid, {"tool_calls": [delta]}))}
+                        yield {"data": _json(chunk(rid, {"tool_calls": [delta]}))}
                 elif isinstance(event, Notice):
-                    yield {"data": _json(self.chunk(rid, {}, ladechat={"notice": event.text}))}
+                    yield {"data": _json(chunk(rid, {}, ladechat={"notice": event.text}))}
                 elif isinstance(event, Done):
-                    segments = text.finish()
+                    segments = pieces.finish()
                     stats = event.stats
                     ext = {"segments": segments, "stats": stats.as_dict()}
                     content, new_calls = calls.add(segments, ext, final=True)
                     for delta in new_calls:
-                        yield {"data": _json(self.chunk(rid, {"tool_calls": [delta]}))}
-                    last = self.chunk(rid, {"content": content}, calls.finish_reason(stats), ladechat=ext)
+                        yield {"data": _json(chunk(rid, {"tool_calls": [delta]}))}
+                    last = chunk(rid, {"content": content}, calls.finish_reason(stats), ladechat=ext)
                     if not include_usage:  # usage goes in the last chunk either way
                         last["usage"] = usage(stats)
                     yield {"data": _json(last)}
                     if include_usage:
-                        yield {"data": _json({**self.chunk(rid, {}), "choices": [], "usage": usage(stats)})}
+                        yield {"data": _json({**chunk(rid, {}), "choices": [], "usage": usage(stats)})}
                     self.log_done(stats)
         except Exception as exc:  # noqa: BLE001 -- after the 200: an error event, as OpenAI's API sends one
             yield {"data": _json(self.failure(exc).body())}
         yield {"data": "[DONE]"}
 
-    async def whole(self, request: Request, job: Job, rid: str, tooling: Tooling | None = None) -> JSONResponse:
+    async def whole(self, request: Request, job: Job, rid: str, tooling: Tooling | None = None,
+                    text: bool = False) -> JSONResponse:
+        """The whole answer; `text`: a completion's (its text), not a chat's (a message)."""
+        answer = await self.answer(request, job)
+        if isinstance(answer, ApiError):
+            raise answer
+        done, whole = answer
+        stats = done.stats
+        ext = {"ladechat": {"token_ids": list(done.text_tokens), "stats": stats.as_dict()}}
+        if text:
+            return JSONResponse({
+                "id": rid, "object": "text_completion", "created": int(time.time()), "model": self.config.model_id,
+                "system_fingerprint": f"ladechat-{__version__}",
+                "choices": [{"index": 0, "text": whole, "logprobs": None, "finish_reason": FINISH[stats.finish_reason]}],
+                "usage": usage(stats), **ext})
+        message = {"role": "assistant", "content": whole}
+        finish = FINISH[stats.finish_reason]
+        if tooling is not None:
+            calls = Calls(tooling)
+            calls.add([(whole, False)], {}, final=True)
+            message = {"role": "assistant", "content": calls.content or None}
+            if calls.sent:
+                message["tool_calls"] = [call.as_openai() for call in calls.sent]
+            finish = calls.finish_reason(stats)
+        return JSONResponse({
+            "id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.config.model_id,
+            "system_fingerprint": f"ladechat-{__version__}",
+            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+            "usage": usage(stats), **ext})
+
+    async def answer(self, request: Request, job: Job):
+        """(Done, the answer's text) once the job ends, or the ApiError it ended with."""
         async def watch() -> None:  # a client that leaves stops the job
             while (await request.receive())["type"] != "http.disconnect":
                 pass
             job.stop.set()
 
-        text = TextStream(job.settings.stop)
+        text = TextStream(stops(job.settings))
         done = failed = None
         async with anyio.create_task_group() as group:
             group.start_soon(watch)
@@ -363,25 +435,10 @@ class Api:
             finally:
                 group.cancel_scope.cancel()
         if failed is not None or done is None:
-            raise failed or ApiError(500, "the generation ended without a result", kind="server_error")
+            return failed or ApiError(500, "the generation ended without a result", kind="server_error")
         text.finish()
-        stats = done.stats
-        self.log_done(stats)
-        message = {"role": "assistant", "content": text.text}
-        if tooling is not None:
-            calls = Calls(tooling)
-            calls.add([(text.text, False)], {}, final=True)
-            message = {"role": "assistant", "content": calls.content or None}
-            if calls.sent:
-                message["tool_calls"] = [call.as_openai() for call in calls.sent]
-            finish = calls.finish_reason(stats)
-        else:
-            finish = FINISH[stats.finish_reason]
-        return JSONResponse({
-            "id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.config.model_id,
-            "system_fingerprint": f"ladechat-{__version__}",
-            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
-            "usage": usage(stats), "ladechat": {"token_ids": list(done.text_tokens), "stats": stats.as_dict()}})
+        self.log_done(done.stats)
+        return done, text.text
 
     def failure(self, exc: Exception) -> ApiError:
         if isinstance(exc, ApiError):
@@ -434,6 +491,12 @@ class Calls:
         if self.sent and stats.finish_reason in ("eos", "stop"):
             return "tool_calls"
         return FINISH[stats.finish_reason]
+
+
+def stops(settings: Settings) -> tuple[str, ...]:
+    """The stop strings that end an answer's text: none inside a document or forced calls (the
+    engine ignores them there too: backends/local.py)."""
+    return () if settings.format is not None else settings.stop
 
 
 def _json(obj) -> str:

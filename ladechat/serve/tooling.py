@@ -22,6 +22,7 @@ class Tooling:
     parameters: dict[str, dict]  # function name -> its arguments' JSON schema
     grammar: str | None  # the answer's format (Settings.format) where calls are forced, else None
     many: bool  # several calls in one answer may be taken
+    only: str | None = None  # the function tool_choice names
 
     def reader(self) -> CallReader:
         return CallReader(self.fmt, frozenset(self.parameters))
@@ -61,7 +62,7 @@ def tooling_of(req: ChatRequest, template_text: str | None, added: dict[str, int
     if choice == "required" or only is not None:
         markers = {text: added[text] for text in (fmt.open, fmt.close) if text in added}
         grammar = LARK + calls_grammar(fmt, parameters, only, many, markers)
-    return Tooling(fmt, [tool.model_dump(exclude_none=True) for tool in req.tools], parameters, grammar, many)
+    return Tooling(fmt, [tool.model_dump(exclude_none=True) for tool in req.tools], parameters, grammar, many, only)
 
 
 def _named(choice: dict, parameters: dict[str, dict]) -> str:
@@ -76,6 +77,7 @@ def _named(choice: dict, parameters: dict[str, dict]) -> str:
 
 
 def schema_texts(tooling: Tooling) -> list[tuple[str, str]]:
-    """(field, schema as JSON text) for each function's parameters: each must compile."""
+    """(field, schema as JSON text) for the parameters of each function forced calls may call."""
     names = list(tooling.parameters)
-    return [(f"tools.{i}.function.parameters", json.dumps(tooling.parameters[name])) for i, name in enumerate(names)]
+    return [(f"tools.{i}.function.parameters", json.dumps(tooling.parameters[name])) for i, name in enumerate(names)
+            if tooling.only is None or name == tooling.only]

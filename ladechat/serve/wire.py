@@ -25,6 +25,8 @@ FINISH = {"eos": "stop", "stop": "stop", "length": "length", "interrupted": "sto
 UNSUPPORTED = ("functions", "function_call", "logprobs", "top_logprobs", "logit_bias",
                "audio", "modalities", "prediction")
 ZERO_PENALTIES = ("frequency_penalty", "presence_penalty")
+UNSUPPORTED_TEXT = ("echo", "suffix")  # besides UNSUPPORTED, for /v1/completions
+TEXT_MAX_TOKENS = 16  # /v1/completions' max_tokens when a request gives none, as OpenAI's API has it
 
 
 
@@ -119,12 +121,38 @@ class ChatRequest(BaseModel):
     ladechat: Extension | None = None
 
 
+class CompletionRequest(BaseModel):
+    """/v1/completions: a prompt continued as written (no chat template)."""
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+    model: str
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(TEXT_MAX_TOKENS, ge=1)
+    max_completion_tokens: None = None  # the chat's name only: settings_of reads both
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, lt=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    seed: int | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
+    n: int = 1
+    best_of: int | None = None
+    ladechat: Extension | None = None
+
+    @property
+    def text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+
 # The names a client gives: a pydantic error's location keeps these and drops the rest (the
 # union member that was tried, e.g. "str" in stop.str).
 FIELD_NAMES = frozenset().union(*(m.model_fields for m in (ChatRequest, Message, Part, StreamOptions, Extension,
-                                                           CallIn, CalledFunction, Tool, Function)))
+                                                           CallIn, CalledFunction, Tool, Function, CompletionRequest)))
 UNION_MESSAGES = {"stop": "must be a string or a list of strings",
                   "content": "must be a string, a list of content parts or null",
+                  "prompt": "must be a string (or a list of one string)",
                   "tool_choice": "must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}"}
 
 
@@ -132,7 +160,7 @@ class _TooManyObjects(Exception):
     pass
 
 
-def parse_request(body: bytes) -> ChatRequest:
+def parse_request(body: bytes, kind: type[BaseModel] = ChatRequest):
     """The request in `body` (ApiError 400 for what is wrong with it, in the client's terms).
     json.loads counts the objects as it goes, so a body of many small objects is refused before
     pydantic (which holds the GIL while it validates) builds them."""
@@ -157,18 +185,27 @@ def parse_request(body: bytes) -> ChatRequest:
         kind = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
         raise ApiError(400, f"the request body must be a JSON object, got {kind.get(type(data), 'null')}")
     try:
-        req = ChatRequest.model_validate(data)
+        req = kind.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc) from None
     if req.n != 1:
         raise ApiError(400, f"n must be 1 (this server gives one answer per request), got {req.n}", param="n")
+    if isinstance(req, CompletionRequest) and req.best_of not in (None, 1):
+        raise ApiError(400, f"best_of must be 1 (this server gives one answer per request), got {req.best_of}",
+                       param="best_of")
     extra = req.model_extra or {}
-    for name in UNSUPPORTED:
+    for name in UNSUPPORTED + (UNSUPPORTED_TEXT if isinstance(req, CompletionRequest) else ()):
         if extra.get(name) not in (None, False, [], {}):
             raise ApiError(400, f"{name} is not supported by ladechat serve", param=name)
     for name in ZERO_PENALTIES:
         if extra.get(name) not in (None, 0, 0.0):
             raise ApiError(400, f"{name} is not supported by ladechat serve (repetition_penalty is)", param=name)
+    if isinstance(req, CompletionRequest):
+        if "response_format" in extra:
+            raise ApiError(400, "response_format is for /v1/chat/completions", param="response_format")
+        if SURROGATE.search(req.text):
+            raise ApiError(400, "prompt: holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text", param="prompt")
+        return req
     answer_format(req)  # its shape; whether the model can hold answers to it is the backend's to say
     return req
 
@@ -304,7 +341,7 @@ def _text(m: Message, i: int) -> str:
 REQUEST_NAMES = {key(name): f"ladechat.{key(name)}" for name in group("lookahead")}
 
 
-def settings_of(base: Settings, req: ChatRequest) -> Settings:
+def settings_of(base: Settings, req: ChatRequest | CompletionRequest) -> Settings:
     """The server's settings with the request's own on top (ApiError 400 for a value out of range).
     The server's max_new_tokens is a cap: a request that asks for more gets that many."""
     ext = req.ladechat or Extension()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import re
 import threading
 import weakref
@@ -18,6 +19,9 @@ class TemplateError(UserError, ValueError):
     pass
 
 
+RAW = "raw"  # the shipped template that is no chat format: a base model continues the text as given
+
+
 def names() -> list[str]:
     return sorted(p.name[: -len(".jinja")] for p in resources.files(__name__).iterdir() if p.name.endswith(".jinja"))
 
@@ -29,27 +33,45 @@ def source(name: str) -> str:
 
 
 def resolve(tokenizer, template: str | None) -> str | None:
-    """The template text to render with: shipped template `template`, or None for the model's own.
-    TemplateError when neither exists. tokenizer=None checks only the name (before loading)."""
+    """The template text to render with: shipped template `template`, None for the model's own, or
+    for a model without one (a base model) RAW's: its text continued as given. TemplateError for
+    an unknown name. tokenizer=None checks only the name (before loading)."""
     if template is not None:
         return source(template)
-    if tokenizer is not None and not getattr(tokenizer, "chat_template", None):
-        raise TemplateError("this model has no chat template; pass --template NAME (see: ladechat templates)")
+    if tokenizer is not None and not has_chat_template(tokenizer):
+        return source(RAW)
     return None
 
 
-def text_of(tokenizer, template: str | None) -> str | None:
-    """The text of the template a prompt is rendered with (None: the model has none)."""
-    return source(template) if template is not None else getattr(tokenizer, "chat_template", None) or None
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+NO_CHAT_TEMPLATE = ("this model has no chat template (a base model): answers continue the text as given "
+                    "(--template NAME gives it a chat format)")
+
+
+def text_of(tokenizer, template: str | None, tools: bool = False) -> str | None:
+    """The text of the template a prompt is rendered with; a model's templates by name (some list
+    tools in a "tool_use" one) as transformers chooses among them."""
+    if template is not None or not has_chat_template(tokenizer):
+        return resolve(tokenizer, template)
+    own = getattr(tokenizer, "chat_template", None)
+    if isinstance(own, dict):
+        return (own.get("tool_use") if tools else None) or own.get("default")
+    return own or None
 
 
 def render(tokenizer, messages: list[dict], template: str | None = None, tools: list[dict] | None = None) -> str:
     """The prompt text for `messages`, ending with the assistant's turn about to start; `tools`:
     the functions the model may call, as OpenAI's API lists them (templates/tools.py)."""
     chat_template = resolve(tokenizer, template)
+    extra = {"tools": tools} if tools else {}
+    if template == RAW or (template is None and chat_template is not None):  # RAW's, asked for or a base model's
+        extra["add_bos"] = bool(getattr(tokenizer, "add_bos_token", False))
     try:
         return tokenizer.apply_chat_template(messages, chat_template=chat_template, add_generation_prompt=True,
-                                             tokenize=False, **({"tools": tools} if tools else {}))
+                                             tokenize=False, **extra)
     except jinja2.TemplateError as exc:  # e.g. a model's template that raises "System role not supported"
         raise TemplateError(f"the chat template refused this conversation: {exc}") from None
 
@@ -69,7 +91,7 @@ def encode(tokenizer, messages: list[dict], template: str | None = None, tools: 
     spelled = _spelled(tuple(sorted(special.values())))
     if spelled is None or not any(isinstance(m.get("content"), str) and spelled.search(m["content"]) for m in messages):
         return tokenizer(render(tokenizer, messages, template, tools), add_special_tokens=False)["input_ids"]
-    texts = [m["content"] for m in messages if isinstance(m.get("content"), str)]
+    texts = [json.dumps(messages, ensure_ascii=False), json.dumps(tools or [], ensure_ascii=False)]  # all rendered
     sentinel = next(chr(c) for c in range(0xE000, 0xF900) if not any(chr(c) in t for t in texts))  # private use
     found: list[str] = []
 

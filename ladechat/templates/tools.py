@@ -34,12 +34,17 @@ MISTRAL = ToolFormat("mistral", "[TOOL_CALLS]", "", "arguments", listed=True, wh
 # A call's JSON spaced as templates write calls in the prompt (jinja's tojson: json.dumps' ", " and
 # ": "), so a forced call reads as the calls the model was shown (llguidance's own default is compact).
 SPACING = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Markup of call formats that are not JSON objects (Qwen3-Coder's <function=...>, GLM's <arg_key>,
+# Mistral v11's name[ARGS]{...}): refused rather than read as one of the three above.
+OTHER_FORMATS = ("<function=", "<arg_key>", "[ARGS]")
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's rule for a function's name (and dots)
 
 
 def tool_format(template_text: str | None) -> ToolFormat | None:
     """The tool format a chat template's text writes calls in; None where it writes none."""
     if not template_text or "tool" not in template_text:
+        return None
+    if any(other in template_text for other in OTHER_FORMATS):
         return None
     if "<tool_call>" in template_text:
         return HERMES
@@ -71,50 +76,50 @@ def new_call_id(fmt: ToolFormat) -> str:
 
 
 # -- the grammar of forced calls ----------------------------------------------------------------
-def call_schema(fmt: ToolFormat, name: str, parameters: dict) -> dict:
-    """The JSON schema of one call to the function `name` in the format's object."""
-    return {"type": "object", "properties": {"name": {"const": name}, fmt.arguments: parameters},
-            "required": ["name", fmt.arguments], "additionalProperties": False}
-
-
 def calls_grammar(fmt: ToolFormat, tools: dict[str, dict], only: str | None, many: bool, marker_ids: dict[str, int]
                   ) -> str:
     """The Lark grammar (llguidance's, engine/grammar.py) of an answer that is calls only: to the
     function `only`, else to any of `tools` (name -> parameters' schema); several where `many`.
-    marker_ids: the markup that is one token of the model's vocabulary (its id), written as that
-    token, since the model writes it so (text elsewhere)."""
+    Each function's arguments are a `%json` of their own, so a schema's own references ($defs,
+    "#") resolve as in the schema alone. marker_ids: the markup that is one token of the model's
+    vocabulary (its id), written as that token, since the model writes it so (text elsewhere)."""
     names = [only] if only is not None else list(tools)
-    schemas = [call_schema(fmt, name, tools[name]) for name in names]
-    body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    body = {**body, "x-guidance": SPACING}
 
     def markup(text: str) -> str:
         return f"<[{marker_ids[text]}]>" if text in marker_ids else json.dumps(text)
 
+    rules = []
+    for i, name in enumerate(names):  # {"name": "f", "arguments": {...}}, spaced as SPACING
+        head = json.dumps(f'{{"name": {json.dumps(name)}, "{fmt.arguments}": ')
+        rules.append(f'call_{i}: {head} args_{i} "}}"\nargs_{i}: %json {json.dumps(with_spacing(tools[name]))}')
+    call = " | ".join(f"call_{i}" for i in range(len(names)))
     if fmt.listed:
-        array = {"type": "array", "items": body, "minItems": 1, **({} if many else {"maxItems": 1}),
-                 "x-guidance": SPACING}
-        return f"start: {markup(fmt.open)} calls\ncalls: %json {json.dumps(array)}\n"
-    if fmt.close:
-        call = f'{markup(fmt.open)} "\\n" body "\\n" {markup(fmt.close)}'
-        start = 'call ("\\n" call)*' if many else "call"
-        return f"start: {start}\ncall: {call}\nbody: %json {json.dumps(body)}\n"
-    return f"start: body\nbody: %json {json.dumps(body)}\n"
+        start = f'{markup(fmt.open)} "[" call ("," " " call)* "]"' if many else f'{markup(fmt.open)} "[" call "]"'
+    elif fmt.close:
+        start = 'block ("\\n" block)*' if many else "block"
+        rules.append(f'block: {markup(fmt.open)} "\\n" call "\\n" {markup(fmt.close)}')
+    else:
+        start = "call"
+    return "\n".join([f"start: {start}", f"call: {call}", *rules]) + "\n"
+
+
+def with_spacing(schema: dict) -> dict:
+    """The schema with SPACING for llguidance (x-guidance: its options, at a schema's top level)."""
+    return {**schema, "x-guidance": {**schema.get("x-guidance", {}), **SPACING}}
 
 
 # -- calls read back --------------------------------------------------------------------------
-def parse_call(fmt: ToolFormat, text: str, names: frozenset[str]) -> dict | None:
-    """One call's JSON object ({"name", arguments}) read from `text`, or None where it is not one
-    (not JSON, no such function, arguments that are not an object)."""
-    try:
-        data = json.loads(text)
-    except (ValueError, RecursionError):
-        return None
-    return _call(fmt, data, names)
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not JSON")  # NaN, Infinity: Python's json takes them, clients do not
+
+
+DECODER = json.JSONDecoder(parse_constant=_not_json)
 
 
 def _call(fmt: ToolFormat, data, names: frozenset[str]) -> dict | None:
-    if not isinstance(data, dict) or data.get("name") not in names:
+    """A call's JSON object as {"name", "arguments"}, or None where it is not one (no such
+    function, arguments that are not an object)."""
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str) or data["name"] not in names:
         return None
     arguments = data.get(fmt.arguments, data.get("arguments", data.get("parameters", {})))
     return {"name": data["name"], "arguments": arguments} if isinstance(arguments, dict) else None
@@ -151,7 +156,9 @@ class CallReader:
         return ToolCall(new_call_id(self.fmt), call["name"], call["arguments"])
 
     def _blocks(self, final: bool) -> tuple[str, list[ToolCall]]:
-        """hermes: content, then <tool_call> blocks, each sent once its closing markup has come."""
+        """hermes: content, then <tool_call> blocks, each sent once its closing markup has come.
+        A block's JSON is read as JSON (its strings may spell the markup); one that is not a call
+        is content as written."""
         fmt, content, calls = self.fmt, "", []
         while True:
             start = self.text.find(fmt.open, self.sent)
@@ -164,21 +171,38 @@ class CallReader:
                 content += self.text[self.sent:end]
                 self.sent = end
                 return content, calls
-            close = self.text.find(fmt.close, start)
-            if close < 0:
-                if final:  # cut inside a call: as written
-                    content += self.text[self.sent:]
-                    self.sent = len(self.text)
+            end, call = self._block(start, final)
+            if end is None:  # the block is still coming
                 return content, calls
-            call = parse_call(fmt, self.text[start + len(fmt.open):close].strip(), self.names)
             before = self.text[self.sent:start]
-            end = close + len(fmt.close)
             if call is None:
                 content += self.text[self.sent:end]
             else:
-                content += before if not calls and not self.calls else before.strip()
+                content += before if before.strip() or not (calls or self.calls) else ""
                 calls.append(self._new(call))
             self.sent = end
+
+    def _block(self, start: int, final: bool) -> tuple[int | None, dict | None]:
+        """(where the block at `start` ends, its call or None); (None, None) while it may yet
+        become a call."""
+        fmt, text = self.fmt, self.text
+        at = start + len(fmt.open)
+        at += len(text[at:]) - len(text[at:].lstrip())
+        try:
+            data, after = DECODER.raw_decode(text, at)
+        except (ValueError, RecursionError):
+            if not final and (at == len(text) or _may_continue(text[at:])):
+                return None, None  # its JSON is still coming
+            close = text.find(fmt.close, at)
+            if close >= 0:
+                return close + len(fmt.close), None
+            return (len(text) if final else None), None
+        rest = text[after:].lstrip()
+        if rest.startswith(fmt.close):
+            return len(text) - len(rest) + len(fmt.close), _call(fmt, data, self.names)
+        if not final and fmt.close.startswith(rest):
+            return None, None
+        return after, None
 
     def _whole(self, final: bool) -> tuple[str, list[ToolCall]]:
         """llama3, mistral: an answer that begins with the markup or a JSON object (array) is held
@@ -201,12 +225,18 @@ class CallReader:
 
     def _parse_whole(self, text: str) -> list[dict] | None:
         try:
-            data = json.loads(text)
+            data = DECODER.decode(text)
         except (ValueError, RecursionError):
             return None
         items = data if isinstance(data, list) else [data]
         calls = [_call(self.fmt, item, self.names) for item in items]
         return calls if calls and None not in calls else None
+
+
+def _may_continue(text: str) -> bool:
+    """Whether `text`, cut short, may still grow into one JSON value (it has opened one: its
+    first character is a brace), as a streamed call's JSON does until its end has come."""
+    return text[:1] == "{"
 
 
 def _safe_end(text: str, start: int, marker: str) -> int:

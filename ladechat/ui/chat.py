@@ -73,6 +73,7 @@ class ChatApp:
         self.attached: list[str] = []  # files read with /read, for the next message
         self.log = log
         self.pending_settings: dict | None = None  # a reopened chat's, put in once the model has loaded
+        self.template_before_raw: str | None = None  # the template /raw on replaced, put back by /raw off
 
     # -- answering ----------------------------------------------------------------------------
     def answer(self) -> None:
@@ -286,6 +287,23 @@ class ChatApp:
                   "each answer is one JSON object from the next one" if answer_format == "json" else
                   f"each answer is one JSON document of the schema in {arg.strip()} from the next one")
 
+    def _raw(self, arg: str) -> None:
+        """/raw on: no chat format, the conversation's text continued as written; off: the template
+        the chat had before (the model's own by default)."""
+        from ladechat.templates import RAW
+
+        settings = self._settings()
+        if commands.on_off(arg, "/raw"):
+            if settings.template != RAW:
+                self.template_before_raw = settings.template
+            self._configure(settings.updated({"template": RAW}))
+            self.info("answers continue the conversation's text as written (no chat format) from the next one")
+            return
+        before = self.template_before_raw
+        self._configure(settings.updated({"template": before}))
+        self.info(f"answers in the {before + ' template' if before else 'model'}'s chat format from the next one (a "
+                  "model without a chat template goes on continuing the text: /set template=NAME gives it one)")
+
     def _set(self, arg: str) -> None:
         self._configure(self._settings().updated(commands.parse_set(arg), strict=False))
         self.info(self._show())
@@ -468,6 +486,8 @@ COMMANDS = commands.Table([
           ChatApp._set, more=commands.set_keys_help()),
     Entry("/format", "json|off|SCHEMA.json", "answers as one JSON object (json), one of a JSON schema (its file) or "
           "free text (off), from the next answer", ChatApp._format, takes_path=True),
+    Entry("/raw", "on|off", "no chat format: answers continue the conversation's text as written (a base model's "
+          "way, and the default for a model without a chat template), or back to the chat format", ChatApp._raw),
     Entry("/show", "", "current settings", ChatApp._print_settings),
     Entry("/model", "[NAME|PATH]", "the model answering; with a name, id, folder or .gguf: another answers from now on",
           ChatApp._model, takes_path=True),
