@@ -525,6 +525,50 @@ def templates() -> None:
         print(name)
 
 
+HubModel = Annotated[str, typer.Argument(help="A GGUF on the Hugging Face hub: hf.co/ORG/REPO[:QUANT] or ORG/REPO:QUANT (QUANT: Q4_K_M when not named).")]
+
+
+def _hub_ref(model: str) -> tuple[str, str]:
+    from ladechat.engine.load.hub import gguf_ref
+
+    ref = gguf_ref(model if ":" in model or model.startswith(("hf.co/", "huggingface.co/", "https://")) else
+                   f"hf.co/{model}")
+    if ref is None:
+        raise Fail(f"not a hub GGUF: {model} (hf.co/ORG/REPO[:QUANT] or ORG/REPO:QUANT)")
+    return ref
+
+
+@app.command()
+def pull(model: HubModel) -> None:
+    """Download a GGUF from the Hugging Face hub into its cache (resumed where a download stopped,
+    checked against the hub's sha256); --model takes the same name."""
+    from ladechat.engine.load import hub
+
+    path = hub.fetch(*_hub_ref(model))
+    stderr_console().print(f"{escape(model)}: {path.stat().st_size / 1e9:.2f} GB at {escape(str(path))}", highlight=False)
+
+
+@app.command("models")
+def models_list() -> None:
+    """The GGUFs downloaded from the hub: name (as --model takes it), size, where they are."""
+    from ladechat.engine.load import hub
+
+    entries = hub.downloaded()
+    if not entries:
+        stderr_console().print("no models downloaded yet (ladechat pull hf.co/ORG/REPO:QUANT, or --model with such a name)")
+    for entry in entries:
+        terminal.write(f"hf.co/{entry.name}\t{entry.size / 1e9:.2f} GB\t{entry.paths[0]}\n")
+
+
+@app.command("rm")
+def remove_model(model: HubModel) -> None:
+    """Delete a downloaded GGUF (its files in the hub cache) to free the disk."""
+    from ladechat.engine.load import hub
+
+    removed = hub.remove(*_hub_ref(model))
+    stderr_console().print(f"removed {escape(model)} ({len(removed)} files)", highlight=False)
+
+
 bench_app = typer.Typer(rich_markup_mode=None, help="Compare HF generate, HF prompt lookup, ladechat plain and lookahead on real prompts, side by side (and other engines' servers: --peer NAME=URL); subcommands: step-cost (what one step costs), serving (serving overhead).")
 app.add_typer(bench_app, name="bench")
 BenchJson = Annotated[bool, typer.Option("--json", help="Print the results as JSON.")]

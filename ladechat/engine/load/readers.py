@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ladechat.engine.load import checkpoint, memory, requantize
+from ladechat.engine.load import checkpoint, hub, memory, requantize
 from ladechat.engine.load.gguf import files as gguf_files
 from ladechat.engine.load.gguf import head, quantized
 from ladechat.engine.load.spec import LoadError, LoadSpec
@@ -29,6 +29,13 @@ def locate(model: str | None, progress) -> tuple[str, str, Path | None]:
         path = gguf_files.embedded_gguf()
         return str(gguf_files.ensure_prepared(path, progress)), gguf_files.EMBEDDED_NAME, path
     path = Path(model).expanduser()
+    ref = None if path.exists() else hub.gguf_ref(model)
+    if ref is not None:  # hf.co/ORG/REPO[:QUANT]: the file from the hub (its cache), then as any GGUF
+        path = hub.fetch(*ref)
+        try:
+            return str(gguf_files.ensure_prepared(path, progress)), f"{ref[0]}:{ref[1]}", path
+        except gguf_files.BadGGUF as exc:
+            raise LoadError(str(exc)) from None
     if model.endswith(".gguf"):
         if path.is_dir():
             raise ModelNotFound(f"{model} is a folder, not a GGUF file")
