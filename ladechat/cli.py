@@ -544,8 +544,12 @@ def pull(model: HubModel) -> None:
     checked against the hub's sha256); --model takes the same name."""
     from ladechat.engine.load import hub
 
-    path = hub.fetch(*_hub_ref(model))
-    stderr_console().print(f"{escape(model)}: {path.stat().st_size / 1e9:.2f} GB at {escape(str(path))}", highlight=False)
+    ref = _hub_ref(model)
+    err = stderr_console()
+    title = f"downloading {ref[0]}:{ref[1]}"
+    with _spinner(err)(title) as update:
+        path = hub.fetch(*ref, hub.sizes(update, title), refresh=True)
+    err.print(f"{escape(model)}: {path.stat().st_size / 1e9:.2f} GB at {escape(str(path))}", highlight=False)
 
 
 @app.command("models")

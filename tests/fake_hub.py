@@ -22,7 +22,10 @@ class FakeHub:
         self.lying: set[tuple[str, str]] = set()  # (repo, path): the listed sha256 is not the bytes'
         self.cut_after: dict[tuple[str, str], int] = {}  # the next GET of it ends after this many bytes
         self.ranges: list[str] = []  # Range headers of the GETs received
-        self.slow: set[tuple[str, str]] = set()  # sent 128 KiB at a time, 10 ms apart (a download to interrupt)
+        self.hold_after: dict[tuple[str, str], int] = {}  # a GET of it stops after this many bytes until released
+        self.released = threading.Event()
+        self.no_ranges = False  # every GET answered with the whole file (a server that ignores Range)
+        self.requests: list[str] = []  # every request's path
         self.down = False
         hub = self
 
@@ -56,6 +59,7 @@ class FakeHub:
             handler.send_response(503)
             handler.end_headers()
             return
+        self.requests.append(handler.path)
         parts = unquote(urlparse(handler.path).path).strip("/").split("/")
         if parts[:2] == ["api", "models"] and "tree" in parts:
             at = parts.index("tree")
@@ -106,8 +110,14 @@ class FakeHub:
         asked = handler.headers.get("Range")
         if not head:
             self.ranges.append(asked or "")
-        if asked and asked.startswith("bytes="):
+        if asked and asked.startswith("bytes=") and not self.no_ranges:
             start = int(asked[len("bytes="):].split("-")[0] or 0)
+        if start >= len(data) > 0:
+            handler.send_response(416)
+            handler.send_header("Content-Range", f"bytes */{len(data)}")
+            handler.send_header("Content-Length", "0")
+            handler.end_headers()
+            return
         handler.send_response(206 if start else 200)
         handler.send_header("X-Repo-Commit", COMMIT)
         handler.send_header("ETag", f'"{self.sha256(repo, path)}"')
@@ -122,14 +132,15 @@ class FakeHub:
             return
         cut = self.cut_after.pop((repo, path), None)
         body = data[start:] if cut is None else data[start:start + cut]
-        step = 1 << 17 if (repo, path) in self.slow else max(1, len(body))
+        hold = self.hold_after.pop((repo, path), None)
         try:
-            for at in range(0, len(body), step):
-                handler.wfile.write(body[at:at + step])
-                if (repo, path) in self.slow:
-                    handler.wfile.flush()
-                    time.sleep(0.01)
-        except (BrokenPipeError, ConnectionResetError):  # the client went away (a test killed it)
+            if hold is not None:  # the first bytes, then nothing until the test releases it
+                handler.wfile.write(body[:hold])
+                handler.wfile.flush()
+                self.released.wait(120)
+                body = body[hold:]
+            handler.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):  # the client went away (a test stopped it)
             return
         if cut is not None:
             handler.wfile.flush()

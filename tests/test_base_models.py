@@ -51,6 +51,25 @@ def test_the_raw_template_is_the_conversations_text_alone():
     assert templates.render(NoTemplate(True), messages, templates.RAW).startswith("<s>A story.")
 
 
+def test_the_beginning_of_text_token_comes_where_the_tokenizer_itself_adds_it():
+    """A tokenizer whose post-processor adds BOS (Llama's, Gemma's) reads add_bos_token False in
+    transformers; the RAW template goes by what it does."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<s>": 0, "<unk>": 1, "Once": 2, "upon": 3}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    core.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    adding = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", unk_token="<unk>")
+    assert adding("Once upon")["input_ids"] == [0, 2, 3]
+    messages = [{"role": "user", "content": "Once upon"}]
+    assert templates.encode(adding, messages, templates.RAW) == [0, 2, 3]
+    core.post_processor = None
+    plain = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", unk_token="<unk>")
+    assert templates.encode(plain, messages, templates.RAW) == [2, 3]
+
+
 def test_ask_and_the_chat_continue_a_base_models_text_with_a_notice(tmp_path, embedded_fp32):
     folder = tiny_model_folder(tmp_path, embedded_fp32.tokenizer, chat_template=None)
     r = ladechat("ask", "--model", str(folder), "--dtype", "float32", "--max-new-tokens", "4", "--json", PROMPT)
@@ -65,8 +84,10 @@ def test_ask_and_the_chat_continue_a_base_models_text_with_a_notice(tmp_path, em
 
 def test_raw_switches_the_chat_format_off_and_back(embedded_fp32):
     out, err = io.StringIO(), io.StringIO()
-    app = ChatApp(Bot(embedded_fp32, Settings(store=False, max_new_tokens=6)), None, False, Console(file=out),
-                  Console(file=err, width=300))
+    app = ChatApp(Bot(embedded_fp32, Settings(store=False, max_new_tokens=6, template="chatml")), None, False,
+                  Console(file=out), Console(file=err, width=300))
+    app.command("/raw off")  # not on: the template stays
+    assert app.bot.settings.template == "chatml"
     app.command("/raw on")
     assert app.bot.settings.template == templates.RAW
     app.ask(PROMPT)
@@ -74,7 +95,7 @@ def test_raw_switches_the_chat_format_off_and_back(embedded_fp32):
     done = next(e for e in raw.reply(Conversation(messages=[{"role": "user", "content": PROMPT}])) if isinstance(e, Done))
     assert app.conversation.messages[-1]["content"] == done.text  # the prompt continued, as RAW renders it
     app.command("/raw off")
-    assert app.bot.settings.template is None
+    assert app.bot.settings.template == "chatml"  # the one before
     app.command("/raw maybe")
     assert "usage: /raw on|off" in err.getvalue()
 
@@ -93,6 +114,9 @@ def test_completions_continue_the_prompt_whole_and_streamed():
         assert chunks[-1].choices[0].finish_reason == "length"
         default = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0)
         assert default.usage.completion_tokens <= 16  # OpenAI's default max_tokens
+        r = httpx.post(server.url + "/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": None},
+                       timeout=PATIENCE_S).json()
+        assert r["usage"]["completion_tokens"] <= 16
         # the same tokens as a chat request answered through the RAW template
         r = httpx.post(server.url + "/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 12},
                        timeout=PATIENCE_S).json()
@@ -101,7 +125,7 @@ def test_completions_continue_the_prompt_whole_and_streamed():
         assert r["choices"][0]["text"] == choice.text and chat["choices"][0]["message"]["content"] != choice.text
         for bad, param in (({"prompt": [1, 2, 3]}, "prompt.list[str].0"), ({"n": 2}, "n"), ({"echo": True}, "echo"),
                            ({"suffix": "x"}, "suffix"), ({"best_of": 3}, "best_of"),
-                           ({"response_format": {"type": "json_object"}}, "response_format")):
+                           ({"response_format": {"type": "json_object"}}, "response_format"), ({"prompt": ""}, "prompt")):
             r = httpx.post(server.url + "/completions", json={"model": MODEL, "prompt": PROMPT, **bad}, timeout=PATIENCE_S)
             assert r.status_code == 400, (bad, r.text)
             assert r.json()["error"]["param"].startswith(param.split(".")[0]), (bad, r.text)

@@ -50,7 +50,8 @@ def test_a_hub_gguf_is_downloaded_checked_and_found_again_offline(fake_hub, monk
     import huggingface_hub.constants as constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    assert hub.fetch(REPO, "q4_1") == path  # from the cache, no request
+    asked = len(fake_hub.requests)
+    assert hub.fetch(REPO, "q4_1", refresh=True) == path and len(fake_hub.requests) == asked  # the cache, no request
     with pytest.raises(hub.HubError, match=r"Q8_0 is not downloaded, and offline"):
         hub.fetch(REPO, "Q8_0")
     from ladechat.engine.load.readers import locate
@@ -78,26 +79,28 @@ def test_a_file_that_fails_its_checksum_is_removed_and_never_run(fake_hub):
     fake_hub.lying.add((REPO, FILE))
     r = run(fake_hub.env, "ask", "--model", f"{REPO}:Q4_1", "hi")
     assert r.returncode == 1 and "does not match the hub's checksum" in r.stderr, r.stderr
-    assert not list(hub.hub_folder().rglob("*.gguf*"))  # neither the file nor a part of it
+    left = [p.name for p in hub.hub_folder().rglob("*")]
+    assert not [n for n in left if n.endswith((".gguf", ".partial"))], left  # neither the file nor a part of it
 
 
 def test_a_download_killed_midway_goes_on_where_it_stopped(fake_hub):
     data = os.urandom(8 << 20)
     fake_hub.add(REPO, {FILE: data})
-    fake_hub.slow.add((REPO, FILE))
+    fake_hub.hold_after[(REPO, FILE)] = 3 << 20  # 3 MiB, then the connection hangs until the test is done
     puller = subprocess.Popen([ladechat_bin(), "pull", f"hf.co/{REPO}:Q4_1"], env=fake_hub.env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     partial = hub.local_path(REPO, FILE + ".partial")
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (partial.is_file() and partial.stat().st_size):
+    while time.monotonic() < deadline and not (partial.is_file() and partial.stat().st_size >= 1 << 20):
         time.sleep(0.02)
-    puller.send_signal(signal.SIGINT)
-    assert puller.wait(60) != 0
-    fake_hub.slow.clear()
+    puller.send_signal(signal.SIGINT)  # Ctrl-C
+    assert puller.wait(60) == 130
+    fake_hub.released.set()
+    kept = partial.stat().st_size
+    assert kept >= 1 << 20
     r = run(fake_hub.env, "pull", f"hf.co/{REPO}:Q4_1")
     assert r.returncode == 0, r.stderr
-    resumed = [int(asked.split("=")[1].split("-")[0]) for asked in fake_hub.ranges if asked.startswith("bytes=")]
-    assert resumed and resumed[-1] > 0  # asked for the rest only
+    assert fake_hub.ranges[-1] == f"bytes={kept}-"  # asked for the rest only
     path = hub.local_path(REPO, FILE)
     assert path.read_bytes() == data and not partial.exists()
     listed = run(fake_hub.env, "models")
@@ -107,6 +110,22 @@ def test_a_download_killed_midway_goes_on_where_it_stopped(fake_hub):
     assert run(fake_hub.env, "models").stdout == ""
     again = run(fake_hub.env, "rm", f"{REPO}:Q4_1")
     assert again.returncode == 1 and "is not downloaded" in again.stderr
+
+
+def test_a_server_that_ignores_the_range_gives_the_whole_file_again(fake_hub):
+    data = os.urandom(3 << 20)
+    fake_hub.add(REPO, {FILE: data})
+    partial = hub.local_path(REPO, FILE + ".partial")
+    partial.parent.mkdir(parents=True)
+    partial.write_bytes(data[:1 << 20])  # an earlier try's part, of this very file
+    hub.local_path(REPO, FILE + ".partial.sha256").write_text(hashlib.sha256(data).hexdigest())
+    fake_hub.no_ranges = True
+    assert hub.fetch(REPO, "Q4_1").read_bytes() == data and fake_hub.ranges == [f"bytes={1 << 20}-"]
+    other = os.urandom(2 << 20)  # a part of another version of the file: not asked to go on
+    fake_hub.add(REPO, {FILE: other})
+    fake_hub.no_ranges = False
+    hub.local_path(REPO, FILE).rename(partial)
+    assert hub.fetch(REPO, "Q4_1", refresh=True).read_bytes() == other and fake_hub.ranges[-1] == ""
 
 
 def test_a_gguf_in_parts_is_joined_into_one(fake_hub, tmp_path):

@@ -41,9 +41,25 @@ def open_bot(spec: Spec, progress: Progress, on_model_thread=run_here, again: Pr
 
         values, chosen = spec.sent()
         return RemoteBot(Endpoint.of(spec.api, spec.api_key), spec.load.model, values, chosen)
+    spec = from_hub(spec, progress)
     if spec.keep_alive != 0:
         return warm_bot(spec, progress, again=again)
     return open_here(spec, progress, on_model_thread)[1]
+
+
+def from_hub(spec: Spec, progress: Progress) -> Spec:
+    """spec with a hub GGUF's name (hf.co/ORG/REPO:QUANT) as its file in the cache, downloaded here
+    first where it is not (its sizes in the phase's line): a warm server, started detached, never
+    downloads, so Ctrl-C stops a download and the progress shows where the command runs."""
+    from ladechat.engine.load import hub
+
+    model = spec.load.model
+    ref = hub.gguf_ref(model) if model is not None and not os.path.exists(os.path.expanduser(model)) else None
+    if ref is None:
+        return spec
+    title = f"downloading {ref[0]}:{ref[1]}"
+    with progress(title) as update:
+        return spec.with_model(str(hub.fetch(*ref, hub.sizes(update, title))))
 
 
 def warm_bot(spec: Spec, progress: Progress, start: bool = True, again: Progress | None = None):

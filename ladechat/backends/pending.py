@@ -47,7 +47,7 @@ class PendingBot:
     def _progress(self, message: str):
         self.phase = message
         try:
-            yield
+            yield lambda text: setattr(self, "phase", text)  # the phase's line, as it goes
         finally:
             self.phase = "loading the model"
 

@@ -193,12 +193,16 @@ def start(spec: ServerKey, paths: Paths, lock: int, keep_alive: float, progress:
     try:
         with os.fdopen(read, "r", encoding="utf-8", errors="replace") as status:
             while True:
-                with progress(phase):
-                    line = status.readline()
-                    while line.startswith("notice "):
-                        notices.append(line[len("notice "):].rstrip("\n"))
+                with progress(phase) as update:
+                    while True:
                         line = status.readline()
-                kind, _, text = line.rstrip("\n").partition(" ")
+                        while line.startswith("notice "):
+                            notices.append(line[len("notice "):].rstrip("\n"))
+                            line = status.readline()
+                        kind, _, text = line.rstrip("\n").partition(" ")
+                        if kind != "phase" or update is None:
+                            break
+                        update(text)  # the server's phase, on the same line
                 if kind == "phase":
                     phase = text
                 elif kind == "ready":

@@ -68,7 +68,7 @@ class Status:
     @contextmanager
     def progress(self, message: str):
         self.send("phase", message)
-        yield
+        yield lambda text: self.send("phase", text)  # the phase's line, as it goes
 
     def close(self) -> None:
         if self.file is not None:
@@ -114,8 +114,8 @@ def make_api(bot, settings, model_thread=None):
             extra = request.scope.get("state", {}).get(SCOPE_SETTINGS)
             return self.base.updated(extra) if extra else self.base
 
-        async def stream(self, job, rid, include_usage):
-            chunks = super().stream(job, rid, include_usage)
+        async def stream(self, job, rid, include_usage, tooling=None, text=False):
+            chunks = super().stream(job, rid, include_usage, tooling, text)
             if not job.settings.stop:
                 async for item in chunks:
                     yield item

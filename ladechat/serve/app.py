@@ -213,8 +213,8 @@ class Api:
         settings = settings_of(base, req).updated({"template": templates.RAW})
         if settings.format is not None:
             self.check_format(settings.format, "response_format")
-        self.check_size(conversation, settings)
-        self.check_length(conversation, settings)
+        self.check_size(conversation, settings, "prompt")
+        self.check_length(conversation, settings, "prompt")
         return req, conversation, settings, None
 
     def request_base(self, request: Request) -> Settings:
@@ -272,7 +272,7 @@ class Api:
     def budget(self, settings: Settings) -> int:
         return prompt_budget(self.context_length, settings.max_new_tokens)
 
-    def check_size(self, conversation: Conversation, settings: Settings) -> None:
+    def check_size(self, conversation: Conversation, settings: Settings, param: str = "messages") -> None:
         """Refuse, without tokenizing, a conversation of more characters than any prompt that fits."""
         chars = (len(conversation.system or "") + sum(len(m["content"]) for m in conversation.messages)
                  + len(json.dumps(conversation.tools or [])))
@@ -280,9 +280,9 @@ class Api:
         if chars > budget * self.max_token_chars:
             raise ApiError(413, f"the messages hold {chars} characters, more than a prompt of at most {budget} tokens "
                                 f"(the model's context of {self.context_length}, after room for the answer) can",
-                           param="messages", code="context_length_exceeded")
+                           param=param, code="context_length_exceeded")
 
-    def check_length(self, conversation: Conversation, settings: Settings) -> None:
+    def check_length(self, conversation: Conversation, settings: Settings, param: str = "messages") -> None:
         """Refuse a prompt of more tokens than fit. A long one is first counted a piece at a time,
         stopping once it is known not to fit, so no request costs much more tokenizing (time,
         memory) than a prompt that fits."""
@@ -290,19 +290,21 @@ class Api:
         texts = ([conversation.system or ""] + [m["content"] for m in conversation.messages]
                  + [json.dumps([conversation.tools, [m.get("tool_calls") for m in conversation.messages]])])
         if sum(map(len, texts)) > COUNT_PIECE and (least := self.tokens_at_least(texts, budget)) > budget:
-            raise self.too_long(f"at least {least}", budget)
+            raise self.too_long(f"at least {least}", budget, param)
         try:
             tokens = len(templates.encode(self.tokenizer, conversation.chat_messages(), settings.template,
                                           conversation.tools))
         except templates.TemplateError as exc:
-            raise ApiError(400, str(exc), param="messages") from None
+            raise ApiError(400, str(exc), param=param) from None
+        if tokens == 0:  # a completion's empty prompt, with no beginning-of-text token: nothing to go on from
+            raise ApiError(400, f"{param}: the prompt is no tokens (empty)", param=param)
         if tokens > budget:
-            raise self.too_long(str(tokens), budget)
+            raise self.too_long(str(tokens), budget, param)
 
-    def too_long(self, tokens: str, budget: int) -> ApiError:
+    def too_long(self, tokens: str, budget: int, param: str = "messages") -> ApiError:
         return ApiError(413, f"the prompt is {tokens} tokens, more than the {budget} that fit in the model's context "
                              f"of {self.context_length} (after room for the answer)",
-                        param="messages", code="context_length_exceeded")
+                        param=param, code="context_length_exceeded")
 
     def tokens_at_least(self, texts: list[str], budget: int) -> int:
         """A lower bound on the tokens of `texts` in a prompt, counted COUNT_PIECE characters at a

@@ -9,7 +9,7 @@ import math
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 from starlette.responses import JSONResponse
 
 from ladechat.backends.events import Piece
@@ -128,7 +128,7 @@ class CompletionRequest(BaseModel):
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(TEXT_MAX_TOKENS, ge=1)
+    max_tokens: int = Field(TEXT_MAX_TOKENS, ge=1)
     max_completion_tokens: None = None  # the chat's name only: settings_of reads both
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -140,6 +140,11 @@ class CompletionRequest(BaseModel):
     n: int = 1
     best_of: int | None = None
     ladechat: Extension | None = None
+
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _default_tokens(cls, value):
+        return TEXT_MAX_TOKENS if value is None else value  # null: OpenAI's default, not the server's cap
 
     @property
     def text(self) -> str:

@@ -43,6 +43,19 @@ def resolve(tokenizer, template: str | None) -> str | None:
     return None
 
 
+def adds_bos(tokenizer) -> bool:
+    """Whether the tokenizer starts every text with its beginning-of-text token (Llama, Mistral,
+    Gemma do; Qwen, GPT-2 do not), as it behaves: transformers' add_bos_token attribute says False
+    for a tokenizer whose post-processor adds it."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    try:
+        special = tokenizer("x", add_special_tokens=True)["input_ids"]
+        plain = tokenizer("x", add_special_tokens=False)["input_ids"]
+    except TypeError:  # not a callable tokenizer (a template's test double): its word for it
+        return bool(getattr(tokenizer, "add_bos_token", False))
+    return bos is not None and special[:1] == [bos] and plain[:1] != [bos]
+
+
 def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
@@ -68,7 +81,7 @@ def render(tokenizer, messages: list[dict], template: str | None = None, tools: 
     chat_template = resolve(tokenizer, template)
     extra = {"tools": tools} if tools else {}
     if template == RAW or (template is None and chat_template is not None):  # RAW's, asked for or a base model's
-        extra["add_bos"] = bool(getattr(tokenizer, "add_bos_token", False))
+        extra["add_bos"] = adds_bos(tokenizer)
     try:
         return tokenizer.apply_chat_template(messages, chat_template=chat_template, add_generation_prompt=True,
                                              tokenize=False, **extra)

@@ -299,7 +299,10 @@ class ChatApp:
             self._configure(settings.updated({"template": RAW}))
             self.info("answers continue the conversation's text as written (no chat format) from the next one")
             return
-        before = self.template_before_raw
+        if settings.template != RAW:
+            self.info("answers are in the chat format already (/raw on: the text continued as written)")
+            return
+        before, self.template_before_raw = self.template_before_raw, None
         self._configure(settings.updated({"template": before}))
         self.info(f"answers in the {before + ' template' if before else 'model'}'s chat format from the next one (a "
                   "model without a chat template goes on continuing the text: /set template=NAME gives it one)")

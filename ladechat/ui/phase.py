@@ -12,14 +12,15 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 
 def phases(console: Console) -> Callable[[str], AbstractContextManager]:
-    """progress(message) as engine/load/loading.load and backends/opener.bot_for take it."""
+    """progress(message) as engine/load/loading.load and backends/opener.bot_for take it: a context
+    that gives update(text), which changes the phase's line (a download's sizes, say)."""
 
     @contextmanager
     def phase(message: str) -> Iterator[None]:
         columns = (SpinnerColumn("dots"), TextColumn("{task.description}"), TimeElapsedColumn())
         # disable: off a terminal rich would still end the phase with an empty line
         with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as shown:
-            shown.add_task(message, total=None)
-            yield
+            task = shown.add_task(message, total=None)
+            yield lambda text: shown.update(task, description=text)  # the phase's line, as it goes
 
     return phase

@@ -5,6 +5,7 @@ checkpoint's safetensors by name), with one line for whatever a user can fix."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,7 +32,9 @@ def locate(model: str | None, progress) -> tuple[str, str, Path | None]:
     path = Path(model).expanduser()
     ref = None if path.exists() else hub.gguf_ref(model)
     if ref is not None:  # hf.co/ORG/REPO[:QUANT]: the file from the hub (its cache), then as any GGUF
-        path = hub.fetch(*ref)
+        title = f"downloading {ref[0]}:{ref[1]}"
+        with progress(title) if progress else nullcontext() as update:
+            path = hub.fetch(*ref, hub.sizes(update, title))
         try:
             return str(gguf_files.ensure_prepared(path, progress)), f"{ref[0]}:{ref[1]}", path
         except gguf_files.BadGGUF as exc:
