@@ -20,12 +20,12 @@ import fcntl
 import hashlib
 import json
 import re
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from ladechat.engine.load.progress import Report
 from ladechat.errors import UserError
 from ladechat.paths import cache_root
 
@@ -39,9 +39,6 @@ PART = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 QUANT_NAME = re.compile(r"(?<![A-Za-z0-9])((?:I?Q\d+(?:_[A-Z0-9]+)*)|F16|BF16|F32)(?![A-Za-z0-9])", re.IGNORECASE)
 SAFE_PATH = re.compile(r"^[\w.+-]+(?:/[\w.+-]+)*$")  # a repo file's path as the cache takes it
 HASH_CHUNK = 1 << 24
-REPORT_EVERY = 0.25  # seconds between two reports of a download's progress
-
-Report = Callable[[int, int], None]  # (bytes done, bytes in all)
 
 
 class HubError(UserError):
@@ -139,13 +136,6 @@ def listing(repo: str) -> list[HubFile]:
     return [HubFile(e.path, e.size, e.lfs.sha256 if getattr(e, "lfs", None) else None)
             for e in entries if getattr(e, "size", None) is not None and SAFE_PATH.match(e.path)
             and ".." not in e.path.split("/")]
-
-
-def sizes(update: Callable[[str], None] | None, title: str) -> Report | None:
-    """report(done, total) that shows "title: 1.2 / 4.1 GB" through a phase's update(text)."""
-    if update is None:
-        return None
-    return lambda done, total: update(f"{title}: {done / 1e9:.2f} / {total / 1e9:.2f} GB")
 
 
 def hub_folder() -> Path:
@@ -270,17 +260,13 @@ def _get(repo: str, file: HubFile, partial: Path, have: int, digest: list, repor
 
 
 def _write(response, partial: Path, have: int, size: int, digest: list, report: Report | None) -> None:
-    last = 0.0
     with open(partial, "ab" if have else "wb") as out:
         for chunk in response.iter_bytes(1 << 20):
             out.write(chunk)
             digest[0].update(chunk)
             have += len(chunk)
-            if report is not None and time.monotonic() - last >= REPORT_EVERY:
+            if report is not None:
                 report(have, size)
-                last = time.monotonic()
-    if report is not None:
-        report(have, size)
 
 
 def _cached(repo: str, quant: str, why: str) -> Path:

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from ladechat.engine.load import checkpoint, hub, memory, requantize
+from ladechat.engine.load.progress import sized
 from ladechat.engine.load.gguf import files as gguf_files
 from ladechat.engine.load.gguf import head, quantized
 from ladechat.engine.load.spec import LoadError, LoadSpec
@@ -34,7 +35,7 @@ def locate(model: str | None, progress) -> tuple[str, str, Path | None]:
     if ref is not None:  # hf.co/ORG/REPO[:QUANT]: the file from the hub (its cache), then as any GGUF
         title = f"downloading {ref[0]}:{ref[1]}"
         with progress(title) if progress else nullcontext() as update:
-            path = hub.fetch(*ref, hub.sizes(update, title))
+            path = hub.fetch(*ref, sized(update, title))
         try:
             return str(gguf_files.ensure_prepared(path, progress)), f"{ref[0]}:{ref[1]}", path
         except gguf_files.BadGGUF as exc:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 
+from ladechat.engine.load.progress import sized
 from ladechat.errors import ModelNotFound, UserError
 from ladechat.paths import cache_root
 
@@ -340,11 +341,19 @@ def read_tensors(model, gguf: Path, index: dict, dtype, device, wanted: set[str]
     mapping = {where["name"]: name for name, where in index["tensors"].items()}
     parsed: dict = {"config": config, "tensors": {}}
     state = {}
-    status = progress(f"Reading the weights of {gguf.name}") if progress else nullcontext()
-    with status:
+    title = f"Reading the weights of {gguf.name}"
+    status = progress(title) if progress else nullcontext()
+    with status as update:
+        report = sized(update, title)
+        total = sum(int(np.prod(where["shape"])) * np.dtype(where["dtype"]).itemsize
+                    for name, where in index["tensors"].items() if name in wanted)
+        done = 0
         for name, where in index["tensors"].items():
             if name not in wanted:
                 continue
+            if report is not None:
+                report(done, total)
+            done += int(np.prod(where["shape"])) * np.dtype(where["dtype"]).itemsize
             kind = GGMLQuantizationType(where["type"])
             try:
                 blocks = np.memmap(gguf, dtype=np.dtype(where["dtype"]), mode="r", offset=where["offset"],

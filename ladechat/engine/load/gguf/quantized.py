@@ -34,6 +34,7 @@ import torch
 
 from ladechat.engine.kernels import attention, half, int4, native, q4, q6, q8
 from ladechat.engine.kernels.int4 import Int4Error, Int4Linear, check_shape
+from ladechat.engine.load.progress import Report, sized
 from ladechat.engine.load import joined
 from ladechat.engine.models.llama import JOINED
 
@@ -54,13 +55,15 @@ def cache_path(folder: Path) -> Path:
     return Path(folder) / f"{CACHE_PREFIX}{source_digest(*readers)}.safetensors"
 
 
-def read_gguf(gguf_path: Path, model, folder: Path) -> tuple[dict[str, torch.Tensor], list[str], dict[str, str]]:
+def read_gguf(gguf_path: Path, model, folder: Path, report: Report | None = None
+              ) -> tuple[dict[str, torch.Tensor], list[str], dict[str, str]]:
     """The kernels' form of every BLOCK_KINDS tensor of `gguf_path` that is a plain Linear weight of
     `model` (built from the file's config, its weights empty or not), a Q8_0 output layer aside:
     ({module.buffer: q4.layout's tiles/scales/lows, q6.layout's tiles/d, q8.kernel_layout's
     tiles/scales or half.py's halves}, notices, {module: block type}). A tensor
     that cannot run so keeps its dense weight, with a notice when that is a surprise (a corrupt
-    block, rows transformed on loading), none for the types that have no kernel."""
+    block, rows transformed on loading), none for the types that have no kernel. report(done,
+    total): the blocks' bytes laid out so far."""
     from ladechat.engine.load.gguf import files as gguf_files
 
     index = gguf_files.tensor_index(model, gguf_path, folder)  # its names: transformers' map takes seconds
@@ -93,7 +96,11 @@ def read_gguf(gguf_path: Path, model, folder: Path) -> tuple[dict[str, torch.Ten
             continue
         jobs.append((name, tensor, kind, module_name, linear.out_features, linear.in_features))
     places = tiles_in_one_allocation(jobs)
+    total, done = sum(int(job[1].n_bytes) for job in jobs), 0
     for name, tensor, kind, module_name, rows, cols in jobs:
+        if report is not None:
+            report(done, total)
+        done += int(tensor.n_bytes)
         try:
             buffers = kernel_form(kind, np.asarray(tensor.data), rows, cols,
                                   lambda: gguf_files.row_order(processor, tensor.name, rows),  # noqa: B023 (called at once)
@@ -239,14 +246,15 @@ def apply(model, gguf_path: Path, folder: Path, kernels: Path | None,
     kernel_notices, path_here = kernel_path(gguf_path, kernels, progress, compiler)
     path = cache_path(folder)
     if not (path.is_file() and kept.whole(path)):  # a file cut short (a full disk, a crash): read afresh
-        status = progress(f"Reading the quantized blocks of {Path(gguf_path).name} (one time)") if progress \
+        status = progress(f"Laying out the quantized blocks of {Path(gguf_path).name} (one time)") if progress \
             else nullcontext()
-        with status:
+        with status as update:
             try:
                 # a corrupt block's NaN or inf scales are found and refused one by one (a notice
                 # each), not numpy's warnings on the way
                 with np.errstate(all="ignore"):
-                    arrays, notices, kinds = read_gguf(Path(gguf_path), model, Path(folder))
+                    arrays, notices, kinds = read_gguf(Path(gguf_path), model, Path(folder), sized(
+                        update, f"Laying out the quantized blocks of {Path(gguf_path).name} (one time)"))
                 arrays = joined.join_in_place(arrays)  # q/k/v and gate/up kept together: one product each in a step
             except (ValueError, KeyError, IndexError, OSError, EOFError, gguf_files.BadGGUF) as exc:
                 detail = " ".join(str(exc).split()) or type(exc).__name__

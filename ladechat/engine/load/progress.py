@@ -1,0 +1,30 @@
+"""A slow phase's line as it goes: the progress(message) contexts the loaders take give
+update(text) (ui/phase.py's spinner, and a warm server's phases, which pass it on to the command),
+and `sized` turns bytes done and in all into that line, a few times a second at most."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+EVERY = 0.25  # seconds between two updates of the line
+
+Report = Callable[[int, int], None]  # (bytes done, bytes in all)
+
+
+def sized(update: Callable[[str], None] | None, title: str) -> Report | None:
+    """report(done, total) that shows "title: 1.20 / 4.10 GB" (under a gigabyte: "88 / 105 MB")
+    through update (None: nothing to show)."""
+    if update is None:
+        return None
+    last = [float("-inf")]
+
+    def report(done: int, total: int) -> None:
+        now = time.monotonic()
+        if done < total and now - last[0] < EVERY:
+            return
+        last[0] = now
+        update(f"{title}: {done / 1e9:.2f} / {total / 1e9:.2f} GB" if total >= 1e9 else
+               f"{title}: {done / 1e6:.0f} / {total / 1e6:.0f} MB")
+
+    return report
