@@ -543,13 +543,9 @@ def pull(model: HubModel) -> None:
     """Download a GGUF from the Hugging Face hub into its cache (resumed where a download stopped,
     checked against the hub's sha256); --model takes the same name."""
     from ladechat.engine.load import hub
-    from ladechat.engine.load.progress import sized
 
-    ref = _hub_ref(model)
     err = stderr_console()
-    title = f"downloading {ref[0]}:{ref[1]}"
-    with _spinner(err)(title) as update:
-        path = hub.fetch(*ref, sized(update, title), refresh=True)
+    path = hub.fetch_shown(*_hub_ref(model), _spinner(err), refresh=True)
     err.print(f"{escape(model)}: {path.stat().st_size / 1e9:.2f} GB at {escape(str(path))}", highlight=False)
 
 

@@ -124,7 +124,12 @@ class Settings(BaseModel):
         return self._engine(LookaheadConfig)
 
     def sampling_config(self) -> SamplingConfig:
-        return self._engine(SamplingConfig)
+        return dataclasses.replace(self._engine(SamplingConfig), stop=self.stop_strings())
+
+    def stop_strings(self) -> tuple[str, ...]:
+        """The stop strings that end an answer: none in an answer held to a format (the document's
+        end ends it, not a stop string inside it)."""
+        return () if self.format is not None else self.stop
 
     def _engine(self, config: type):
         """One of the engine's configs, from the fields it shares with these settings (the rest keep

@@ -27,7 +27,7 @@ def fake_hub(tmp_path, monkeypatch):
     env = {"HF_ENDPOINT": served.url, "HF_HOME": str(tmp_path / "hf"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    import huggingface_hub.constants as constants
+    from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "ENDPOINT", served.url)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
@@ -37,7 +37,7 @@ def fake_hub(tmp_path, monkeypatch):
 
 
 def run(hub_env: dict, *args, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run([ladechat_bin(), *args], capture_output=True, text=True, env=hub_env, timeout=timeout)
+    return subprocess.run([ladechat_bin(), *args], capture_output=True, text=True, env=hub_env, timeout=timeout, check=False)
 
 
 def test_a_hub_gguf_is_downloaded_checked_and_found_again_offline(fake_hub, monkeypatch):
@@ -47,7 +47,7 @@ def test_a_hub_gguf_is_downloaded_checked_and_found_again_offline(fake_hub, monk
     assert path.name == FILE and hashlib.sha256(path.read_bytes()).digest() == hashlib.sha256(data).digest()
     with pytest.raises(hub.HubError, match=r"has no Q4_K_M GGUF \(it has: Q4_1, Q8_0\)"):
         hub.fetch(REPO, "Q4_K_M")  # hf.co/REPO alone asks for Q4_K_M
-    import huggingface_hub.constants as constants
+    from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     asked = len(fake_hub.requests)

@@ -177,8 +177,6 @@ class Bot:
             yield Notice(dropped_notice(dropped, "model's"))
         room = self.loaded.context_length - len(ids)
         sampling = self.settings.sampling_config()
-        if self.settings.format is not None:  # the document's end ends the answer, not a stop string in it
-            sampling = replace(sampling, stop=())
         if sampling.max_new_tokens > room:
             sampling = replace(sampling, max_new_tokens=room)
         grown = self.session.grows_for(len(ids) + sampling.max_new_tokens)

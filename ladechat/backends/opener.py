@@ -52,15 +52,12 @@ def from_hub(spec: Spec, progress: Progress) -> Spec:
     first where it is not (its sizes in the phase's line): a warm server, started detached, never
     downloads, so Ctrl-C stops a download and the progress shows where the command runs."""
     from ladechat.engine.load import hub
-    from ladechat.engine.load.progress import sized
 
     model = spec.load.model
     ref = hub.gguf_ref(model) if model is not None and not os.path.exists(os.path.expanduser(model)) else None
     if ref is None:
         return spec
-    title = f"downloading {ref[0]}:{ref[1]}"
-    with progress(title) as update:
-        return spec.with_model(str(hub.fetch(*ref, sized(update, title))))
+    return spec.with_model(str(hub.fetch_shown(*ref, progress)))
 
 
 def warm_bot(spec: Spec, progress: Progress, start: bool = True, again: Progress | None = None):

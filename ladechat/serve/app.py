@@ -348,7 +348,7 @@ class Api:
         calls = Calls(tooling)
         if not text:
             yield {"data": _json(chunk(rid, {"role": "assistant", "content": ""}))}
-        pieces = TextStream(stops(job.settings))
+        pieces = TextStream(job.settings.stop_strings())
         try:
             async for event in job.events():
                 if isinstance(event, Piece):
@@ -393,27 +393,20 @@ class Api:
             raise answer
         done, whole = answer
         stats = done.stats
-        ext = {"ladechat": {"token_ids": list(done.text_tokens), "stats": stats.as_dict()}}
+        calls = Calls(tooling)
+        content, _ = calls.add([(whole, False)], {}, final=True)
         if text:
-            return JSONResponse({
-                "id": rid, "object": "text_completion", "created": int(time.time()), "model": self.config.model_id,
-                "system_fingerprint": f"ladechat-{__version__}",
-                "choices": [{"index": 0, "text": whole, "logprobs": None, "finish_reason": FINISH[stats.finish_reason]}],
-                "usage": usage(stats), **ext})
-        message = {"role": "assistant", "content": whole}
-        finish = FINISH[stats.finish_reason]
-        if tooling is not None:
-            calls = Calls(tooling)
-            calls.add([(whole, False)], {}, final=True)
-            message = {"role": "assistant", "content": calls.content or None}
+            choice = {"text": content}
+        else:
+            message = {"role": "assistant", "content": content if tooling is None else content or None}
             if calls.sent:
                 message["tool_calls"] = [call.as_openai() for call in calls.sent]
-            finish = calls.finish_reason(stats)
+            choice = {"message": message}
         return JSONResponse({
-            "id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.config.model_id,
-            "system_fingerprint": f"ladechat-{__version__}",
-            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
-            "usage": usage(stats), **ext})
+            "id": rid, "object": "text_completion" if text else "chat.completion", "created": int(time.time()),
+            "model": self.config.model_id, "system_fingerprint": f"ladechat-{__version__}",
+            "choices": [{"index": 0, **choice, "logprobs": None, "finish_reason": calls.finish_reason(stats)}],
+            "usage": usage(stats), "ladechat": {"token_ids": list(done.text_tokens), "stats": stats.as_dict()}})
 
     async def answer(self, request: Request, job: Job):
         """(Done, the answer's text) once the job ends, or the ApiError it ended with."""
@@ -422,7 +415,7 @@ class Api:
                 pass
             job.stop.set()
 
-        text = TextStream(stops(job.settings))
+        text = TextStream(job.settings.stop_strings())
         done = failed = None
         async with anyio.create_task_group() as group:
             group.start_soon(watch)
@@ -468,14 +461,12 @@ class Calls:
         self.tooling = tooling
         self.reader = tooling.reader() if tooling is not None else None
         self.sent: list = []  # the ToolCalls sent
-        self.content = ""
 
     def add(self, segments: list[tuple[str, bool]], ext: dict, final: bool = False) -> tuple[str, list[dict]]:
         """(the content to send now, tool_calls deltas), from the segments TextStream released; the
         segments in `ext` become the content's own where some text was read as calls."""
         text = "".join(s for s, _ in segments)
         if self.reader is None:
-            self.content += text
             return text, []
         content, calls = self.reader.add(text)
         if final:
@@ -484,7 +475,6 @@ class Calls:
         calls = self.tooling.taken(calls, len(self.sent))
         deltas = [call.as_openai(len(self.sent) + i) for i, call in enumerate(calls)]
         self.sent += calls
-        self.content += content
         if "segments" in ext and content != text:
             ext["segments"] = [[content, False]] if content else []
         return content, deltas
@@ -493,12 +483,6 @@ class Calls:
         if self.sent and stats.finish_reason in ("eos", "stop"):
             return "tool_calls"
         return FINISH[stats.finish_reason]
-
-
-def stops(settings: Settings) -> tuple[str, ...]:
-    """The stop strings that end an answer's text: none inside a document or forced calls (the
-    engine ignores them there too: backends/local.py)."""
-    return () if settings.format is not None else settings.stop
 
 
 def _json(obj) -> str:

@@ -165,7 +165,7 @@ class _TooManyObjects(Exception):
     pass
 
 
-def parse_request(body: bytes, kind: type[BaseModel] = ChatRequest):
+def parse_request(body: bytes, shape: type[BaseModel] = ChatRequest):
     """The request in `body` (ApiError 400 for what is wrong with it, in the client's terms).
     json.loads counts the objects as it goes, so a body of many small objects is refused before
     pydantic (which holds the GIL while it validates) builds them."""
@@ -190,7 +190,7 @@ def parse_request(body: bytes, kind: type[BaseModel] = ChatRequest):
         kind = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
         raise ApiError(400, f"the request body must be a JSON object, got {kind.get(type(data), 'null')}")
     try:
-        req = kind.model_validate(data)
+        req = shape.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc) from None
     if req.n != 1:

@@ -211,11 +211,11 @@ class CallReader:
         head = self.text.lstrip()
         if self.sent == 0 and not self.calls:
             opening = "[" if fmt.listed else "{"
-            maybe = fmt.open.startswith(head) or head.startswith(fmt.open) or head.startswith(opening) or not head
+            maybe = fmt.open.startswith(head) or head.startswith((fmt.open, opening))
             if maybe and not final:
                 return "", []
             if maybe and final:
-                calls = self._parse_whole(head[len(fmt.open):] if head.startswith(fmt.open) else head)
+                calls = self._parse_whole(head.removeprefix(fmt.open))
                 if calls is not None:
                     self.sent = len(self.text)
                     return "", [self._new(call) for call in calls]

@@ -21,11 +21,11 @@ import hashlib
 import json
 import re
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-from ladechat.engine.load.progress import Report
+from ladechat.engine.load.progress import Report, sized
 from ladechat.errors import UserError
 from ladechat.paths import cache_root
 
@@ -119,6 +119,13 @@ def fetch(repo: str, quant: str, report: Report | None = None, refresh: bool = F
         paths.append(download(repo, f, None if report is None else lambda n, _, base=done: report(base + n, total)))
         done += f.size
     return paths[0] if len(paths) == 1 else joined(paths)
+
+
+def fetch_shown(repo: str, quant: str, progress, refresh: bool = False) -> Path:
+    """fetch, in a progress(message) phase whose line shows the sizes (progress None: nothing shown)."""
+    title = f"downloading {repo}:{quant}"
+    with progress(title) if progress else nullcontext() as update:
+        return fetch(repo, quant, sized(update, title), refresh)
 
 
 def listing(repo: str) -> list[HubFile]:

@@ -5,14 +5,12 @@ checkpoint's safetensors by name), with one line for whatever a user can fix."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from ladechat.engine.load import checkpoint, hub, memory, requantize
-from ladechat.engine.load.progress import sized
 from ladechat.engine.load.gguf import files as gguf_files
 from ladechat.engine.load.gguf import head, quantized
 from ladechat.engine.load.spec import LoadError, LoadSpec
@@ -33,9 +31,7 @@ def locate(model: str | None, progress) -> tuple[str, str, Path | None]:
     path = Path(model).expanduser()
     ref = None if path.exists() else hub.gguf_ref(model)
     if ref is not None:  # hf.co/ORG/REPO[:QUANT]: the file from the hub (its cache), then as any GGUF
-        title = f"downloading {ref[0]}:{ref[1]}"
-        with progress(title) if progress else nullcontext() as update:
-            path = hub.fetch(*ref, sized(update, title))
+        path = hub.fetch_shown(*ref, progress)
         try:
             return str(gguf_files.ensure_prepared(path, progress)), f"{ref[0]}:{ref[1]}", path
         except gguf_files.BadGGUF as exc:

@@ -345,15 +345,15 @@ def read_tensors(model, gguf: Path, index: dict, dtype, device, wanted: set[str]
     status = progress(title) if progress else nullcontext()
     with status as update:
         report = sized(update, title)
-        total = sum(int(np.prod(where["shape"])) * np.dtype(where["dtype"]).itemsize
-                    for name, where in index["tensors"].items() if name in wanted)
-        done = 0
+        sizes = {name: int(np.prod(where["shape"])) * np.dtype(where["dtype"]).itemsize
+                 for name, where in index["tensors"].items() if name in wanted}
+        total, done = sum(sizes.values()), 0
         for name, where in index["tensors"].items():
             if name not in wanted:
                 continue
             if report is not None:
                 report(done, total)
-            done += int(np.prod(where["shape"])) * np.dtype(where["dtype"]).itemsize
+            done += sizes[name]
             kind = GGMLQuantizationType(where["type"])
             try:
                 blocks = np.memmap(gguf, dtype=np.dtype(where["dtype"]), mode="r", offset=where["offset"],

@@ -246,15 +246,14 @@ def apply(model, gguf_path: Path, folder: Path, kernels: Path | None,
     kernel_notices, path_here = kernel_path(gguf_path, kernels, progress, compiler)
     path = cache_path(folder)
     if not (path.is_file() and kept.whole(path)):  # a file cut short (a full disk, a crash): read afresh
-        status = progress(f"Laying out the quantized blocks of {Path(gguf_path).name} (one time)") if progress \
-            else nullcontext()
+        title = f"Laying out the quantized blocks of {Path(gguf_path).name} (one time)"
+        status = progress(title) if progress else nullcontext()
         with status as update:
             try:
                 # a corrupt block's NaN or inf scales are found and refused one by one (a notice
                 # each), not numpy's warnings on the way
                 with np.errstate(all="ignore"):
-                    arrays, notices, kinds = read_gguf(Path(gguf_path), model, Path(folder), sized(
-                        update, f"Laying out the quantized blocks of {Path(gguf_path).name} (one time)"))
+                    arrays, notices, kinds = read_gguf(Path(gguf_path), model, Path(folder), sized(update, title))
                 arrays = joined.join_in_place(arrays)  # q/k/v and gate/up kept together: one product each in a step
             except (ValueError, KeyError, IndexError, OSError, EOFError, gguf_files.BadGGUF) as exc:
                 detail = " ".join(str(exc).split()) or type(exc).__name__
