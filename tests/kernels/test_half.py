@@ -50,11 +50,11 @@ def test_products_are_the_fp32_rows_times_the_exact_weights(kernel, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_every_row_count_gives_each_row_its_own_bits(kernel, dtype):
-    from test_q4 import assert_each_row_its_own
+    from test_q4 import STEP_ROWS, assert_each_row_its_own
 
     w = weights(48, 256, dtype, seed=5)
     assert_each_row_its_own(lambda path: half.HalfLinear(w, path=path),
-                            torch.randn(11, 256, generator=torch.Generator().manual_seed(5)))
+                            torch.randn(STEP_ROWS, 256, generator=torch.Generator().manual_seed(5)))
 
 
 def test_a_row_is_the_same_alone_among_many_and_on_any_thread_count(kernel):

@@ -101,11 +101,11 @@ def test_products_are_the_int8_rows_times_the_exact_weights(kernel):
 
 
 def test_every_row_count_gives_each_row_its_own_bits(kernel):
-    from test_q4 import assert_each_row_its_own
+    from test_q4 import STEP_ROWS, assert_each_row_its_own
 
     tiles = q6.layout(*random_layer(48, 256, seed=5))
     assert_each_row_its_own(lambda path: q6.Q6Linear(*tiles, path=path),
-                            torch.randn(11, 256, generator=torch.Generator().manual_seed(5)))
+                            torch.randn(STEP_ROWS, 256, generator=torch.Generator().manual_seed(5)))
 
 
 def test_a_row_is_the_same_alone_among_many_and_on_any_thread_count(kernel):

@@ -84,11 +84,11 @@ def int8_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def test_every_row_count_gives_each_row_its_own_bits(kernel):
-    from test_q4 import assert_each_row_its_own
+    from test_q4 import STEP_ROWS, assert_each_row_its_own
 
     tiles = q8.kernel_layout(*random_layer(48, 96, seed=5))
     assert_each_row_its_own(lambda path: q8.Q8Linear(*tiles, path=path),
-                            torch.randn(11, 96, generator=torch.Generator().manual_seed(5)))
+                            torch.randn(STEP_ROWS, 96, generator=torch.Generator().manual_seed(5)))
 
 
 def test_a_row_is_the_same_alone_among_many_and_on_any_thread_count(kernel):

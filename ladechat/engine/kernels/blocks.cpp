@@ -115,7 +115,11 @@ constexpr int Q6_TILE = Q4_TILE + OUT * GROUP / 4 + 2 * OUT;  // bytes: 416
 constexpr int Q6_SUPER = 8;                  // groups per d (256 inputs); Q4_K's d and dmin too
 constexpr int K_SCALE_BYTES = OUT + 8;       // a group's share of sc and m in the Q4_K form: 6 bits each
 constexpr int64_t QUANTIZE_GRAIN = 16;       // rows quantized per thread: a step's few rows on one
-constexpr int ROWS_AT_ONCE = 4;              // rows of a tile in registers at once (by_rows)
+constexpr int ROWS_AT_ONCE = 4;              // rows of a tile in registers at once (AVX2's 16 registers)
+// The same with AVX-512's 32: 12 rows' sums, a group's 8 code vectors and its scale and low. A step's
+// rows in one pass keep their arithmetic under the weights' streaming, where a second pass over a
+// tile in cache had it after.
+constexpr int VNNI_ROWS = 12;
 constexpr int64_t PREFETCH_BYTES = 4096;     // how far ahead of its reads a kernel asks for the codes
 constexpr int64_t CHUNK_BYTES = 1 << 18;     // weights a thread takes at a time (for_tiles)
 
@@ -489,7 +493,7 @@ struct KForm {
   }
 };
 
-// The kernels take R rows of a tile at once (R = ROWS_AT_ONCE, then what is left), each row's 16
+// The kernels take R rows of a tile at once (R up to MOST_ROWS, then what is left), each row's 16
 // outputs in registers over all K inputs: a group's codes are loaded (and for Q4 unpacked) once
 // for the R rows, and the rows' sums never go through memory. The float steps per row are the
 // portable path's, in its order.
@@ -497,6 +501,7 @@ struct KForm {
 // TOP: a Q5 tile (codes 0..31: Q4's nibbles and a plane of top bits), else Q4's.
 template <typename Form, bool TOP = false>
 struct Q4Vnni {
+  static constexpr int MOST_ROWS = VNNI_ROWS;
   static constexpr int TILE = TOP ? Q5_TILE : Q4_TILE;
   template <int R>
   __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni")))
@@ -535,6 +540,7 @@ struct Q4Vnni {
 // The same arithmetic in two halves of 8 outputs.
 template <typename Form, bool TOP = false>
 struct Q4Avx2 {
+  static constexpr int MOST_ROWS = ROWS_AT_ONCE;
   static constexpr int TILE = TOP ? Q5_TILE : Q4_TILE;
   template <int R>
   __attribute__((target("avx2,fma,f16c")))
@@ -607,6 +613,7 @@ void q4_tile_portable(const Rows& x, const Tile& w, float* acc) {
 
 #ifdef LADECHAT_X86
 struct Q8Vnni {
+  static constexpr int MOST_ROWS = VNNI_ROWS;
   template <int R>
   __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni")))
   static void rows(const Rows& x, const Tile& w, int64_t m0, float* acc) {
@@ -644,6 +651,7 @@ struct Q8Vnni {
 };
 
 struct Q8Avx2 {
+  static constexpr int MOST_ROWS = ROWS_AT_ONCE;
   template <int R>
   __attribute__((target("avx2,fma,f16c")))
   static void rows(const Rows& x, const Tile& w, int64_t m0, float* acc) {
@@ -700,6 +708,7 @@ void q8_tile_portable(const Rows& x, const Tile& w, float* acc) {
 // Q6: the 6-bit codes from a tile's nibbles and top bits, per 4 inputs c (0..7), as Q4's q[c].
 #ifdef LADECHAT_X86
 struct Q6Vnni {
+  static constexpr int MOST_ROWS = VNNI_ROWS;
   template <int R>
   __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni")))
   static void rows(const Rows& x, const Tile& w, int64_t m0, float* acc) {
@@ -745,6 +754,7 @@ struct Q6Vnni {
 };
 
 struct Q6Avx2 {
+  static constexpr int MOST_ROWS = ROWS_AT_ONCE;
   template <int R>
   __attribute__((target("avx2,fma,f16c")))
   static void rows(const Rows& x, const Tile& w, int64_t m0, float* acc) {
@@ -820,18 +830,22 @@ void q6_tile_portable(const Rows& x, const Tile& w, float* acc) {
   }
 }
 
-// A tile for all M rows: ROWS_AT_ONCE at a time, then the 1-3 left.
+// The kernel of a tile for `left` rows (1..R), its row count a compile-time constant.
+template <typename Kernel, int R>
+void rows_left(const Rows& x, const Tile& w, int64_t m, int64_t left, float* acc) {
+  if constexpr (R > 0) {
+    if (left == R) Kernel::template rows<R>(x, w, m, acc);
+    else rows_left<Kernel, R - 1>(x, w, m, left, acc);
+  }
+}
+
+// A tile for all M rows: Kernel::MOST_ROWS at a time, then the rest in one pass.
 template <typename Kernel>
 void by_rows(const Rows& x, const Tile& w, float* acc) {
-  static_assert(ROWS_AT_ONCE == 4, "the rest below is 1-3 rows");
+  constexpr int most = Kernel::MOST_ROWS;
   int64_t m = 0;
-  for (; m + ROWS_AT_ONCE <= x.M; m += ROWS_AT_ONCE) Kernel::template rows<ROWS_AT_ONCE>(x, w, m, acc);
-  switch (x.M - m) {
-    case 1: Kernel::template rows<1>(x, w, m, acc); break;
-    case 2: Kernel::template rows<2>(x, w, m, acc); break;
-    case 3: Kernel::template rows<3>(x, w, m, acc); break;
-    default: break;
-  }
+  for (; m + most <= x.M; m += most) Kernel::template rows<most>(x, w, m, acc);
+  rows_left<Kernel, most - 1>(x, w, m, x.M - m, acc);
 }
 
 using TileKernel = void (*)(const Rows&, const Tile&, float*);
