@@ -337,8 +337,8 @@ def test_the_loaded_model_plans_with_a_saved_envelope(tmp_path, monkeypatch):
 
 
 def test_the_first_use_measures_the_step_costs_under_a_progress_message(tmp_path, monkeypatch):
-    """A chat's first use on a machine measures the curves (seconds) with a progress message; later
-    ones read them, silently."""
+    """A chat's first use on a machine measures the curves (seconds) with a progress message that
+    says how far it is; later ones read them, silently."""
     from contextlib import contextmanager
 
     from ladechat.backends import opener
@@ -347,7 +347,7 @@ def test_the_first_use_measures_the_step_costs_under_a_progress_message(tmp_path
     from ladechat.settings import Settings
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    measured, shown = [], []
+    measured, shown, lines = [], [], []
     real_measure = step_cost_module.measure
     monkeypatch.setattr(step_cost_module, "measure",
                         lambda *a, **k: measured.append(shown[-1] if shown else None) or real_measure(*a, **k))
@@ -355,7 +355,7 @@ def test_the_first_use_measures_the_step_costs_under_a_progress_message(tmp_path
     @contextmanager
     def progress(message):
         shown.append(message)
-        yield
+        yield lines.append
 
     model = tiny_model("llama")
     tokenizer = None
@@ -364,6 +364,12 @@ def test_the_first_use_measures_the_step_costs_under_a_progress_message(tmp_path
     opener.bot_for(loaded, Settings(), compile=False, progress=progress)
     assert shown == ["measuring what a step costs on this machine (one time: seconds, half a minute for a 7B on 2 cores)"]
     assert measured == [shown[0]] * len(CONTEXTS)  # every curve measured while the message showed
+    title = "measuring what a step costs on this machine (one time): "
+    assert lines[:2] == [f"{title}after {CONTEXTS[0]} cached tokens, a step of 1 row",
+                         f"{title}after {CONTEXTS[0]} cached tokens, a step of 2 rows"]
+    curve = cost_envelope.cost_model(loaded).measured.curves[CONTEXTS[0]]
+    assert f"{title}after {CONTEXTS[0]} cached tokens, round 1 of 5 over {len(curve)} sizes" in lines
+    assert lines[-1].startswith(f"{title}after {CONTEXTS[-1]} cached tokens, round ")
     assert cost_envelope.costs_measured(loaded)
     opener.bot_for(loaded, Settings(), compile=False, progress=progress)
     assert len(shown) == 1 and len(measured) == len(CONTEXTS)

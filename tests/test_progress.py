@@ -1,6 +1,7 @@
 """A slow phase's line as it goes (engine/load/progress.py): the sizes a first use shows while it
-lays out a GGUF's blocks or reads its weights, through the update(text) that ui/phase.py's spinner
-gives."""
+lays out a GGUF's blocks or reads its weights, and the part of the config and tokenizer it reads,
+through the update(text) that ui/phase.py's spinner gives (the step-cost measurement's rounds:
+tests/test_cost_envelope.py)."""
 
 import io
 
@@ -43,3 +44,29 @@ def test_a_first_use_shows_the_blocks_laid_out_so_far(tmp_path):
     title = "Laying out the quantized blocks of tiny.gguf (one time)"
     sizes = [line for line in lines if line.startswith(title + ": ")]
     assert lines[0] == title and sizes and sizes[0].startswith(title + ": 0 / ") and sizes[0].endswith(" MB")
+
+
+def test_a_first_use_says_which_part_of_the_config_and_tokenizer_it_reads(tmp_path, monkeypatch):
+    import json
+    from contextlib import contextmanager
+
+    from test_int4 import write_tiny_gguf
+
+    from ladechat.engine.load.gguf import files
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    lines: list[str] = []
+
+    @contextmanager
+    def progress(message):
+        lines.append(message)
+        yield lines.append
+
+    files.ensure_prepared(gguf, progress)
+    title = "Reading the config and tokenizer of tiny.gguf (one time)"
+    vocabulary = json.loads((files.prepared_dir(gguf) / "config.json").read_text())["vocab_size"]
+    assert lines == [title, f"{title}: the metadata", f"{title}: the tokenizer ({vocabulary:,} tokens)",
+                     f"{title}: writing them"]
+    files.ensure_prepared(gguf, progress)  # prepared: nothing to read, nothing shown
+    assert len(lines) == 4

@@ -119,8 +119,9 @@ def bot_for(loaded, settings, compile: bool, progress: Progress, on_model_thread
     from ladechat.paths import cache_root
 
     if not compile and not cost_envelope.costs_measured(loaded):  # the first use on this machine (or of this version)
-        with progress("measuring what a step costs on this machine (one time: seconds, half a minute for a 7B on 2 cores)"):
-            cost_envelope.cost_model(loaded)
+        title = "measuring what a step costs on this machine"
+        with progress(f"{title} (one time: seconds, half a minute for a 7B on 2 cores)") as update:
+            cost_envelope.cost_model(loaded, (lambda line: update(f"{title} (one time): {line}")) if update else None)
     bot = Bot(loaded, settings, compile=compile, store_root=cache_root())
     if compile:
         with progress("compiling the decoding steps (once per W/N/G)"):

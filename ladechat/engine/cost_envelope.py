@@ -42,7 +42,15 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ladechat.engine.step_cost import CONTEXTS, CostModel, cache_path, cached_cost_model, curve_paths, curves_cached
+from ladechat.engine.step_cost import (
+    CONTEXTS,
+    CostModel,
+    Report,
+    cache_path,
+    cached_cost_model,
+    curve_paths,
+    curves_cached,
+)
 
 DISAGREE = 0.85  # a size that could cost this much less than it is kept at is in doubt
 PROBE_EVERY = 8  # steps between probes, and a doubted size's first wait
@@ -235,10 +243,11 @@ def envelope_path(model, name: str, threads: int | None = None) -> Path:
     return cache_path(model, name, "envelope", list(CONTEXTS), threads=threads)
 
 
-def learned_cost_model(model, name: str, threads: int | None = None) -> CostEnvelope:
+def learned_cost_model(model, name: str, threads: int | None = None, report: Report | None = None) -> CostEnvelope:
     """The cost model a chat plans with: the measured one, lowered by what real steps cost on this
-    machine, saved beside it; kept for `threads` (step_cost.cache_path)."""
-    return CostEnvelope.load(cached_cost_model(model, name, threads), envelope_path(model, name, threads))
+    machine, saved beside it; kept for `threads` (step_cost.cache_path). report(line): how far a
+    measurement is (step_cost.measure)."""
+    return CostEnvelope.load(cached_cost_model(model, name, threads, report), envelope_path(model, name, threads))
 
 
 def kept_cost_model(model, name: str, threads: int | None = None) -> CostEnvelope | None:
@@ -283,10 +292,11 @@ def measured_curve(loaded) -> dict[int, float]:
     return cached_curve(loaded.model, loaded.name, threads=measuring_threads(loaded))
 
 
-def cost_model(loaded) -> CostEnvelope:
+def cost_model(loaded, report: Report | None = None) -> CostEnvelope:
     """Step cost against tokens fed and cached for a loaded model: measured once per model, device
-    and dtype, then read from the cache, and lowered by what the steps it plans really cost."""
-    return learned_cost_model(loaded.model, loaded.name, threads=measuring_threads(loaded))
+    and dtype, then read from the cache, and lowered by what the steps it plans really cost.
+    report(line): how far a measurement is."""
+    return learned_cost_model(loaded.model, loaded.name, measuring_threads(loaded), report)
 
 
 def costs_measured(loaded) -> bool:

@@ -13,6 +13,7 @@ import hashlib
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,8 @@ SLOW_REPS = 2
 # depends on how many keys it attends to, not on what they hold, and each computed token costs a
 # 7B's prefill a fraction of a second on 2 cores)
 PREFILLED = 8
+
+Report = Callable[[str], None]  # a line saying how far a measurement is (a phase's update)
 
 
 def time_step(runner, layout: StepLayout, past: int) -> float:
@@ -77,8 +80,8 @@ def chain(size: int) -> StepLayout:
     return build_layout([list(range(1, size + 1))], [])
 
 
-def measure(model, sizes=SIZES, context: int = 192, reps: int = 5, affordable: float | None = AFFORDABLE
-            ) -> dict[int, float]:
+def measure(model, sizes=SIZES, context: int = 192, reps: int = 5, affordable: float | None = AFFORDABLE,
+            report: Report | None = None) -> dict[int, float]:
     """Median seconds of one step feeding `s` tokens after `context` cached tokens, per size s: the
     sizes up to the first that costs `affordable` times the first (None: every size), found in a
     warm-up round (the faster of two steps of each size, one where every size is measured, and one
@@ -88,13 +91,15 @@ def measure(model, sizes=SIZES, context: int = 192, reps: int = 5, affordable: f
     The sizes take turns (1, 2, 4, ..., then 1, 2, 4, ... again) rather than running each size's
     repetitions back to back: a busy spell of the machine then inflates one repetition of every
     size instead of all repetitions of one, and the medians keep the curve's shape, which is all
-    the planner looks at."""
+    the planner looks at. report(line): told each size tried and each round (None: nothing)."""
+    tell = report or (lambda line: None)
     runner = default_runner(model)
     prefill_random(runner, context)
     layouts = {size: chain(size) for size in sizes}
     warm: dict[int, float] = {}
     trials = 1 if affordable is None else 2  # the faster of two: a busy spell must hit both to end the curve early
     for size in sizes:
+        tell(f"after {context} cached tokens, a step of {size} row{'s' * (size > 1)}")
         warm[size] = min(time_step(runner, layouts[size], context) for _ in range(trials))
         if affordable is not None and size > sizes[0] and warm[size] > affordable * warm[sizes[0]]:
             break
@@ -104,7 +109,8 @@ def measure(model, sizes=SIZES, context: int = 192, reps: int = 5, affordable: f
     if slow:  # the warm-up is one of the repetitions: a first step's one-time costs are small beside such a step
         reps = min(reps, SLOW_REPS)
     times: dict[int, list[float]] = {size: [warm[size]] if slow else [] for size in warm}
-    for _ in range(reps - slow):
+    for done in range(reps - slow):
+        tell(f"after {context} cached tokens, round {done + 1} of {reps - slow} over {len(warm)} sizes")
         for size in warm:
             times[size].append(time_step(runner, layouts[size], context))
     return {size: statistics.median(times[size]) for size in warm}
@@ -131,23 +137,24 @@ def measured_sizes(model) -> tuple[int, ...]:
 
 
 def cached_curve(model, name: str, context: int = 192, threads: int | None = None,
-                 shorter: dict[int, float] | None = None) -> dict[int, float]:
+                 shorter: dict[int, float] | None = None, report: Report | None = None) -> dict[int, float]:
     """The curve kept for `threads` (cache_path), else measured now, at torch's thread count now: at
     the sizes worth measuring (measure()), or from `shorter`, the curve after fewer cached tokens
-    (measure_beside())."""
+    (measure_beside()). report: as measure()'s."""
     sizes = measured_sizes(model)
     path = cache_path(model, name, list(sizes), context, threads=threads)
     try:
         return {int(k): float(v) for k, v in json.loads(path.read_text()).items()}
     except (OSError, ValueError):
         pass
-    curve = measure(model, sizes, context) if shorter is None else measure_beside(model, shorter, context)
+    curve = (measure(model, sizes, context, report=report) if shorter is None
+             else measure_beside(model, shorter, context, report))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(curve))
     return curve
 
 
-def measure_beside(model, shorter: dict[int, float], context: int) -> dict[int, float]:
+def measure_beside(model, shorter: dict[int, float], context: int, report: Report | None = None) -> dict[int, float]:
     """The curve after `context` cached tokens at the sizes of `shorter` (measured after fewer), from
     two steps measured here, its narrowest and its widest. What more cached tokens add to a step is
     attention over more keys: reading them once, and each row's products with them, so the addition
@@ -157,7 +164,7 @@ def measure_beside(model, shorter: dict[int, float], context: int) -> dict[int, 
     measured below nothing (noise) counts as nothing, so the curve errs high rather than low."""
     sizes = sorted(shorter)
     lo, hi = sizes[0], sizes[-1]
-    there = measure(model, tuple(dict.fromkeys((lo, hi))), context, affordable=None)
+    there = measure(model, tuple(dict.fromkeys((lo, hi))), context, affordable=None, report=report)
     at_lo, at_hi = (max(0.0, there[size] - shorter[size]) for size in (lo, hi))
     per_row = max(0.0, at_hi - at_lo) / (hi - lo) if hi > lo else 0.0
     return {size: shorter[size] + at_lo + per_row * (size - lo) for size in sizes}
@@ -202,11 +209,11 @@ def curves_cached(model, name: str, threads: int | None = None) -> bool:
     return all(path.is_file() for path in curve_paths(model, name, threads))
 
 
-def cached_cost_model(model, name: str, threads: int | None = None) -> CostModel:
+def cached_cost_model(model, name: str, threads: int | None = None, report: Report | None = None) -> CostModel:
     """This model's cost model on this device as measured: once per context length, then cached;
-    the longer contexts from the shortest (measure_beside)."""
-    first = cached_curve(model, name, CONTEXTS[0], threads)
-    return CostModel({CONTEXTS[0]: first} | {context: cached_curve(model, name, context, threads, shorter=first)
+    the longer contexts from the shortest (measure_beside). report: as measure()'s."""
+    first = cached_curve(model, name, CONTEXTS[0], threads, report=report)
+    return CostModel({CONTEXTS[0]: first} | {context: cached_curve(model, name, context, threads, first, report)
                                              for context in CONTEXTS[1:]})
 
 

@@ -84,10 +84,11 @@ def ensure_prepared(gguf: Path, progress: Callable[[str], AbstractContextManager
         return target
     check_header(gguf)
     shutil.rmtree(cache_root() / "models" / f"{gguf.stem}-{_file_key(gguf, '')}", ignore_errors=True)
-    status = progress(f"Reading the config and tokenizer of {gguf.name} (one time)") if progress else nullcontext()
-    with status:
+    title = f"Reading the config and tokenizer of {gguf.name} (one time)"
+    status = progress(title) if progress else nullcontext()
+    with status as update:
         try:
-            _prepare(gguf, target)
+            _prepare(gguf, target, (lambda part: update(f"{title}: {part}")) if update else None)
         except NotImplementedError:  # gguf-py or transformers: an architecture they do not map
             raise BadGGUF(unsupported_architecture(gguf)) from None
         except MemoryError:
@@ -148,12 +149,18 @@ def check_header(gguf: Path) -> None:
         raise BadGGUF(f"cannot read {gguf}: its header does not read (a corrupt file)") from None
 
 
-def _prepare(gguf: Path, target: Path) -> None:
+def _prepare(gguf: Path, target: Path, tell=None) -> None:
+    """The config and tokenizer of `gguf` written to `target`; tell(part): the part being done."""
+    tell = tell or (lambda part: None)
+    tell("the metadata")
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     with _metadata_parsed_once():
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        count = getattr(config, "vocab_size", None)
+        tell(f"the tokenizer ({count:,} tokens)" if isinstance(count, int) else "the tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tell("writing them")
     # the weights are read here, not by transformers' GGUF quantizer: a plain config
     config_dict = config.to_dict()
     config_dict.pop("quantization_config", None)
