@@ -264,8 +264,11 @@ struct Rows {
 // memory). Why: the hardware's prefetcher alone left each product waiting on memory, more so with
 // other ops between the products, as in a step (measured: BENCHMARKS.md). A prefetch never
 // faults, so the last groups may ask past the end of the weight.
+// Into the second-level cache (PREFETCHT1), not the first: a one-row step then streams at the
+// memory's rate, which into the first it did not (BENCHMARKS.md).
 // SCALE_BYTES, OTHER_BYTES: the bytes per group of w.scales and of per_output (for Q4_K's lows, one
 // eighth of a super-block's).
+constexpr int INTO_L2 = 2;  // __builtin_prefetch's locality for PREFETCHT1
 template <int TILE_BYTES, int SCALE_BYTES = OUT * 4, int OTHER_BYTES = OUT * 4>
 inline void prefetch_group(const Tile& w, const void* per_output, int64_t g) {
   constexpr int64_t ahead = PREFETCH_BYTES / TILE_BYTES;  // groups
@@ -273,16 +276,16 @@ inline void prefetch_group(const Tile& w, const void* per_output, int64_t g) {
   const auto at = [](const void* base, int64_t offset) {
     return reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(base) + offset);
   };
-  for (int line = 0; line < TILE_BYTES; line += 64) __builtin_prefetch(at(w.codes, (g + ahead) * TILE_BYTES + line), 0, 3);
-  __builtin_prefetch(at(w.scales, (g + ahead) * SCALE_BYTES), 0, 3);
-  if constexpr (OTHER_BYTES > 0) __builtin_prefetch(at(per_output, (g + ahead) * OTHER_BYTES), 0, 3);
+  for (int line = 0; line < TILE_BYTES; line += 64) __builtin_prefetch(at(w.codes, (g + ahead) * TILE_BYTES + line), 0, INTO_L2);
+  __builtin_prefetch(at(w.scales, (g + ahead) * SCALE_BYTES), 0, INTO_L2);
+  if constexpr (OTHER_BYTES > 0) __builtin_prefetch(at(per_output, (g + ahead) * OTHER_BYTES), 0, INTO_L2);
 }
 
 // The codes alone PREFETCH_BYTES ahead (Q6: its d, one per 8 groups, is left to the hardware).
 template <int TILE_BYTES>
 inline void prefetch_codes(const Tile& w, int64_t g) {
   const uintptr_t ahead = reinterpret_cast<uintptr_t>(w.codes) + g * TILE_BYTES + PREFETCH_BYTES;
-  for (int line = 0; line < TILE_BYTES; line += 64) __builtin_prefetch(reinterpret_cast<const char*>(ahead + line), 0, 3);
+  for (int line = 0; line < TILE_BYTES; line += 64) __builtin_prefetch(reinterpret_cast<const char*>(ahead + line), 0, INTO_L2);
 }
 
 #ifdef LADECHAT_X86
