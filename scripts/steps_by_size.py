@@ -89,7 +89,7 @@ def main() -> None:
                       f"{len(l_tokens) / l_seconds:5.1f}  ratio {ratios[-1]:.2f}"
                       f"{'' if l_tokens == p_tokens else '  (NOT the same tokens)'}", flush=True)
                 messages.append({"role": "assistant", "content": lm.tokenizer.decode(p_tokens, skip_special_tokens=True)})
-    print(f"per-item geomean {math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f}, "
+    print(f"per-{'turn' if args.all_turns else 'item'} geomean {math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f}, "
           f"{sum(r < 1 for r in ratios)} of {len(ratios)} slower")
     print("| tokens fed | steps | tokens/step | ms/step | of it, the forward pass |\n| --- | --- | --- | --- | --- |")
     for fed in sorted(sizes):

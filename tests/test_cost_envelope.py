@@ -5,6 +5,7 @@ known cost per step, so what the envelope learns does not depend on this machine
 
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -362,13 +363,15 @@ def test_the_first_use_measures_the_step_costs_under_a_progress_message(tmp_path
     loaded = LoadedModel(model, tokenizer, "tiny-llama", torch.device("cpu"), torch.float32, frozenset(), 512)
     assert not cost_envelope.costs_measured(loaded)
     opener.bot_for(loaded, Settings(), compile=False, progress=progress)
-    assert shown == ["measuring what a step costs on this machine (one time: seconds, half a minute for a 7B on 2 cores)"]
+    assert shown == ["measuring what a step costs on this machine (one time: seconds)"]
     assert measured == [shown[0]] * len(CONTEXTS)  # every curve measured while the message showed
     title = "measuring what a step costs on this machine (one time): "
     assert lines[:2] == [f"{title}after {CONTEXTS[0]} cached tokens, a step of 1 row",
                          f"{title}after {CONTEXTS[0]} cached tokens, a step of 2 rows"]
     curve = cost_envelope.cost_model(loaded).measured.curves[CONTEXTS[0]]
-    assert f"{title}after {CONTEXTS[0]} cached tokens, round 1 of 5 over {len(curve)} sizes" in lines
+    rounds = [line for line in lines if re.fullmatch(
+        rf"{re.escape(title)}after {CONTEXTS[0]} cached tokens, round \d+ of \d+ over {len(curve)} sizes", line)]
+    assert rounds and rounds[0].endswith(f"round 1 of {len(rounds)} over {len(curve)} sizes")  # 5, 1 on a slow machine
     assert lines[-1].startswith(f"{title}after {CONTEXTS[-1]} cached tokens, round ")
     assert cost_envelope.costs_measured(loaded)
     opener.bot_for(loaded, Settings(), compile=False, progress=progress)

@@ -120,7 +120,7 @@ def bot_for(loaded, settings, compile: bool, progress: Progress, on_model_thread
 
     if not compile and not cost_envelope.costs_measured(loaded):  # the first use on this machine (or of this version)
         title = "measuring what a step costs on this machine"
-        with progress(f"{title} (one time: seconds, half a minute for a 7B on 2 cores)") as update:
+        with progress(f"{title} (one time: seconds)") as update:
             cost_envelope.cost_model(loaded, (lambda line: update(f"{title} (one time): {line}")) if update else None)
     bot = Bot(loaded, settings, compile=compile, store_root=cache_root())
     if compile:

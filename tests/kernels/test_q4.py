@@ -217,6 +217,10 @@ def test_the_compact_forms_give_the_fp32_forms_bits(kernel):
             for count in (1, 2, 5):
                 for rows_in in (x[:count], x[:count].bfloat16()):
                     assert torch.equal(q4.Q4Linear(*d_form, path=path)(rows_in), q4.Q4Linear(*fp32, path=0)(rows_in))
+    # each compact form's kernels for every row count (one pass, two, and a row left), on every path
+    many = torch.randn(STEP_ROWS, cols, generator=generator)
+    for tiles in (half, k_form, d_form):
+        assert_each_row_its_own(lambda path, tiles=tiles: q4.Q4Linear(*tiles, path=path), many)
     layer = q4.Q4Linear(*k_form)
     assert torch.equal(layer.dense_weight(), q4.Q4Linear(*q4.layout(codes, k_scales, k_lows)).dense_weight())
     assert all(torch.equal(a, b) for a, b in zip(q4.unpack_k(k_form[1]), (q4.per_tile(sc, torch.uint8),

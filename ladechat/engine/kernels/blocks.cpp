@@ -115,7 +115,7 @@ constexpr int Q6_TILE = Q4_TILE + OUT * GROUP / 4 + 2 * OUT;  // bytes: 416
 constexpr int Q6_SUPER = 8;                  // groups per d (256 inputs); Q4_K's d and dmin too
 constexpr int K_SCALE_BYTES = OUT + 8;       // a group's share of sc and m in the Q4_K form: 6 bits each
 constexpr int64_t QUANTIZE_GRAIN = 16;       // rows quantized per thread: a step's few rows on one
-constexpr int ROWS_AT_ONCE = 4;              // rows of a tile in registers at once (AVX2's 16 registers)
+constexpr int ROWS_AT_ONCE = 4;              // rows of a tile in registers at once (AVX2's 16; F16/BF16's)
 // The same with AVX-512's 32: 12 rows' sums, a group's 8 code vectors and its scale and low. A step's
 // rows in one pass keep their arithmetic under the weights' streaming, where a second pass over a
 // tile in cache had it after.
@@ -1147,6 +1147,7 @@ struct HalfAvx2 {
 // All M rows of a tile: 4 at a time (each weight read once for the 4), then the 1-3 left.
 template <typename Kernel>
 void half_by_rows(const float* x, int64_t M, int64_t K, const uint16_t* w, float* acc) {
+  static_assert(ROWS_AT_ONCE == 4, "the rest below is 1-3 rows");
   int64_t m = 0;
   for (; m + ROWS_AT_ONCE <= M; m += ROWS_AT_ONCE) Kernel::template rows<ROWS_AT_ONCE>(x, K, w, m, acc);
   switch (M - m) {
