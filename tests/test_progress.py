@@ -4,12 +4,24 @@ through the update(text) that ui/phase.py's spinner gives (the step-cost measure
 tests/test_cost_envelope.py)."""
 
 import io
+from contextlib import contextmanager
 
 from rich.console import Console
 
 from ladechat.engine.load.gguf import quantized
 from ladechat.engine.load.progress import sized
 from ladechat.ui.phase import phases
+
+
+def recording(lines: list[str]):
+    """progress(message) as the loaders take it, each message and each update appended to lines."""
+
+    @contextmanager
+    def progress(message):
+        lines.append(message)
+        yield lines.append
+
+    return progress
 
 
 def test_sizes_show_on_the_phase_line():
@@ -28,17 +40,11 @@ def test_sizes_show_on_the_phase_line():
 
 
 def test_a_first_use_shows_the_blocks_laid_out_so_far(tmp_path):
-    from contextlib import contextmanager
-
     from test_int4 import dense_from_gguf, write_tiny_gguf
 
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
     lines: list[str] = []
-
-    @contextmanager
-    def progress(message):
-        lines.append(message)
-        yield lines.append
+    progress = recording(lines)
 
     quantized.apply(dense_from_gguf(gguf), gguf, tmp_path / "kept", None, progress)
     title = "Laying out the quantized blocks of tiny.gguf (one time)"
@@ -48,7 +54,6 @@ def test_a_first_use_shows_the_blocks_laid_out_so_far(tmp_path):
 
 def test_a_first_use_says_which_part_of_the_config_and_tokenizer_it_reads(tmp_path, monkeypatch):
     import json
-    from contextlib import contextmanager
 
     from test_int4 import write_tiny_gguf
 
@@ -57,11 +62,7 @@ def test_a_first_use_says_which_part_of_the_config_and_tokenizer_it_reads(tmp_pa
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
     lines: list[str] = []
-
-    @contextmanager
-    def progress(message):
-        lines.append(message)
-        yield lines.append
+    progress = recording(lines)
 
     files.ensure_prepared(gguf, progress)
     title = "Reading the config and tokenizer of tiny.gguf (one time)"

@@ -116,12 +116,13 @@ def bot_for(loaded, settings, compile: bool, progress: Progress, on_model_thread
     server's model thread), where compiled steps are warmed up; by default this thread answers."""
     from ladechat.backends.local import Bot
     from ladechat.engine import cost_envelope
+    from ladechat.engine.load.progress import titled
     from ladechat.paths import cache_root
 
     if not compile and not cost_envelope.costs_measured(loaded):  # the first use on this machine (or of this version)
         title = "measuring what a step costs on this machine"
         with progress(f"{title} (one time: seconds)") as update:
-            cost_envelope.cost_model(loaded, (lambda line: update(f"{title} (one time): {line}")) if update else None)
+            cost_envelope.cost_model(loaded, titled(update, f"{title} (one time)"))
     bot = Bot(loaded, settings, compile=compile, store_root=cache_root())
     if compile:
         with progress("compiling the decoding steps (once per W/N/G)"):

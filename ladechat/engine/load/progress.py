@@ -1,6 +1,7 @@
 """A slow phase's line as it goes: the progress(message) contexts the loaders take give
 update(text) (ui/phase.py's spinner, and a warm server's phases, which pass it on to the command),
-and `sized` turns bytes done and in all into that line, a few times a second at most."""
+`titled` puts a part's text after the phase's title on that line, and `sized` turns bytes done and
+in all into it, a few times a second at most."""
 
 from __future__ import annotations
 
@@ -12,10 +13,18 @@ EVERY = 0.25  # seconds between two updates of the line
 Report = Callable[[int, int], None]  # (bytes done, bytes in all)
 
 
+def titled(update: Callable[[str], None] | None, title: str) -> Callable[[str], None] | None:
+    """show(text) that puts "title: text" on the phase's line through update (None: nothing to show)."""
+    if update is None:
+        return None
+    return lambda text: update(f"{title}: {text}")
+
+
 def sized(update: Callable[[str], None] | None, title: str) -> Report | None:
     """report(done, total) that shows "title: 1.20 / 4.10 GB" (under a gigabyte: "88 / 105 MB")
     through update (None: nothing to show)."""
-    if update is None:
+    show = titled(update, title)
+    if show is None:
         return None
     last = [float("-inf")]
 
@@ -24,7 +33,6 @@ def sized(update: Callable[[str], None] | None, title: str) -> Report | None:
         if done < total and now - last[0] < EVERY:
             return
         last[0] = now
-        update(f"{title}: {done / 1e9:.2f} / {total / 1e9:.2f} GB" if total >= 1e9 else
-               f"{title}: {done / 1e6:.0f} / {total / 1e6:.0f} MB")
+        show(f"{done / 1e9:.2f} / {total / 1e9:.2f} GB" if total >= 1e9 else f"{done / 1e6:.0f} / {total / 1e6:.0f} MB")
 
     return report

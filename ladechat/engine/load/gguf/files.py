@@ -21,7 +21,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 
-from ladechat.engine.load.progress import sized
+from ladechat.engine.load.progress import sized, titled
 from ladechat.errors import ModelNotFound, UserError
 from ladechat.paths import cache_root
 
@@ -88,7 +88,7 @@ def ensure_prepared(gguf: Path, progress: Callable[[str], AbstractContextManager
     status = progress(title) if progress else nullcontext()
     with status as update:
         try:
-            _prepare(gguf, target, (lambda part: update(f"{title}: {part}")) if update else None)
+            _prepare(gguf, target, titled(update, title))
         except NotImplementedError:  # gguf-py or transformers: an architecture they do not map
             raise BadGGUF(unsupported_architecture(gguf)) from None
         except MemoryError:
